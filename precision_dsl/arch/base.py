@@ -1,0 +1,129 @@
+"""Architecture catalog data model: every tensor of a model, as the HF checkpoint names it.
+
+An adapter (one per `model_type`) turns a HuggingFace `config.json` into an `Architecture`: the exact list of
+checkpoint tensors (per-expert names, not transformers' runtime-fused ones) with shape, layer, role, and the
+names the other consumers use (Megatron-core parameter name, SGLang module prefix). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict
+
+# ---------------------------------------------------------------------------------------------------------------
+# Roles. A role is "<group>.<member>"; selectors in the policy language match a whole group ("routed_experts"),
+# a member ("routed_experts.gate"), or a set of members ("routed_experts.{gate, up}").
+# Only roles in LINEAR_ROLES are GEMM weights that can be quantized; the rest may only take bf16/fp16/fp32.
+# ---------------------------------------------------------------------------------------------------------------
+ROLES: dict[str, str] = {
+    "embedding": "token embedding table (model.embed_tokens)",
+    "lm_head": "output projection (lm_head)",
+    "norm.final": "final RMSNorm (model.norm)",
+    "norm.input": "pre-attention RMSNorm (input_layernorm)",
+    "norm.post_attn": "pre-MLP RMSNorm (post_attention_layernorm)",
+    "norm.q": "Qwen3 per-head q_norm",
+    "norm.k": "Qwen3 per-head k_norm",
+    "norm.q_a": "MLA q_a_layernorm",
+    "norm.kv_a": "MLA kv_a_layernorm",
+    "norm.mtp": "MTP enorm / hnorm / shared_head.norm",
+    "router.weight": "MoE router (mlp.gate.weight)",
+    "router.bias": "MoE router score-correction bias (e_score_correction_bias)",
+    "attn.q": "attention q_proj",
+    "attn.k": "attention k_proj",
+    "attn.v": "attention v_proj",
+    "attn.o": "attention o_proj",
+    "attn.q_a": "MLA q_a_proj (q down-projection)",
+    "attn.q_b": "MLA q_b_proj (q up-projection)",
+    "attn.kv_a": "MLA kv_a_proj_with_mqa (kv down-projection)",
+    "attn.kv_b": "MLA kv_b_proj (kv up-projection)",
+    "mlp.gate": "dense MLP gate_proj",
+    "mlp.up": "dense MLP up_proj",
+    "mlp.down": "dense MLP down_proj",
+    "routed_experts.gate": "routed expert gate_proj",
+    "routed_experts.up": "routed expert up_proj",
+    "routed_experts.down": "routed expert down_proj",
+    "shared_experts.gate": "shared expert gate_proj",
+    "shared_experts.up": "shared expert up_proj",
+    "shared_experts.down": "shared expert down_proj",
+    "shared_experts.gate_weight": "Qwen2-MoE style sigmoid gate of the shared expert",
+    "mtp.eh_proj": "MTP projection of [embedding; hidden] (eh_proj)",
+    "mtp.embedding": "MTP layer's own embedding copy (DeepSeek-V3 checkpoint: embed_tokens)",
+    "mtp.lm_head": "MTP layer's shared_head.head",
+}
+
+LINEAR_ROLES = frozenset({
+    "lm_head", "attn.q", "attn.k", "attn.v", "attn.o", "attn.q_a", "attn.q_b", "attn.kv_a", "attn.kv_b",
+    "mlp.gate", "mlp.up", "mlp.down", "routed_experts.gate", "routed_experts.up", "routed_experts.down",
+    "shared_experts.gate", "shared_experts.up", "shared_experts.down", "mtp.eh_proj", "mtp.lm_head",
+})
+
+ROLE_GROUPS = sorted({r.split(".")[0] for r in ROLES})
+
+# Sibling sets that serving engines fuse into one GEMM; they must agree in format (checked at plan time).
+# Keyed by a fused-group name; members are roles. The group instance is (layer, expert, mtp) + this name.
+FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
+    "qkv": ("attn.q", "attn.k", "attn.v"),
+    "q_a+kv_a": ("attn.q_a", "attn.kv_a"),
+    "gate_up": ("mlp.gate", "mlp.up"),
+    "experts.gate_up": ("routed_experts.gate", "routed_experts.up"),
+    "shared_experts.gate_up": ("shared_experts.gate", "shared_experts.up"),
+}
+
+
+class TensorInfo(BaseModel):
+    """One checkpoint tensor."""
+
+    model_config = ConfigDict(frozen=True)
+
+    hf_name: str  # e.g. model.layers.3.mlp.experts.17.gate_proj.weight
+    shape: tuple[int, ...]  # HF layout: Linear weights are [out_features, in_features]
+    dtype: str = "bfloat16"  # checkpoint dtype of the source tensor
+    role: str  # key of ROLES
+    layer: Optional[int] = None  # decoder block index (0-based); None for embedding/lm_head/final norm
+    expert: Optional[int] = None  # routed-expert index
+    mtp: Optional[int] = None  # MTP module index k (its HF layer index is num_hidden_layers + k)
+    megatron_name: Optional[str] = None  # e.g. decoder.layers.3.mlp.experts.linear_fc1.weight17 (None: no equivalent)
+    megatron_part: Optional[str] = None  # how the HF tensor sits inside the Megatron one: "gate"|"up"|"q"|"k"|"v"
+    sglang_prefix: Optional[str] = None  # SGLang module prefix, e.g. model.layers.3.mlp.experts (FusedMoE)
+    fused_group: Optional[str] = None  # key of FUSED_SIBLINGS this tensor belongs to, if any
+
+    @property
+    def is_linear(self) -> bool:
+        return self.role in LINEAR_ROLES
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def module(self) -> str:
+        """HF module path (name without the trailing `.weight` / `.bias`)."""
+        return self.hf_name.rsplit(".", 1)[0]
+
+
+class Architecture(BaseModel):
+    """A resolved model architecture: what the policy resolver and the backends need."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str  # bundled name or path it was loaded from
+    model_type: str  # HF model_type: qwen3_moe | deepseek_v3 | llama | qwen3 | ...
+    num_layers: int  # decoder blocks (num_hidden_layers), MTP excluded
+    num_mtp_layers: int = 0
+    num_experts: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
+    hidden_size: int
+    config: dict  # the raw config.json (for backends that need more fields)
+    tensors: tuple[TensorInfo, ...]
+
+    @property
+    def total_params(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    def by_name(self) -> dict[str, TensorInfo]:
+        return {t.hf_name: t for t in self.tensors}

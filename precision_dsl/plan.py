@@ -1,0 +1,161 @@
+"""The plan: the per-tensor precision IR that every backend consumes.
+
+One `TensorPlan` per checkpoint tensor, in HF order. A plan is a pure function of (policy files, architecture,
+parallel layout); its `content_hash` covers only what changes bytes or kernels (formats, groups, names, shapes),
+not where rules came from, so moving a policy file does not change the contract.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .precision import BackwardMode, Precision, TensorFormat
+
+
+class RuleRef(BaseModel):
+    """Where a rule came from: file:line:col and the rule's source text."""
+
+    model_config = ConfigDict(frozen=True)
+
+    file: str
+    line: int
+    col: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+class ParallelSide(BaseModel):
+    """One side's parallel layout (trainer = Megatron, rollout = SGLang)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tp: int = 1
+    etp: int = 1  # expert tensor parallel (SGLang: moe_tp_size = tp // ep // moe_dp)
+    ep: int = 1
+    pp: int = 1
+
+
+class ParallelLayout(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    trainer: ParallelSide = ParallelSide()
+    rollout: ParallelSide = ParallelSide()
+
+
+class TensorPlan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    hf_name: str
+    megatron_name: Optional[str] = None
+    megatron_part: Optional[str] = None
+    sglang_prefix: Optional[str] = None
+    role: str
+    layer: Optional[int] = None
+    expert: Optional[int] = None
+    mtp: Optional[int] = None
+    shape: tuple[int, ...]
+    is_linear: bool
+    # For linear weights: the full precision. For other tensors (norms, embeddings, router, biases) only
+    # `precision.weight` is meaningful and it is always high precision.
+    precision: Precision
+    share_scale_group: Optional[str] = None  # id of the share-scale group (all members use one global scale)
+    bytes_before: int  # in the checkpoint dtype
+    bytes_after: int  # weight storage under the plan (data + block scales)
+    decided_by: Optional[RuleRef] = None  # None: the policy's `default`
+    overridden: tuple[RuleRef, ...] = ()  # earlier matching rules this one overrode, in source order
+
+    @property
+    def weight(self) -> TensorFormat:
+        return self.precision.weight
+
+    @property
+    def activation(self) -> TensorFormat:
+        return self.precision.activation
+
+    @property
+    def grad(self) -> TensorFormat:
+        return self.precision.grad
+
+    @property
+    def backward(self) -> BackwardMode:
+        return self.precision.backward
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class ShareScaleGroup(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str  # e.g. model.layers.3.mlp.experts.17.{gate_proj,up_proj}
+    members: tuple[str, ...]  # HF tensor names
+    declared_at: Optional[RuleRef] = None
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    policy_name: str
+    policy_files: tuple[str, ...]  # the root file first, then imports in resolution order
+    model: str  # architecture name
+    model_type: str
+    num_layers: int
+    target: str  # hopper | blackwell
+    emulate: bool = False  # formats not native on `target` are run by exact emulation
+    parallel: Optional[ParallelLayout] = None
+    tensors: tuple[TensorPlan, ...]
+    share_scale_groups: tuple[ShareScaleGroup, ...] = ()
+    policyc_version: str = "0.1.0"
+    notes: tuple[str, ...] = Field(default=())
+
+    # -- contract ------------------------------------------------------------------------------------------------
+    def content_hash(self) -> str:
+        """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes."""
+        payload = {
+            "target": self.target,
+            "tensors": [
+                [t.hf_name, t.megatron_name, t.megatron_part, t.sglang_prefix, list(t.shape),
+                 t.precision.model_dump(mode="json"), t.share_scale_group]
+                for t in self.tensors
+            ],
+            "groups": [[g.id, list(g.members)] for g in self.share_scale_groups],
+        }
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    # -- convenience lookups -------------------------------------------------------------------------------------
+    def by_name(self) -> dict[str, TensorPlan]:
+        return {t.hf_name: t for t in self.tensors}
+
+    def group_of(self, hf_name: str) -> Optional[ShareScaleGroup]:
+        for g in self.share_scale_groups:
+            if hf_name in g.members:
+                return g
+        return None
+
+    def quantized(self) -> list[TensorPlan]:
+        return [t for t in self.tensors if t.is_linear and t.weight.is_quantized]
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        d = self.model_dump(mode="json")
+        d["content_hash"] = self.content_hash()
+        return json.dumps(d, indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        expected = d.pop("content_hash", None)
+        plan = cls.model_validate(d)
+        if expected is not None and expected != plan.content_hash():
+            raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
+        return plan
