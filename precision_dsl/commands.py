@@ -1,0 +1,441 @@
+"""`policyc plan / explain / check / diff`: the compiler's front half, usable without a GPU.
+
+Rendering is split from I/O: `plan_rows`, `summarize` and `diff_plans` are pure functions over a Plan (tested
+directly); the typer commands only load, call and print. Everything user-facing goes through `_fail`, so bad input
+prints a diagnostic and an exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import sys
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import typer
+
+from .plan import Plan, TensorPlan
+
+EMULATION_NOTE = ("MXFP8/NVFP4 GEMMs are Blackwell-only: on Hopper and CPU policyc runs them by exact emulation "
+                  "(quantize -> dequantize -> BF16/FP32 GEMM); FP8 per-tensor/blockwise run natively on Hopper.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# loading with user-facing errors
+# ---------------------------------------------------------------------------------------------------------------
+class UserError(Exception):
+    """An error to print as `error: message` + `hint:` with exit code `code`."""
+
+    def __init__(self, message: str, hint: str = "", code: int = 2):
+        super().__init__(message)
+        self.hint = hint
+        self.code = code
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+
+
+def _fail(err: Exception) -> "typer.Exit":
+    con = _console(stderr=True)
+    render = getattr(err, "render", None)
+    if callable(render):
+        con.print(render(), markup=False)
+    else:
+        con.print(f"[bold red]error:[/] {err}")
+        hint = getattr(err, "hint", "")
+        if hint:
+            con.print(f"[cyan]hint:[/] {hint}")
+    return typer.Exit(getattr(err, "code", 2) if isinstance(getattr(err, "code", None), int) else 2)
+
+
+def load_arch(model: str):
+    from .arch import load_architecture
+
+    return load_architecture(model)
+
+
+def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan:
+    from .parallel import parse_parallel
+    from .resolve import resolve
+
+    layout = parse_parallel(parallel)
+    if not Path(policy).is_file():
+        raise UserError(f"policy file '{policy}' does not exist",
+                        "shipped policies live in policies/ (try: ls policies/)")
+    return resolve(policy, load_arch(model), layout)
+
+
+def _guard(fn):
+    """Run a command body, turning every expected error into a diagnostic + exit code."""
+    from .arch import ArchitectureError
+    from .diagnostics import PolicyError
+    from .parallel import ParallelSpecError
+
+    try:
+        return fn()
+    except typer.Exit:
+        raise
+    except (UserError, PolicyError, ArchitectureError, ParallelSpecError) as err:
+        raise _fail(err)
+    except OSError as err:
+        raise _fail(UserError(f"{err.strerror or err}: {getattr(err, 'filename', '')}"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan table: one row per (layer, module group), routed experts collapsed
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanRow:
+    layers: str  # "3", "3-50", "-" for global tensors, "mtp0"
+    tensors: str  # e.g. mlp.experts[0-127].{gate_proj,up_proj}
+    shape: str
+    weight: str
+    activation: str
+    grad: str
+    backward: str
+    rule: str
+    count: int
+
+
+def _ranges(nums: Iterable[int]) -> str:
+    nums = sorted(set(nums))
+    if not nums:
+        return ""
+    out, start, prev = [], nums[0], nums[0]
+    for n in nums[1:] + [None]:  # type: ignore[list-item]
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ",".join(out)
+
+
+def _local_name(t: TensorPlan) -> str:
+    """Name relative to its decoder block, with `.weight` dropped: `self_attn.q_proj`, `mlp.experts.E.gate_proj`."""
+    name = t.hf_name
+    if name.endswith(".weight"):
+        name = name[: -len(".weight")]
+    parts = name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers":
+        parts = parts[3:]
+    if t.expert is not None and "experts" in parts:
+        i = parts.index("experts")
+        if i + 1 < len(parts) and parts[i + 1].isdigit():
+            parts[i + 1] = "E"
+    return ".".join(parts)
+
+
+def _layer_key(t: TensorPlan) -> str:
+    if t.mtp is not None:
+        return f"mtp{t.mtp}"
+    return "-" if t.layer is None else str(t.layer)
+
+
+def _rule(t: TensorPlan) -> str:
+    return "default" if t.decided_by is None else f"{Path(t.decided_by.file).name}:{t.decided_by.line}"
+
+
+def _fmt_cell(t: TensorPlan) -> tuple[str, str, str, str]:
+    p = t.precision
+    if not t.is_linear:
+        return p.weight.short(), "", "", ""
+    bwd = p.backward.value if p.is_quantized else ""
+    return p.weight.short(), p.activation.short(), p.grad.short(), bwd
+
+
+def _layer_rows(tensors: list[TensorPlan]) -> list[tuple]:
+    """Rows of one layer, experts collapsed: key = (local name pattern, formats, rule) -> expert ids."""
+    groups: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
+    for t in tensors:
+        key = (_local_name(t), "x".join(map(str, t.shape))) + _fmt_cell(t) + (_rule(t),)
+        groups.setdefault(key, []).append(t)
+    # merge gate/up (and q/k/v) members that share everything but the leaf name into one row `{gate_proj,up_proj}`
+    merged: "OrderedDict[tuple, tuple[list[str], list[TensorPlan]]]" = OrderedDict()
+    for key, ts in groups.items():
+        local = key[0]
+        head, _, leaf = local.rpartition(".")
+        experts = tuple(sorted({t.expert for t in ts if t.expert is not None}))
+        mkey = (head, experts) + key[1:]
+        leaves, members = merged.setdefault(mkey, ([], []))
+        leaves.append(leaf)
+        members.extend(ts)
+    rows = []
+    for mkey, (leaves, members) in merged.items():
+        head, experts = mkey[0], mkey[1]
+        if experts:
+            head = head.replace(".E", f"[{_ranges(experts)}]") if ".E" in head else head
+        leaf = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
+        label = f"{head}.{leaf}" if head else leaf
+        rows.append((label,) + mkey[2:] + (len(members),))
+    return rows
+
+
+def plan_rows(plan: Plan, tensor_glob: Optional[str] = None, expand: bool = False) -> list[PlanRow]:
+    by_layer: "OrderedDict[str, list[TensorPlan]]" = OrderedDict()
+    for t in plan.tensors:
+        if tensor_glob and not fnmatch.fnmatchcase(t.hf_name, tensor_glob):
+            continue
+        by_layer.setdefault(_layer_key(t), []).append(t)
+    per_layer = [(k, _layer_rows(ts)) for k, ts in by_layer.items()]
+    # Merge runs of consecutive decoder layers whose rows are identical (unless --expand).
+    out: list[PlanRow] = []
+    i = 0
+    while i < len(per_layer):
+        key, rows = per_layer[i]
+        j = i
+        if not expand and key.isdigit():
+            while (j + 1 < len(per_layer) and per_layer[j + 1][0].isdigit()
+                   and int(per_layer[j + 1][0]) == int(per_layer[j][0]) + 1 and per_layer[j + 1][1] == rows):
+                j += 1
+        label = key if j == i else f"{key}-{per_layer[j][0]}"
+        for r in rows:
+            name, shape, w, a, g, b, rule, count = r
+            out.append(PlanRow(label, name, shape, w, a, g, b, rule, count * (j - i + 1)))
+        i = j + 1
+    return out
+
+
+def summarize(plan: Plan) -> list[tuple[str, int, float, int, int]]:
+    """(weight format, params, % of params, bytes before, bytes after) per weight format, largest first."""
+    acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    total = 0
+    for t in plan.tensors:
+        n = t.numel
+        a = acc[t.weight.short()]
+        a[0] += n
+        a[1] += t.bytes_before
+        a[2] += t.bytes_after
+        total += n
+    rows = [(k, v[0], 100.0 * v[0] / total if total else 0.0, v[1], v[2]) for k, v in acc.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def _human(n: float, unit: str = "") -> str:
+    for s in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.1f}{s}{unit}" if s else f"{n:.0f}{unit}"
+        n /= 1000.0
+    return f"{n:.1f}P{unit}"
+
+
+def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
+    from rich.table import Table
+
+    con = _console()
+    rows = plan_rows(plan, tensor_glob, expand)
+    if tensor_glob and not rows:
+        raise UserError(f"--tensor '{tensor_glob}' matches no tensor of {plan.model}",
+                        "globs match HF names, e.g. 'model.layers.3.mlp.experts.*'")
+    title = (f"policy [bold]{plan.policy_name}[/] on [bold]{plan.model}[/] ({plan.model_type}, {plan.num_layers} layers)"
+             f" · target {plan.target}{' (emulated)' if plan.emulate else ''}")
+    table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
+    for col in ("layers", "tensors", "shape", "weight", "activation", "grad", "backward", "rule"):
+        table.add_column(col, overflow="fold")
+    prev = None
+    for r in rows:
+        style = "dim" if r.weight in ("bf16", "fp16", "fp32") else None
+        table.add_row(r.layers if r.layers != prev else "", r.tensors, r.shape, r.weight, r.activation, r.grad,
+                      r.backward, r.rule, style=style)
+        prev = r.layers
+    con.print(table)
+    summary = Table(title="summary (weights)", title_justify="left", header_style="bold")
+    for col in ("format", "params", "% params", "bytes before", "bytes after"):
+        summary.add_column(col, justify="right" if col != "format" else "left")
+    total_p = total_b = total_a = 0
+    for fmt, n, pct, b, a in summarize(plan):
+        summary.add_row(fmt, _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
+        total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
+    summary.add_row("[bold]total[/]", _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
+    con.print(summary)
+    groups = len(plan.share_scale_groups)
+    if groups:
+        con.print(f"share-scale groups: {groups} (one global scale per group)")
+    con.print(f"plan hash: {plan.content_hash()}")
+    for note in plan.notes:
+        con.print(f"[yellow]note:[/] {note}")
+    if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
+           for t in plan.tensors if t.is_linear):
+        con.print(f"[yellow]note:[/] {EMULATION_NOTE}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# diff
+# ---------------------------------------------------------------------------------------------------------------
+def diff_plans(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
+    """(hf_name, precision in A, precision in B) for every tensor whose precision or share group differs."""
+    bmap = b.by_name()
+    out = []
+    for t in a.tensors:
+        u = bmap.get(t.hf_name)
+        if u is None:
+            continue
+        if t.precision != u.precision or t.share_scale_group != u.share_scale_group:
+            sa = t.precision.short() + (" +shared" if t.share_scale_group else "")
+            sb = u.precision.short() + (" +shared" if u.share_scale_group else "")
+            out.append((t.hf_name, sa, sb))
+    return out
+
+
+def _collapse_names(names: list[str]) -> list[tuple[str, int]]:
+    """Collapse expert and layer indices: model.layers.{3-50}.mlp.experts.{0-255}.gate_proj.weight (n)."""
+    import re
+
+    pat: "OrderedDict[str, list[tuple[int, ...]]]" = OrderedDict()
+    for n in names:
+        nums = tuple(int(x) for x in re.findall(r"(?<=\.)\d+(?=\.)", n))
+        key = re.sub(r"(?<=\.)\d+(?=\.)", "#", n)
+        pat.setdefault(key, []).append(nums)
+    out = []
+    for key, idx in pat.items():
+        text = key
+        for pos in range(key.count("#")):
+            text = text.replace("#", "{" + _ranges(i[pos] for i in idx) + "}", 1)
+        out.append((text, len(idx)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# typer commands
+# ---------------------------------------------------------------------------------------------------------------
+POLICY_ARG = typer.Argument(..., help="policy file (.policy)", show_default=False)
+MODEL_OPT = typer.Option("tiny-moe", "--model", "-m",
+                         help="bundled model name (tiny-moe, qwen3-30b-a3b, deepseek-v3, ...), a config.json or a "
+                              "checkpoint directory")
+PARALLEL_OPT = typer.Option(None, "--parallel", "-p",
+                            help="parallel layout, e.g. 'trainer:tp=2,etp=1,ep=8,pp=2 rollout:tp=8,ep=8'")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
+                 parallel: Optional[str] = PARALLEL_OPT,
+                 as_json: bool = typer.Option(False, "--json", help="print the full plan as JSON"),
+                 tensor: Optional[str] = typer.Option(None, "--tensor", "-t", help="only tensors matching this glob"),
+                 expand: bool = typer.Option(False, "--expand", help="one row group per layer (no merging of "
+                                                                     "identical consecutive layers)")) -> None:
+        """Resolve POLICY against a model and show the per-tensor precision plan."""
+
+        def body():
+            plan = build_plan(policy, model, parallel)
+            if as_json:
+                if tensor:
+                    keep = tuple(t for t in plan.tensors if fnmatch.fnmatchcase(t.hf_name, tensor))
+                    data = json.loads(plan.to_json())
+                    data["tensors"] = [json.loads(t.model_dump_json()) for t in keep]
+                    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+                else:
+                    sys.stdout.write(plan.to_json() + "\n")
+            else:
+                _print_plan(plan, tensor, expand)
+
+        _guard(body)
+
+    @app.command("explain")
+    def explain_cmd(policy: Path = POLICY_ARG,
+                    tensor: str = typer.Argument(..., help="HF tensor name (or glob; first match is explained)"),
+                    model: str = MODEL_OPT) -> None:
+        """Show every rule that matched TENSOR, in order, and which one won."""
+
+        def body():
+            from .resolve import explain
+
+            if not Path(policy).is_file():
+                raise UserError(f"policy file '{policy}' does not exist")
+            arch = load_arch(model)
+            names = [t.hf_name for t in arch.tensors]
+            if tensor in names:
+                target = tensor
+            else:
+                hits = [n for n in names if fnmatch.fnmatchcase(n, tensor)]
+                if not hits:
+                    import difflib
+
+                    close = difflib.get_close_matches(tensor, names, n=3)
+                    raise UserError(f"no tensor named '{tensor}' in {arch.name}",
+                                    ("did you mean " + ", ".join(close)) if close else
+                                    "run `policyc plan --json` to list tensor names")
+                target = hits[0]
+            matches = explain(policy, arch, target)
+            con = _console()
+            con.print(f"[bold]{target}[/]")
+            if not matches:
+                con.print("  no rule matched; the policy's default applies")
+            for ref, prec, won in matches:
+                mark = "[green]✔ wins[/]" if won else "[dim]overridden[/]"
+                where = "default" if ref is None else str(ref)
+                text = "" if ref is None else ref.text
+                con.print(f"  {mark}  {where}  {prec.short()}")
+                if text:
+                    con.print(f"          [dim]{text}[/]", markup=True)
+
+        _guard(body)
+
+    @app.command("check")
+    def check_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
+                  parallel: Optional[str] = PARALLEL_OPT,
+                  strict: bool = typer.Option(False, "--strict", help="treat warnings as errors")) -> None:
+        """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout).
+        Exit code 0 when clean, 1 when any error is found."""
+
+        def body():
+            from .checks import check
+            from .parallel import parse_parallel
+
+            plan = build_plan(policy, model, parallel)
+            diags = check(plan, load_arch(model), parse_parallel(parallel))
+            con = _console()
+            n_err = sum(1 for d in diags if d.severity == "error")
+            n_warn = len(diags) - n_err
+            for d in diags:
+                colour = "red" if d.severity == "error" else "yellow"
+                con.print(f"[bold {colour}]{d.severity}[/] [{d.code}] {d.message}", markup=True)
+                if d.hint:
+                    con.print(f"  [cyan]hint:[/] {d.hint}")
+            status = "ok" if n_err == 0 and (n_warn == 0 or not strict) else "failed"
+            con.print(f"{plan.policy_name} on {plan.model}: {n_err} error(s), {n_warn} warning(s) — {status}")
+            if status != "ok":
+                raise typer.Exit(1)
+
+        _guard(body)
+
+    @app.command("diff")
+    def diff_cmd(policy_a: Path = typer.Argument(..., help="first policy"),
+                 policy_b: Path = typer.Argument(..., help="second policy"),
+                 model: str = MODEL_OPT,
+                 full: bool = typer.Option(False, "--full", help="list every tensor instead of collapsed patterns")
+                 ) -> None:
+        """Which tensors change format between two policies."""
+
+        def body():
+            from rich.table import Table
+
+            a = build_plan(policy_a, model)
+            b = build_plan(policy_b, model)
+            changes = diff_plans(a, b)
+            con = _console()
+            if not changes:
+                con.print(f"no tensor of {a.model} changes format between {policy_a} and {policy_b}")
+                return
+            table = Table(title=f"{len(changes)} tensor(s) change format", title_justify="left", header_style="bold")
+            table.add_column("tensors", overflow="fold")
+            table.add_column("count", justify="right")
+            table.add_column(str(policy_a.name))
+            table.add_column(str(policy_b.name))
+            by_pair: "OrderedDict[tuple[str, str], list[str]]" = OrderedDict()
+            for name, sa, sb in changes:
+                by_pair.setdefault((sa, sb), []).append(name)
+            for (sa, sb), names in by_pair.items():
+                items = [(n, 1) for n in names] if full else _collapse_names(names)
+                for text, n in items:
+                    table.add_row(text, str(n), sa, sb)
+            con.print(table)
+
+        _guard(body)

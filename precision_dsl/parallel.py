@@ -1,0 +1,70 @@
+"""Parsing of the `--parallel` option shared by `check`, `plan`, `emit` and `run --engine miles`.
+
+Syntax (sides separated by whitespace or ';'; keys tp, etp, ep, pp; omitted keys default to 1):
+
+    trainer:tp=2,etp=1,ep=8,pp=2 rollout:tp=8,ep=8
+    tp=4,ep=8                      # no side prefix: the same layout for trainer and rollout
+"""
+
+from __future__ import annotations
+
+import re
+
+from .plan import ParallelLayout, ParallelSide
+
+_KEYS = ("tp", "etp", "ep", "pp")
+
+
+class ParallelSpecError(ValueError):
+    def __init__(self, message: str, hint: str = ""):
+        super().__init__(message)
+        self.hint = hint
+
+
+def _parse_side(text: str, where: str) -> ParallelSide:
+    values: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"([a-z]+)\s*=\s*(\d+)", item)
+        if not m:
+            raise ParallelSpecError(f"cannot read '{item}' in the {where} layout",
+                                    "write key=value pairs, e.g. tp=2,etp=1,ep=8,pp=2")
+        key, val = m.group(1), int(m.group(2))
+        if key not in _KEYS:
+            raise ParallelSpecError(f"unknown parallel dimension '{key}' in the {where} layout",
+                                    f"known dimensions: {', '.join(_KEYS)}")
+        if val < 1:
+            raise ParallelSpecError(f"{key}={val} in the {where} layout must be >= 1")
+        if key in values:
+            raise ParallelSpecError(f"{key} given twice in the {where} layout")
+        values[key] = val
+    return ParallelSide(**values)
+
+
+def parse_parallel(spec: str | None) -> ParallelLayout | None:
+    if spec is None or not spec.strip():
+        return None
+    parts = [p for p in re.split(r"[\s;]+", spec.strip()) if p]
+    sides: dict[str, ParallelSide] = {}
+    for part in parts:
+        if ":" in part:
+            side, body = part.split(":", 1)
+            side = side.strip().lower()
+            if side not in ("trainer", "rollout"):
+                raise ParallelSpecError(f"unknown side '{side}' in --parallel",
+                                        "use trainer:... and/or rollout:...")
+            if side in sides:
+                raise ParallelSpecError(f"side '{side}' given twice in --parallel")
+            sides[side] = _parse_side(body, side)
+        else:
+            if sides:
+                raise ParallelSpecError(f"'{part}' has no side prefix", "prefix each part with trainer: or rollout:")
+            both = _parse_side(part, "trainer/rollout")
+            sides = {"trainer": both, "rollout": both}
+    return ParallelLayout(trainer=sides.get("trainer", ParallelSide()), rollout=sides.get("rollout", ParallelSide()))
+
+
+def format_parallel(layout: ParallelLayout) -> str:
+    def side(s: ParallelSide) -> str:
+        return ",".join(f"{k}={getattr(s, k)}" for k in _KEYS)
+
+    return f"trainer:{side(layout.trainer)} rollout:{side(layout.rollout)}"
