@@ -1,0 +1,51 @@
+"""CPU time of `policyc plan` for the largest bundled model (DeepSeek-V3, ~48k tensors).
+
+    python benchmarks/plan_speed.py [--policy policies/nvfp4-pertoken-dequant-backward.policy] [--model deepseek-v3]
+
+Prints: architecture enumeration time, resolution time (the plan itself, goal < 1 s CPU), and the wall time of the
+whole CLI call `policyc plan ... --json` in a fresh process including imports (goal < 2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--policy", default=str(ROOT / "policies" / "nvfp4-pertoken-dequant-backward.policy"))
+    ap.add_argument("--model", default="deepseek-v3")
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.resolve import resolve
+
+    arch_t, res_t = [], []
+    for _ in range(args.repeat):
+        t0 = time.process_time()
+        arch = load_architecture(args.model)
+        t1 = time.process_time()
+        plan = resolve(args.policy, arch)
+        t2 = time.process_time()
+        arch_t.append(t1 - t0)
+        res_t.append(t2 - t1)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "precision_dsl.cli", "plan", args.policy, "--model", args.model, "--json"],
+                   check=True, stdout=subprocess.DEVNULL)
+    cli = time.perf_counter() - t0
+    print(f"model {args.model}: {len(plan.tensors)} tensors, {arch.total_params / 1e9:.1f}B params")
+    print(f"architecture enumeration  min {min(arch_t) * 1e3:7.1f} ms CPU  (of {args.repeat})")
+    print(f"plan resolution           min {min(res_t) * 1e3:7.1f} ms CPU  (goal < 1000 ms)")
+    print(f"arch + plan               min {min(a + r for a, r in zip(arch_t, res_t)) * 1e3:7.1f} ms CPU")
+    print(f"whole CLI call (--json)       {cli * 1e3:7.1f} ms wall (fresh process, imports included; goal < 2000 ms)")
+
+
+if __name__ == "__main__":
+    main()
