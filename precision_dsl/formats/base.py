@@ -29,6 +29,11 @@ import torch
 from ..precision import TensorFormat
 
 
+class FormatInputError(ValueError):
+    """A tensor handed to a quantizer cannot be quantized as asked (shape not divisible by the block, wrong dtype,
+    scalar input, bad `global_amax`, ...). The message names the tensor dimension / argument and says what to do."""
+
+
 @dataclass
 class QuantizedTensor:
     fmt: TensorFormat

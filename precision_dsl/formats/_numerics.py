@@ -1,0 +1,111 @@
+"""Shared bit-level helpers of the reference quantizers (fp32 bit patterns, fp8 casts, input checks).
+
+Rules every reference follows (see ../shared/research/quantizers.md section 1):
+  * all arithmetic is IEEE fp32 round-to-nearest-even (RN), no flush-to-zero; bf16/fp16 inputs are upcast
+    exactly to fp32 first;
+  * a correctly rounded quotient a/b is computed as `torch.div(a_t, b_t)` with both operands fp32 tensors of the
+    SAME shape and device: on CUDA `tensor / python_scalar` (and a CPU 0-dim divisor) is `x * RN(1/b)`, and
+    `scalar / tensor` is `reciprocal(t) * scalar` - two roundings;
+  * float8 casts are preceded by a clamp to +-Fmax: eager casts did not saturate finite overflow before torch 2.13,
+    and the E5M2 cast still turns overflow into inf (checked on torch 2.13 CPU);
+  * never `torch.compile` these functions: Triton lowers fp32 `/` to an approximate division.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import FormatInputError
+
+FLT_MAX = 3.4028234663852886e38  # largest finite fp32
+FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def as_2d_fp32(x: torch.Tensor, what: str) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Validate `x` and view it as a contiguous fp32 [M, K] matrix (M = prod(shape[:-1]), K = shape[-1]).
+
+    Accepted: fp32 / bf16 / fp16 tensors with >= 1 dim, any strides (non-contiguous views are copied to a
+    contiguous tensor first, values unchanged), any device. Empty tensors are allowed (results are empty).
+    Returns (x2d_fp32, original_shape)."""
+    if not isinstance(x, torch.Tensor):
+        raise FormatInputError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise FormatInputError(
+            f"{what}: input dtype {x.dtype} is not supported; the reference quantizers take float32, bfloat16 or "
+            f"float16 (cast with x.float() first; integer / fp8 / float64 inputs are rejected to avoid silent rounding)"
+        )
+    if x.dim() == 0:
+        raise FormatInputError(f"{what}: input is a 0-dim scalar; quantizers need a tensor with a last (K) dimension "
+                               f"(use x.reshape(1, 1) if you really mean one element)")
+    shape = tuple(x.shape)
+    k = shape[-1]
+    m = math.prod(shape[:-1])
+    return x.reshape(m, k).contiguous().float(), shape
+
+
+def require_divisible(what: str, dim_name: str, size: int, block: int, hint: str) -> None:
+    if size % block != 0:
+        raise FormatInputError(
+            f"{what}: {dim_name}={size} is not divisible by the block size {block}; {hint}"
+        )
+
+
+def f32_bits(t: torch.Tensor) -> torch.Tensor:
+    """int32 bit pattern of an fp32 tensor."""
+    return t.contiguous().view(torch.int32)
+
+
+def f32_from_bits(b: torch.Tensor) -> torch.Tensor:
+    return b.to(torch.int32).contiguous().view(torch.float32)
+
+
+def f32_const(v: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """0-dim fp32 tensor holding RN_fp32(v) (v is rounded once, from the Python double)."""
+    return torch.tensor(v, dtype=torch.float32, device=device)
+
+
+def rn_div(num: float | torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 quotient num/den (elementwise, IEEE RN), safe on CPU and CUDA.
+
+    `num` is broadcast to den's shape as a real tensor so that PyTorch never takes its multiply-by-reciprocal
+    shortcut for scalar divisors/dividends."""
+    den = den.float()
+    if isinstance(num, torch.Tensor):
+        num_t = num.float().expand_as(den).contiguous() if num.shape != den.shape else num.float()
+    else:
+        num_t = torch.full_like(den, float(num))
+    return torch.div(num_t, den)
+
+
+def abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over `dim`, ignoring NaN like the hardware max of TE's kernels (a NaN-only reduction gives 0).
+
+    Cheap in the common case: torch.amax propagates NaN, so NaN is only replaced (one more pass) when the
+    (small) reduced tensor contains a NaN."""
+    a = x.abs()
+    r = a.amax(dim=dim, keepdim=keepdim) if dim is not None else a.amax()
+    if torch.isnan(r).any():
+        a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
+        r = a.amax(dim=dim, keepdim=keepdim) if dim is not None else a.amax()
+    return r
+
+
+def fp8_bytes_satfinite(y: torch.Tensor, element: str, nan_byte: int | None = None) -> torch.Tensor:
+    """fp32 -> fp8 (E4M3 / E5M2) bytes as `cvt.rn.satfinite`: RNE, finite overflow and +-inf clamp to +-Fmax,
+    NaN stays NaN. `nan_byte` (e.g. 0x7F, TE's choice for every NaN) overrides the NaN byte torch would pick
+    (torch keeps the NaN's sign bit)."""
+    fmax = FP8_MAX[element]
+    q = y.clamp(-fmax, fmax).to(FP8_DTYPES[element]).view(torch.uint8)
+    if nan_byte is not None:
+        nan_mask = torch.isnan(y)
+        if nan_mask.any():
+            q = q.masked_fill(nan_mask, nan_byte)
+    return q
+
+
+def fp8_bytes_to_f32(b: torch.Tensor, element: str) -> torch.Tensor:
+    return b.contiguous().view(FP8_DTYPES[element]).float()
