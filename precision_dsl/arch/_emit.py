@@ -1,0 +1,204 @@
+"""Shared building blocks of the adapters: a fast TensorInfo emitter and the sub-blocks every family reuses.
+
+Names come from three places (cite these when changing anything):
+  * HF: the checkpoint key names of the public safetensors releases (per-expert
+    `model.layers.N.mlp.experts.E.gate_proj.weight`), which is what transformers <= 4.57 also used at runtime.
+    transformers 5.x fuses experts at runtime only (3-D `experts.gate_up_proj`); checkpoints keep per-expert keys.
+  * Megatron-core 0.16 (PyPI 0.16.1) TE GPT/MoE/MLA specs: `models/gpt/gpt_layer_specs.py`,
+    `models/gpt/moe_module_specs.py`, `transformer/multi_latent_attention.py`, `transformer/moe/experts.py`
+    (TEGroupedMLP: `linear_fc1.weight{e}` / `linear_fc2.weight{e}`), `transformer/multi_token_prediction.py`
+    (`mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm}`). HF<->Megatron pairs as in
+    Megatron-Bridge `qwen3_moe_bridge.py` / `deepseek/common.py` (see shared/research/backends.md §A.4, §B).
+  * SGLang 0.5.23 module prefixes (`python/sglang/srt/models/{llama,qwen2,qwen3,qwen2_moe,qwen3_moe,deepseek_v2,
+    deepseek_nextn}.py`): `self_attn.qkv_proj` (QKVParallelLinear), `mlp.gate_up_proj` (MergedColumnParallelLinear),
+    `mlp.experts` (FusedMoE, one prefix for all routed experts), `self_attn.fused_qkv_a_proj_with_mqa`, `lm_head`.
+    These are the strings SGLang's `is_layer_skipped` / ModelOpt `is_layer_excluded` match (backends.md §C.3).
+
+Performance: DeepSeek-V3 has ~46k tensors, so TensorInfo objects are built with `model_construct` (no per-tensor
+validation; the config was validated once with pydantic) and shape tuples are shared between experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .base import TensorInfo
+
+_construct = TensorInfo.model_construct
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Where one decoder block lives in each naming scheme.
+
+    hf:  `model.layers.N` (MTP module k: `model.layers.{num_hidden_layers+k}`)
+    meg: `decoder.layers.N` (MTP: `mtp.layers.k.transformer_layer`, Megatron-core 0.16 name)
+    sg:  `model.layers.N` (MTP: `model.decoder`, the block inside SGLang's NextN draft model)
+    layer / mtp: the TensorInfo tags. MTP tensors have layer=None and mtp=k so that layer slices never select them.
+    """
+
+    hf: str
+    meg: str
+    sg: str
+    layer: Optional[int]
+    mtp: Optional[int]
+
+
+def decoder_scope(n: int) -> Scope:
+    return Scope(hf=f"model.layers.{n}", meg=f"decoder.layers.{n}", sg=f"model.layers.{n}", layer=n, mtp=None)
+
+
+class Emitter:
+    """Collects TensorInfo objects for one architecture."""
+
+    __slots__ = ("tensors", "dtype")
+
+    def __init__(self, dtype: str) -> None:
+        self.tensors: list[TensorInfo] = []
+        self.dtype = dtype
+
+    def add(
+        self,
+        hf_name: str,
+        shape: tuple[int, ...],
+        role: str,
+        scope: Optional[Scope] = None,
+        *,
+        expert: Optional[int] = None,
+        meg: Optional[str] = None,
+        part: Optional[str] = None,
+        sg: Optional[str] = None,
+        fused: Optional[str] = None,
+        dtype: Optional[str] = None,
+    ) -> None:
+        self.tensors.append(
+            _construct(
+                hf_name=hf_name,
+                shape=shape,
+                dtype=dtype or self.dtype,
+                role=role,
+                layer=scope.layer if scope else None,
+                expert=expert,
+                mtp=scope.mtp if scope else None,
+                megatron_name=meg,
+                megatron_part=part,
+                sglang_prefix=sg,
+                fused_group=fused,
+            )
+        )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Top-level tensors
+# ------------------------------------------------------------------------------------------------------------------
+def emit_embedding(e: Emitter, vocab: int, hidden: int) -> None:
+    # Embeddings are VocabParallelEmbedding in SGLang: not a quantizable linear -> no prefix.
+    e.add("model.embed_tokens.weight", (vocab, hidden), "embedding", meg="embedding.word_embeddings.weight")
+
+
+def emit_final_norm_and_head(e: Emitter, vocab: int, hidden: int, tied: bool) -> None:
+    e.add("model.norm.weight", (hidden,), "norm.final", meg="decoder.final_layernorm.weight")
+    if not tied:
+        # Tied checkpoints (tie_word_embeddings=true) have no lm_head.weight at all: SGLang reuses embed_tokens and
+        # Megatron shares embedding.word_embeddings (share_embeddings_and_output_weights).
+        e.add("lm_head.weight", (vocab, hidden), "lm_head", meg="output_layer.weight", sg="lm_head")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Attention (standard GQA: Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE)
+# ------------------------------------------------------------------------------------------------------------------
+def emit_gqa_attention(
+    e: Emitter,
+    s: Scope,
+    *,
+    hidden: int,
+    n_heads: int,
+    n_kv: int,
+    head_dim: int,
+    qk_norm: bool,
+    qkv_bias: bool,
+    o_bias: bool,
+) -> None:
+    hf, meg, sg = f"{s.hf}.self_attn", f"{s.meg}.self_attention", f"{s.sg}.self_attn"
+    q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+    # TE spec: input_layernorm is fused into linear_qkv (TELayerNormColumnParallelLinear).
+    e.add(f"{s.hf}.input_layernorm.weight", (hidden,), "norm.input", s, meg=f"{meg}.linear_qkv.layer_norm_weight")
+    for p, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+        # Megatron linear_qkv is interleaved per KV group ([num_query_groups, (q_per_group+2)*head_dim, hidden]);
+        # megatron_part only says which slice, the converter owns the interleave (Bridge QKVMapping).
+        e.add(f"{hf}.{p}_proj.weight", (out, hidden), f"attn.{p}", s,
+              meg=f"{meg}.linear_qkv.weight", part=p, sg=f"{sg}.qkv_proj", fused="qkv")
+        if qkv_bias:
+            e.add(f"{hf}.{p}_proj.bias", (out,), "bias.attn", s, meg=f"{meg}.linear_qkv.bias", part=p)
+    e.add(f"{hf}.o_proj.weight", (hidden, q_out), "attn.o", s, meg=f"{meg}.linear_proj.weight", sg=f"{sg}.o_proj")
+    if o_bias:
+        e.add(f"{hf}.o_proj.bias", (hidden,), "bias.attn", s, meg=f"{meg}.linear_proj.bias")
+    if qk_norm:
+        e.add(f"{hf}.q_norm.weight", (head_dim,), "norm.q", s, meg=f"{meg}.q_layernorm.weight")
+        e.add(f"{hf}.k_norm.weight", (head_dim,), "norm.k", s, meg=f"{meg}.k_layernorm.weight")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# MLPs
+# ------------------------------------------------------------------------------------------------------------------
+def emit_post_attn_norm(e: Emitter, s: Scope, hidden: int, moe: bool) -> None:
+    # TE spec: dense layers fuse this norm into mlp.linear_fc1; MoE layers keep a separate pre_mlp_layernorm.
+    meg = f"{s.meg}.pre_mlp_layernorm.weight" if moe else f"{s.meg}.mlp.linear_fc1.layer_norm_weight"
+    e.add(f"{s.hf}.post_attention_layernorm.weight", (hidden,), "norm.post_attn", s, meg=meg)
+
+
+def emit_gated_mlp(
+    e: Emitter,
+    s: Scope,
+    *,
+    hidden: int,
+    inter: int,
+    kind: str = "mlp",
+    hf_mod: str = "mlp",
+    sg_mod: str = "mlp",
+    meg_mod: str = "mlp",
+    bias: bool = False,
+) -> None:
+    """SwiGLU MLP: dense (`kind="mlp"`) or shared expert (`kind="shared_experts"`).
+
+    DeepSeek: hf_mod=sg_mod="mlp.shared_experts"; Qwen2-MoE: hf_mod=sg_mod="mlp.shared_expert" (singular).
+    Megatron is `mlp` (dense linear_fc1 = [gate; up]) or `mlp.shared_experts`.
+    """
+    hf, sg, meg = f"{s.hf}.{hf_mod}", f"{s.sg}.{sg_mod}", f"{s.meg}.{meg_mod}"
+    fused = "gate_up" if kind == "mlp" else "shared_experts.gate_up"
+    up_shape, down_shape = (inter, hidden), (hidden, inter)
+    for p in ("gate", "up"):
+        e.add(f"{hf}.{p}_proj.weight", up_shape, f"{kind}.{p}", s,
+              meg=f"{meg}.linear_fc1.weight", part=p, sg=f"{sg}.gate_up_proj", fused=fused)
+        if bias:
+            e.add(f"{hf}.{p}_proj.bias", (inter,), "bias.mlp", s, meg=f"{meg}.linear_fc1.bias", part=p)
+    e.add(f"{hf}.down_proj.weight", down_shape, f"{kind}.down", s, meg=f"{meg}.linear_fc2.weight", sg=f"{sg}.down_proj")
+    if bias:
+        e.add(f"{hf}.down_proj.bias", (hidden,), "bias.mlp", s, meg=f"{meg}.linear_fc2.bias")
+
+
+def emit_router(e: Emitter, s: Scope, *, hidden: int, n_experts: int, score_bias: bool) -> None:
+    # Routers are built with quant_config=None in SGLang (qwen3_moe.py / deepseek_v2.py): no prefix.
+    e.add(f"{s.hf}.mlp.gate.weight", (n_experts, hidden), "router.weight", s, meg=f"{s.meg}.mlp.router.weight")
+    if score_bias:
+        # DeepSeek-V3 stores the aux-loss-free score-correction bias in FP32 (reference inference/model.py Gate.bias).
+        e.add(f"{s.hf}.mlp.gate.e_score_correction_bias", (n_experts,), "router.bias", s,
+              meg=f"{s.meg}.mlp.router.expert_bias", dtype="float32")
+
+
+def emit_routed_experts(e: Emitter, s: Scope, *, hidden: int, inter: int, n_experts: int) -> None:
+    """Per-expert checkpoint tensors. Megatron names use the GLOBAL expert index (EP=1); under expert parallelism
+    TEGroupedMLP holds `weight{e - ep_rank * experts_per_rank}` locally."""
+    add = e.add
+    hf = f"{s.hf}.mlp.experts."
+    fc1, fc2 = f"{s.meg}.mlp.experts.linear_fc1.weight", f"{s.meg}.mlp.experts.linear_fc2.weight"
+    sg = f"{s.sg}.mlp.experts"  # FusedMoE: one prefix for every routed expert of the layer
+    up_shape, down_shape = (inter, hidden), (hidden, inter)
+    for x in range(n_experts):
+        p = f"{hf}{x}."
+        add(f"{p}gate_proj.weight", up_shape, "routed_experts.gate", s, expert=x,
+            meg=f"{fc1}{x}", part="gate", sg=sg, fused="experts.gate_up")
+        add(f"{p}up_proj.weight", up_shape, "routed_experts.up", s, expert=x,
+            meg=f"{fc1}{x}", part="up", sg=sg, fused="experts.gate_up")
+        add(f"{p}down_proj.weight", down_shape, "routed_experts.down", s, expert=x, meg=f"{fc2}{x}", sg=sg)

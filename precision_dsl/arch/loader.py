@@ -1,0 +1,136 @@
+"""`load_architecture(name_or_path)`: bundled model name, config.json path, or checkpoint directory -> Architecture.
+
+Only config.json is read (never weights), as JSON data. Every failure is an ArchitectureError with a hint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..resources import models_dir
+from . import deepseek_v3, dense, qwen3_moe
+from ._config import MAX_PARAMS, MAX_TENSORS
+from .base import Architecture
+from .errors import ArchitectureError
+
+_ADAPTERS: dict[str, ModuleType] = {mt: mod for mod in (qwen3_moe, deepseek_v3, dense) for mt in mod.MODEL_TYPES}
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few KiB
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_ADAPTERS)
+
+
+def list_bundled() -> list[str]:
+    """Names of the bundled models (directories precision_dsl/models/<name>/ holding a config.json)."""
+    root = models_dir()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
+
+
+def _locate(name_or_path: str) -> tuple[str, Path]:
+    """Return (display name, config.json path)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
+        raise ArchitectureError(
+            f"model must be a bundled name or a path, got {name_or_path!r}",
+            hint=f"use one of {', '.join(list_bundled())} or a path to config.json / a checkpoint directory",
+        )
+    text = str(name_or_path)
+    bundled = models_dir() / text / "config.json"
+    if "/" not in text and os.sep not in text and bundled.is_file():
+        return text, bundled
+    path = Path(text).expanduser()
+    if path.is_dir():
+        cfg = path / "config.json"
+        if not cfg.is_file():
+            raise ArchitectureError(
+                f"{path}: directory has no config.json",
+                hint="point at a HuggingFace checkpoint directory (it holds config.json) or at the config.json itself",
+            )
+        return text, cfg
+    if path.is_file():
+        return text, path
+    raise ArchitectureError(
+        f"unknown model {text!r}: not a bundled model and no such file or directory",
+        hint=f"bundled models: {', '.join(list_bundled())}; or give a path to config.json / a checkpoint directory",
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """Read and parse a config.json as data (size-checked before reading)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ArchitectureError(
+                f"{path}: {size} bytes is far too large for a config.json",
+                hint="pass the model's config.json, not a weights or index file",
+            )
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ArchitectureError(f"{path}: not UTF-8 text", hint="pass the model's config.json (JSON text)") from None
+    except OSError as exc:
+        raise ArchitectureError(f"{path}: cannot read: {exc.strerror}", hint="check the path and permissions") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArchitectureError(
+            f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
+            hint="fix the JSON syntax (trailing commas and comments are not allowed in JSON)",
+        ) from None
+    if not isinstance(raw, dict):
+        raise ArchitectureError(
+            f"{path}: top level is a JSON {type(raw).__name__}, expected an object",
+            hint="a HuggingFace config.json is a JSON object with model_type, hidden_size, ...",
+        )
+    return raw
+
+
+def architecture_from_config(raw: dict[str, Any], name: str, source: str = "config.json") -> Architecture:
+    """Build the Architecture of an already-parsed config dict (`source` names it in error messages)."""
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise ArchitectureError(
+            f"{source}: " + ("field 'model_type' is missing" if model_type is None
+                             else f"field 'model_type' must be a string, got {model_type!r}"),
+            hint=f"set model_type to one of: {', '.join(supported_model_types())}",
+        )
+    adapter = _ADAPTERS.get(model_type)
+    if adapter is None:
+        raise ArchitectureError(
+            f"{source}: unsupported model_type {model_type!r}",
+            hint=f"supported model types: {', '.join(supported_model_types())}",
+        )
+    cfg, tensors = adapter.build(raw, source)
+    if len(tensors) > MAX_TENSORS:
+        raise ArchitectureError(
+            f"{source}: config describes {len(tensors)} tensors (limit {MAX_TENSORS})",
+            hint="check num_hidden_layers / num_experts for typos",
+        )
+    total = sum(math.prod(t.shape) for t in tensors)
+    if total > MAX_PARAMS:
+        raise ArchitectureError(
+            f"{source}: config describes {total / 1e12:.1f} T parameters (limit {MAX_PARAMS / 1e12:.0f} T)",
+            hint="check hidden_size / intermediate sizes / vocab_size for typos",
+        )
+    # Scalars come from the validated config and tensors from model_construct; skip re-validating 46k objects.
+    return Architecture.model_construct(
+        name=name,
+        model_type=model_type,
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        config=raw,
+        tensors=tuple(tensors),
+        **adapter.summary(cfg),
+    )
+
+
+def load_architecture(name_or_path: str) -> Architecture:
+    """Bundled name ("tiny-moe", "qwen3-30b-a3b", "deepseek-v3", ...), a config.json path, or a checkpoint directory."""
+    name, path = _locate(name_or_path)
+    return architecture_from_config(read_config(path), name, str(path))

@@ -1,0 +1,105 @@
+"""Qwen MoE families: qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2_moe (Qwen1.5-MoE / Qwen2-57B-A14B).
+
+Layer n is sparse iff n not in mlp_only_layers and num_experts > 0 and (n + 1) % decoder_sparse_step == 0
+(transformers Qwen3MoeDecoderLayer / Qwen2MoeDecoderLayer); otherwise it has a dense MLP of intermediate_size.
+  * qwen3_moe: q_norm / k_norm, no shared expert; `attention_bias` adds q/k/v/o biases.
+  * qwen2_moe: q/k/v bias (`qkv_bias`, default true); ONE shared expert, named in the singular
+    `mlp.shared_expert.{gate,up,down}_proj` (SGLang prefix `mlp.shared_expert.gate_up_proj`), plus the sigmoid gate
+    `mlp.shared_expert_gate.weight` [1, hidden] (Megatron `mlp.shared_experts.gate_weight`; SGLang builds it as an
+    unquantized Linear -> no prefix).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from pydantic import Field, model_validator
+
+from ._config import BaseLMConfig, Experts, HeadDim, Inner, Layers, StrictBool, validate_config
+from ._emit import (
+    Emitter,
+    decoder_scope,
+    emit_embedding,
+    emit_final_norm_and_head,
+    emit_gated_mlp,
+    emit_gqa_attention,
+    emit_post_attn_norm,
+    emit_router,
+    emit_routed_experts,
+)
+from .base import TensorInfo
+
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+class QwenMoeConfig(BaseLMConfig):
+    intermediate_size: Inner  # dense (mlp_only) layers
+    moe_intermediate_size: Inner
+    num_experts: Experts
+    num_experts_per_tok: Annotated[int, Field(strict=True, ge=1, le=4_096)]
+    decoder_sparse_step: Layers = 1
+    mlp_only_layers: Optional[list[Annotated[int, Field(strict=True, ge=0)]]] = None
+    head_dim: Optional[HeadDim] = None
+    attention_bias: StrictBool = False
+    qkv_bias: StrictBool = True  # qwen2_moe only
+    shared_expert_intermediate_size: Annotated[int, Field(strict=True, ge=0, le=1_048_576)] = 0  # qwen2_moe only
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("head_dim is not given and hidden_size is not divisible by num_attention_heads")
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, n: int) -> bool:
+        return (
+            n not in (self.mlp_only_layers or ())
+            and self.num_experts > 0
+            and (n + 1) % self.decoder_sparse_step == 0
+        )
+
+
+def build(raw: dict[str, Any], source: str) -> tuple[QwenMoeConfig, list[TensorInfo]]:
+    cfg = validate_config(QwenMoeConfig, raw, source)
+    qwen2 = cfg.model_type == "qwen2_moe"
+    e = Emitter(cfg.checkpoint_dtype)
+    h = cfg.hidden_size
+    emit_embedding(e, cfg.vocab_size, h)
+    for n in range(cfg.num_hidden_layers):
+        s = decoder_scope(n)
+        emit_gqa_attention(
+            e, s, hidden=h, n_heads=cfg.num_attention_heads, n_kv=cfg.kv_heads, head_dim=cfg.resolved_head_dim,
+            qk_norm=not qwen2,
+            qkv_bias=cfg.qkv_bias if qwen2 else cfg.attention_bias,
+            o_bias=(not qwen2) and cfg.attention_bias,
+        )
+        moe = cfg.is_moe_layer(n)
+        emit_post_attn_norm(e, s, h, moe=moe)
+        if not moe:
+            emit_gated_mlp(e, s, hidden=h, inter=cfg.intermediate_size)
+            continue
+        emit_router(e, s, hidden=h, n_experts=cfg.num_experts, score_bias=False)
+        emit_routed_experts(e, s, hidden=h, inter=cfg.moe_intermediate_size, n_experts=cfg.num_experts)
+        if qwen2 and cfg.shared_expert_intermediate_size:
+            emit_gated_mlp(e, s, hidden=h, inter=cfg.shared_expert_intermediate_size, kind="shared_experts",
+                           hf_mod="mlp.shared_expert", sg_mod="mlp.shared_expert", meg_mod="mlp.shared_experts")
+            e.add(f"{s.hf}.mlp.shared_expert_gate.weight", (1, h), "shared_experts.gate_weight", s,
+                  meg=f"{s.meg}.mlp.shared_experts.gate_weight")
+    emit_final_norm_and_head(e, cfg.vocab_size, h, cfg.tie_word_embeddings)
+    return cfg, e.tensors
+
+
+def summary(cfg: QwenMoeConfig) -> dict[str, int]:
+    leading_dense = 0
+    while leading_dense < cfg.num_hidden_layers and not cfg.is_moe_layer(leading_dense):
+        leading_dense += 1
+    shared = int(cfg.model_type == "qwen2_moe" and cfg.shared_expert_intermediate_size > 0)
+    return {"num_experts": cfg.num_experts, "num_shared_experts": shared, "first_dense_layers": leading_dense,
+            "num_mtp_layers": 0}
