@@ -5,8 +5,10 @@ Only config.json is read (never weights), as JSON data. Every failure is an Arch
 
 from __future__ import annotations
 
+import gc
 import json
 import math
+from contextlib import contextmanager
 import os
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +22,20 @@ from .errors import ArchitectureError
 
 _ADAPTERS: dict[str, ModuleType] = {mt: mod for mod in (qwen3_moe, deepseek_v3, dense) for mt in mod.MODEL_TYPES}
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few KiB
+
+
+@contextmanager
+def _gc_paused():
+    """Pause the cyclic GC while ~46k TensorInfo objects are allocated: otherwise allocation-triggered collections
+    rescan every live object repeatedly (0.10 s -> 0.16-0.23 s for DeepSeek-V3). The builder makes no cycles, and the
+    previous state is always restored."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def supported_model_types() -> list[str]:
@@ -106,7 +122,8 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
             f"{source}: unsupported model_type {model_type!r}",
             hint=f"supported model types: {', '.join(supported_model_types())}",
         )
-    cfg, tensors = adapter.build(raw, source)
+    with _gc_paused():
+        cfg, tensors = adapter.build(raw, source)
     if len(tensors) > MAX_TENSORS:
         raise ArchitectureError(
             f"{source}: config describes {len(tensors)} tensors (limit {MAX_TENSORS})",
