@@ -1,0 +1,202 @@
+"""The embedded GRPO loop. Reads top to bottom: one RL step is
+
+    sample prompts -> rollout engine samples n completions each -> reward -> group-normalised advantages
+    -> trainer log-probs (plan-quantized forward) -> clipped policy loss (+ KL to the BF16 reference, coef 0 by
+    default) -> optimizer step -> live weight update (quantize per plan, pack, hash-checked receive) -> next step
+
+Trainer and rollout are separate model instances; the rollout only ever gets weights through the weight-update path.
+Everything random is seeded from `RunConfig.seed` (prompts: random.Random; sampling: a CPU torch.Generator), so a
+run is reproducible on CPU bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+from pydantic import BaseModel, Field
+
+from .metrics import SpikeDetector, StepMetrics, k3, masked_mean
+
+
+class RunConfig(BaseModel):
+    policy: Optional[str] = None  # None: plans.DEFAULT_POLICY
+    model: str = "tiny-moe"
+    task: str = "arithmetic"
+    digits: int = 2
+    operators: str = "+"
+    steps: int = 60
+    seed: int = 0
+    device: Literal["cpu", "cuda"] = "cpu"
+    prompts_per_step: int = 16
+    samples_per_prompt: int = 8
+    lr: float = 1e-3
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0
+    broken_contract: Optional[Literal["per_tensor", "unshared"]] = None
+    check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
+    out: Optional[Path] = None
+
+
+class ContractViolation(RuntimeError):
+    pass
+
+
+class RunResult(BaseModel):
+    config: RunConfig
+    policy_name: str
+    plan_hash: str
+    rollout_plan_hash: str
+    steps: list[StepMetrics] = Field(default_factory=list)
+    wall_s: float = 0.0
+    emulated: bool = True
+
+
+def _bf16_plan(plan):
+    from ..precision import Precision
+
+    bf16 = Precision.high("bf16")
+    tensors = tuple(t.model_copy(update={"precision": bf16, "share_scale_group": None}) for t in plan.tensors)
+    return plan.model_copy(update={"policy_name": "bf16-reference", "tensors": tensors, "share_scale_groups": ()})
+
+
+def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
+    """Number of quantized tensors whose stored bytes differ between trainer and rollout."""
+    differing = 0
+    for name, q in trainer_q.items():
+        r = rollout_q.get(name)
+        if r is None:
+            differing += 1
+            continue
+        a, b = q.tensors(), r.tensors()
+        if a.keys() != b.keys() or any(not torch.equal(a[k].cpu(), b[k].cpu()) for k in a):
+            differing += 1
+    return differing
+
+
+def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
+        on_start: Optional[Callable[[RunResult], None]] = None) -> RunResult:
+    from ..arch import load_architecture
+    from .model import load_model, resolve_model_dir
+    from .plans import broken_rollout_plan, load_plan
+    from .qlinear import TrainerExecutor
+    from .rollout import RolloutEngine
+    from .sampling import sequence_logprobs
+    from .task import load_tokenizer, make_task
+    from .weight_path import InProcessSender
+
+    t_start = time.perf_counter()
+    device = cfg.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is available (hint: --device cpu)")
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    sampler_gen = torch.Generator().manual_seed(cfg.seed)
+
+    # -- set-up: model, plan(s), trainer, reference, rollout engine, weight-update path -----------------------------
+    model_dir = resolve_model_dir(cfg.model)
+    arch = load_architecture(str(model_dir) if Path(cfg.model).is_dir() else cfg.model)
+    plan = load_plan(cfg.policy, arch)
+    rollout_plan = broken_rollout_plan(plan, cfg.broken_contract) if cfg.broken_contract else plan
+    tok = load_tokenizer(model_dir)
+    task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators)
+
+    trainer = load_model(model_dir).to(device).train()
+    executor = TrainerExecutor(plan, trainer).install()
+    reference = load_model(model_dir).to(device).requires_grad_(False).eval()
+    TrainerExecutor(_bf16_plan(plan), reference).install()
+    rollout = RolloutEngine(trainer.config, rollout_plan, device=device)
+    # With a broken contract the exporter is configured from the rollout side (as Miles' exporter reads the rollout
+    # checkpoint's quantization_config), so the hash check on the channel passes while trainer != rollout.
+    sender = InProcessSender(rollout_plan)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    spikes = SpikeDetector()
+
+    result = RunResult(config=cfg, policy_name=plan.policy_name, plan_hash=plan.content_hash(),
+                       rollout_plan_hash=rollout_plan.content_hash())
+    if on_start:
+        on_start(result)
+
+    def weight_update() -> tuple[float, int, Optional[bool], int]:
+        t0 = time.perf_counter()
+        payload = sender.pack({n: p.detach().cpu() for n, p in trainer.named_parameters()})
+        rollout.update_weights(payload)
+        identical, differing = None, 0
+        if cfg.check_weight_bytes:
+            differing = _compare_weights(executor.current_quantized(), rollout.received)
+            identical = differing == 0
+            if not identical and cfg.broken_contract is None:
+                raise ContractViolation(f"{differing} quantized weight(s) differ between trainer and rollout after "
+                                        f"update {payload.version} under a consistent contract")
+        return time.perf_counter() - t0, payload.nbytes, identical, differing
+
+    weight_update()  # version 1: the rollout engine's first weights
+
+    n = cfg.samples_per_prompt
+    for step in range(1, cfg.steps + 1):
+        # 1. prompts, each repeated n times (one GRPO group per prompt)
+        problems = task.sample(rng, cfg.prompts_per_step)
+        prompts = [[tok.bos_id] + tok.encode(p.prompt) for p in problems for _ in range(n)]
+
+        # 2. rollout: the separate engine samples with its KV cache and its own (received) weights
+        t0 = time.perf_counter()
+        batch = rollout.generate(prompts, max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                 generator=sampler_gen, temperature=cfg.temperature)
+        t_rollout = time.perf_counter() - t0
+
+        # 3. reward (exact match / boxed answer) and 4. group-normalised advantages
+        rewards = torch.tensor([task.reward(problems[i // n], tok.decode(r))
+                                for i, r in enumerate(batch.responses())])
+        grouped = rewards.view(-1, n)
+        adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
+        adv = adv.to(device)[:, None]
+
+        # 5. trainer log-probs of the sampled tokens (plan-quantized forward, autograd through QLinearFunction)
+        t0 = time.perf_counter()
+        mask = batch.response_mask.float()
+        logp = sequence_logprobs(trainer, batch)
+        old = logp.detach()  # single update per batch: old policy = current trainer
+        t1 = time.perf_counter()
+        with torch.no_grad():
+            ref_logp = sequence_logprobs(reference, batch)
+        t_ref = time.perf_counter() - t1
+
+        # 6. clipped policy loss (token mean), optional KL(train || ref) penalty
+        ratio = torch.exp(logp - old)
+        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+        loss = (pg * mask).sum() / mask.sum()
+        if cfg.kl_coef:
+            loss = loss + cfg.kl_coef * (k3(logp, ref_logp) * mask).sum() / mask.sum()
+
+        # 7. optimizer step
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.max_grad_norm))
+        opt.step()
+        executor.invalidate()
+        t_train = time.perf_counter() - t0 - t_ref
+
+        # 8. live weight update trainer -> rollout (+ byte-identity check of every quantized weight)
+        t_update, nbytes, identical, differing = weight_update()
+
+        m = StepMetrics(
+            step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
+            mismatch_abs_logp=masked_mean((old - batch.logprobs.to(device)).abs(), mask),
+            mismatch_k3=masked_mean(k3(batch.logprobs.to(device), old), mask),
+            kl_ref_k3=masked_mean(k3(old, ref_logp), mask),
+            loss=float(loss.detach()), grad_norm=gnorm, grad_spike=spikes(gnorm),
+            clip_frac=masked_mean(((ratio - 1).abs() > cfg.clip_eps).float(), mask),
+            response_tokens=batch.num_response_tokens, time_rollout_s=t_rollout, time_train_s=t_train,
+            time_reference_s=t_ref, time_weight_update_s=t_update,
+            rollout_tokens_per_s=batch.num_response_tokens / max(t_rollout, 1e-9), weight_update_bytes=nbytes,
+            quantized_weights_identical=identical, quantized_weights_differing=differing)
+        result.steps.append(m)
+        if on_step:
+            on_step(m)
+    result.wall_s = time.perf_counter() - t_start
+    return result

@@ -1,0 +1,69 @@
+"""The rollout engine: a SEPARATE model instance that only ever sees weights from the weight-update path.
+
+Like an SGLang server it (1) receives packed quantized bytes + the plan hash, refuses a mismatching plan, (2)
+dequantizes them into its own buffers (its parameters start as NaN, so a missed update cannot go unnoticed), and
+(3) samples with a KV cache, quantizing GEMM inputs exactly as its plan says (per-token NVFP4, MXFP8 1x32, ...).
+The received QuantizedTensors are kept (`received`) so tests can assert byte equality with the trainer's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..plan import Plan
+from . import numerics
+from .model import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from .sampling import SampleBatch, sample
+from .weight_path import InProcessReceiver, Payload
+
+
+class RolloutExecutor:
+    """GEMM with the received (already dequantized) weight and plan-quantized activations. No autograd."""
+
+    def __init__(self, plan: Plan, model: Qwen3MoeForCausalLM):
+        by = plan.by_name()
+        self.act = {n: by[n].precision.activation for n in model.linear_names()}
+
+    def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fmt = self.act[hf_name]
+        xq = numerics.fake_quantize(x.to(torch.bfloat16).float(), fmt, what=hf_name)
+        return xq @ w.t()
+
+
+class RolloutEngine:
+    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu"):
+        self.plan = plan
+        self.model = Qwen3MoeForCausalLM(cfg).to(device).requires_grad_(False).eval()
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.fill_(float("nan"))
+        self.model.linear_executor = RolloutExecutor(plan, self.model)
+        self.receiver = InProcessReceiver(plan)
+        self.received: dict[str, object] = {}
+        self.version = 0
+        self.device = device
+
+    @torch.no_grad()
+    def update_weights(self, payload: Payload) -> None:
+        tensors = self.receiver.unpack(payload)  # plan hash checked here, before any buffer is written
+        params = dict(self.model.named_parameters())
+        unknown = set(tensors) - set(params)
+        if unknown:
+            raise KeyError(f"weight update carries unknown tensor {sorted(unknown)[0]}")
+        for name, v in tensors.items():
+            if isinstance(v, torch.Tensor):
+                params[name].copy_(v.to(torch.float32))
+            else:
+                params[name].copy_(numerics.dequantize(v, torch.float32))
+                self.received[name] = v
+        self.version = payload.version
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+                 generator: torch.Generator, temperature: float = 1.0) -> SampleBatch:
+        if self.version == 0:
+            raise RuntimeError("rollout engine has no weights yet (call update_weights first)")
+        return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                      generator=generator, temperature=temperature)
