@@ -65,6 +65,9 @@ class Selector(Node):
     layers: Optional[LayerSlice] = None
     role: Optional[RoleSelector] = None
     name: Optional[NameGlob] = None
+    # `mtp` / `mtp.<role>`: restrict to the MTP modules (TensorInfo.mtp is not None). Role selectors without this
+    # prefix match decoder/top-level tensors only (added by the language part; additive).
+    mtp: bool = False
 
 
 # ---- formats -----------------------------------------------------------------------------------------------------

@@ -1,0 +1,696 @@
+"""Policy (files) + Architecture (+ ParallelLayout) -> Plan. Pure functions, no global state.
+
+Semantics (docs/LANGUAGE.md is the reference):
+* Statements are flattened first: `import "f"` inlines f's statements at that point, `extends "f"` inlines f at the
+  top of the importing file. Paths resolve relative to the importing file, then the bundled policies/ dir.
+* The last `target` and the last `default` win. `default` is the baseline under every rule (it is not positional).
+* Rules apply in order and the LATER matching rule wins. Quantized formats apply to linear weights only: on a mixed
+  selection the non-linear tensors keep what they had; a selection with no linear weight at all is an error.
+* A rule (or share_scale) that matches nothing is an error unless `optional`.
+
+Error policy: everything that is wrong with the POLICY (syntax, unknown names, formats, unmatched selectors,
+format/target mismatch, share_scale groups that get different formats) raises `PolicyError` from `resolve`.
+Problems that come from the MODEL or the PARALLEL LAYOUT (block divisibility, TP shards, fused siblings that a policy
+split, ETP mismatch, pipeline stages) are reported by `checks.check(plan, arch, parallel)` as Diagnostics.
+
+Performance: selector matching is done once per (role, layer, is-mtp) group, not per tensor (only `name(...)` globs
+are evaluated per tensor), and TensorPlans are built with `model_construct` (the inputs are already validated).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import gc
+import math
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Optional, Union
+
+from .arch.base import Architecture, LINEAR_ROLES, ROLES, TensorInfo
+from .diagnostics import PolicyError
+from .lang import ast
+from .lang.formats import precision_from_spec
+from .lang.parser import parse_policy as _parse_text
+from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
+from .precision import BLACKWELL_ONLY_KINDS, FormatError, FormatKind, Precision, TensorFormat, hp
+from .resources import policies_dir
+
+PolicySource = Union[str, Path, ast.Policy]
+
+# checkpoint dtype -> (high-precision format name, bytes per element)
+_DTYPE = {
+    "bfloat16": ("bf16", 2), "bf16": ("bf16", 2), "float16": ("fp16", 2), "fp16": ("fp16", 2), "half": ("fp16", 2),
+    "float32": ("fp32", 4), "fp32": ("fp32", 4), "float": ("fp32", 4),
+    "float8_e4m3fn": ("bf16", 1), "float8_e5m2": ("bf16", 1), "int8": ("bf16", 1), "uint8": ("bf16", 1),
+}
+_HP_BITS = {"bf16": 16, "fp16": 16, "fp32": 32}
+# Roles that exist only inside MTP modules: a plain role selector may name them (no `mtp.` prefix needed).
+MTP_ONLY_ROLES = frozenset(r for r in ROLES if r.startswith("mtp.")) | {"norm.mtp"}
+
+
+_TP_FIELDS = tuple(TensorPlan.model_fields)
+
+
+def _construct_tensor_plan_fast(**values) -> TensorPlan:
+    """What `TensorPlan.model_construct(**values)` builds when every field is passed (pydantic 2 sets `__dict__`,
+    `__pydantic_fields_set__`, `__pydantic_extra__`, `__pydantic_private__`), without its per-call field loop:
+    the difference is most of `resolve`'s time on DeepSeek-V3 (46k tensors). `_pick_tensor_plan_constructor`
+    verifies the equivalence at import and falls back to model_construct if pydantic changes."""
+    obj = object.__new__(TensorPlan)
+    object.__setattr__(obj, "__dict__", values)
+    object.__setattr__(obj, "__pydantic_fields_set__", set(_TP_FIELDS))
+    object.__setattr__(obj, "__pydantic_extra__", None)
+    object.__setattr__(obj, "__pydantic_private__", None)
+    return obj
+
+
+def _pick_tensor_plan_constructor():
+    sample = dict(hf_name="a.weight", megatron_name="m", megatron_part=None, sglang_prefix="s", role="attn.q",
+                  layer=0, expert=None, mtp=None, shape=(4, 2), is_linear=True, precision=Precision.high(),
+                  share_scale_group=None, bytes_before=16, bytes_after=16, decided_by=None, overridden=())
+    try:
+        ref, fast = TensorPlan.model_construct(**sample), _construct_tensor_plan_fast(**dict(sample))
+        same = all(getattr(ref, a, None) == getattr(fast, a, None) for a in
+                   ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")) \
+            and list(ref.__dict__) == list(_TP_FIELDS) == list(fast.__dict__) and ref == fast
+    except Exception:  # pragma: no cover - any pydantic internals change: use the public API
+        same = False
+    return _construct_tensor_plan_fast if same else TensorPlan.model_construct
+
+
+_make_tensor_plan = _pick_tensor_plan_constructor()
+
+
+# ---- parsing and imports -------------------------------------------------------------------------------------------
+def parse_policy(text: str, filename: str = "<policy>") -> ast.Policy:
+    """Parse one file's text (imports are not followed; see `load_policy_statements`)."""
+    return _parse_text(text, filename)
+
+
+def load_policy(path: Union[str, Path]) -> ast.Policy:
+    """Read and parse one policy file. A missing/unreadable file is a PolicyError (no traceback)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"policy file not found: {path}", hint=_bundled_hint()) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"cannot read policy file {path}: {e}", hint="policy files are UTF-8 text") from None
+    return _parse_text(text, str(path))
+
+
+def _bundled_hint() -> str:
+    try:
+        names = sorted(f.name for f in policies_dir().glob("*.policy"))
+    except FileNotFoundError:  # pragma: no cover
+        names = []
+    return "bundled policies: " + ", ".join(names) if names else "check the path"
+
+
+@dataclass
+class FlatPolicy:
+    """A root policy with every import inlined, in application order."""
+
+    root: ast.Policy
+    statements: list  # ast.Statement, imports removed
+    files: list[str]  # root first, then imported files in resolution order
+    sources: dict[str, str] = field(default_factory=dict)  # file -> text (for caret diagnostics)
+    imported_from: dict[str, str] = field(default_factory=dict)  # file -> "importer:line:col"
+
+
+def _resolve_import_path(imp: ast.Import, importer_file: str) -> Path:
+    rel = Path(imp.path)
+    cands = [rel] if rel.is_absolute() else [Path(importer_file).parent / rel]
+    try:
+        cands.append(policies_dir() / rel)
+    except FileNotFoundError:  # pragma: no cover
+        pass
+    for c in cands:
+        if c.is_file():
+            return c
+    raise PolicyError(f"cannot find {imp.kind}ed policy '{imp.path}'", imp.span,
+                      f"looked in {', '.join(str(c.parent) for c in cands)}; " + _bundled_hint())
+
+
+def flatten(root: PolicySource) -> FlatPolicy:
+    """Load `root` (path or parsed Policy) and inline its imports. Import cycles are errors."""
+    policy = root if isinstance(root, ast.Policy) else load_policy(root)
+    flat = FlatPolicy(root=policy, statements=[], files=[policy.span.file],
+                      sources={policy.span.file: policy.source})
+    _inline(policy, flat, stack=[_key(policy.span.file)], out=flat.statements)
+    return flat
+
+
+def _key(file: str) -> str:
+    try:
+        return str(Path(file).resolve())
+    except OSError:  # pragma: no cover
+        return file
+
+
+def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], out: list) -> None:
+    stmts = list(policy.statements)
+    # `extends` = import at the top of the file
+    ordered = [s for s in stmts if isinstance(s, ast.Import) and s.kind == "extends"] + \
+              [s for s in stmts if not (isinstance(s, ast.Import) and s.kind == "extends")]
+    for st in ordered:
+        if not isinstance(st, ast.Import):
+            out.append(st)
+            continue
+        try:
+            path = _resolve_import_path(st, policy.span.file)
+        except PolicyError as e:
+            e.source = policy.source
+            raise
+        key = _key(str(path))
+        if key in stack:
+            chain = " -> ".join(Path(k).name for k in stack[stack.index(key):] + [key])
+            raise PolicyError(f"import cycle: {chain}", st.span, "remove one of the imports; a policy cannot "
+                              "(directly or indirectly) import itself", policy.source)
+        child = load_policy(path)
+        where = f"{st.span.file}:{st.span.line}:{st.span.col}"
+        if child.span.file not in flat.sources:
+            flat.files.append(child.span.file)
+            flat.sources[child.span.file] = child.source
+            flat.imported_from[child.span.file] = where
+        try:
+            _inline(child, flat, stack + [key], out)
+        except PolicyError as e:
+            raise e.with_note(f"imported from {where}")
+
+
+# ---- compiled rules ------------------------------------------------------------------------------------------------
+@dataclass
+class _Matcher:
+    """A selector compiled against one architecture."""
+
+    layers: Optional[frozenset[int]]  # decoder block indices, None = any
+    mtp: bool  # restricted to MTP modules
+    roles: Optional[frozenset[str]]  # None = any role
+    name_re: Optional[re.Pattern]
+
+    def matches_key(self, role: str, layer: Optional[int], is_mtp: bool) -> bool:
+        if self.mtp and not is_mtp:
+            return False
+        if self.layers is not None and (is_mtp or layer not in self.layers):
+            return False
+        if self.roles is not None:
+            if role not in self.roles:
+                return False
+            if is_mtp and not self.mtp and role not in MTP_ONLY_ROLES:
+                return False  # plain role selectors do not reach into MTP modules
+        return True
+
+
+@dataclass
+class _Rule:
+    index: int
+    node: ast.Rule
+    ref: RuleRef
+    precision: Precision
+    quantized: bool
+    matcher: _Matcher
+    source: str
+    matched: int = 0
+    matched_linear: int = 0
+
+
+def _ref(node, text: str) -> RuleRef:
+    return RuleRef(file=node.span.file, line=node.span.line, col=node.span.col, text=text)
+
+
+def _format_error(e: FormatError, node_span: ast.Span, source: str) -> PolicyError:
+    span = getattr(e, "span", None) or node_span
+    return PolicyError(str(e), span, e.hint, source)
+
+
+def _compile_precision(spec: ast.PrecisionSpec, source: str) -> Precision:
+    try:
+        return precision_from_spec(spec)
+    except FormatError as e:
+        raise _format_error(e, spec.span, source) from None
+
+
+def _position(b: ast.LayerBound, n: int, rounding) -> int:
+    """Slice bound -> index. Percent p: fractional position p/100*N (negative = from the end), START floored,
+    STOP ceiled, so a percent slice selects every layer overlapping the fractional range. Exact arithmetic
+    (Fraction of the written decimal) so 10% of 30 layers is exactly 3, not 3.0000000000000004."""
+    if b.percent:
+        x = Fraction(repr(b.value)) / 100 * n
+        if b.value < 0:
+            x = n + x
+        pos = rounding(x)
+    else:
+        pos = int(b.value)
+        if pos < 0:
+            pos += n
+    return min(max(pos, 0), n)
+
+
+def layer_indices(sl: ast.LayerSlice, num_layers: int, source: str = "", optional: bool = False) -> list[int]:
+    """Decoder-block indices selected by a `layers[...]` slice for a model with `num_layers` blocks.
+    Ranges follow Python slice semantics for integers (negative from the end, clamped); single indices must exist
+    (an out-of-range index is an error unless the rule is optional)."""
+    n = num_layers
+    if sl.is_range:
+        start = 0 if sl.start is None else _position(sl.start, n, math.floor)
+        stop = n if sl.stop is None else _position(sl.stop, n, math.ceil)
+        return list(range(start, stop))
+    out = []
+    for b in sl.indices:
+        if b.percent:
+            x = Fraction(repr(b.value)) / 100 * n
+            i = math.floor(n + x if b.value < 0 else x)
+        else:
+            i = int(b.value)
+            i = i + n if i < 0 else i
+        if not 0 <= i < n:
+            if optional:
+                continue
+            raise PolicyError(f"layer index {b.value:g}{'%' if b.percent else ''} is out of range: the model has "
+                              f"{n} decoder layers (0..{n - 1})", b.span,
+                              "use an index in range, a negative index from the end, or mark the rule `optional`",
+                              source)
+        if i not in out:
+            out.append(i)
+    return out
+
+
+def _compile_selector(sel: ast.Selector, arch: Architecture, source: str, optional: bool) -> _Matcher:
+    layers = None
+    if sel.layers is not None:
+        layers = frozenset(layer_indices(sel.layers, arch.num_layers, source, optional))
+    roles = None
+    if sel.role is not None:
+        g, members = sel.role.group, sel.role.members
+        if members:
+            roles = frozenset(f"{g}.{m}" for m in members)
+        else:
+            roles = frozenset(r for r in ROLES if r == g or r.startswith(g + "."))
+    name_re = re.compile(fnmatch.translate(sel.name.pattern)) if sel.name is not None else None
+    return _Matcher(layers=layers, mtp=sel.mtp, roles=roles, name_re=name_re)
+
+
+# ---- resolution ------------------------------------------------------------------------------------------------------
+def _ckpt_precision(dtype: str, cache: dict) -> Precision:
+    p = cache.get(dtype)
+    if p is None:
+        p = cache[dtype] = Precision.high(_DTYPE.get(dtype, ("bf16", 2))[0])
+    return p
+
+
+def _nonlinear_default(default: Optional[Precision], dtype: str, cache: dict) -> Precision:
+    """Non-linear tensors take only the high-precision part of `default`, and `default` never narrows them
+    (an fp32 router bias stays fp32 under `default bf16`); an explicit rule can."""
+    ck = _ckpt_precision(dtype, cache)
+    if default is None or default.weight.is_quantized:
+        return ck
+    if _HP_BITS[default.weight.kind.value] >= _HP_BITS[ck.weight.kind.value]:
+        return default
+    return ck
+
+
+def _weight_bytes(shape: tuple[int, ...], fmt: TensorFormat) -> int:
+    """Stored bytes of a weight in `fmt`: packed elements + one scale per (possibly partial) block + the FP32
+    second-level scale."""
+    numel = math.prod(shape) if shape else 1
+    elem_bits = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "e2m1": 4}[fmt.element]
+    b = (numel * elem_bits + 7) // 8
+    if fmt.block is not None:
+        k = shape[-1] if shape else 1
+        m = numel // k if k else 0
+        blocks = math.ceil(m / fmt.block[0]) * math.ceil(k / fmt.block[1])
+        b += blocks * (4 if fmt.scale_dtype in ("fp32", "pow2") else 1)
+    if fmt.is_quantized and fmt.global_scale is not None:
+        b += 4  # the FP32 second-level scale (per-row activation scales are not stored with the weight)
+    return b
+
+
+@dataclass
+class Compiled:
+    """A flattened policy compiled against one architecture (the resolver's working state; used by explain)."""
+
+    flat: FlatPolicy
+    rules: list[_Rule]
+    shares: list[tuple[ast.ShareScale, _Matcher, RuleRef]]
+    default: Optional[Precision]
+    default_ref: Optional[RuleRef]
+    target: str
+    emulate: bool
+
+
+def compile_policy(policy: PolicySource, arch: Architecture) -> Compiled:
+    flat = flatten(policy)
+    rules: list[_Rule] = []
+    shares = []
+    default = default_ref = None
+    target, emulate = "blackwell", False
+    target_node: Optional[ast.Target] = None
+    try:
+        for st in flat.statements:
+            src = flat.sources.get(st.span.file, "")
+            if isinstance(st, ast.Target):
+                target, emulate, target_node = st.hardware, st.emulate, st
+            elif isinstance(st, ast.Default):
+                default = _compile_precision(st.precision, src)
+                default_ref = _ref(st, _span_text(src, st.span) or "default")
+                default_node = st
+            elif isinstance(st, ast.Rule):
+                prec = _compile_precision(st.precision, src)
+                rules.append(_Rule(index=len(rules), node=st, ref=_ref(st, st.text), precision=prec,
+                                   quantized=prec.is_quantized,
+                                   matcher=_compile_selector(st.selector, arch, src, st.optional), source=src))
+            elif isinstance(st, ast.ShareScale):
+                shares.append((st, _compile_selector(st.selector, arch, src, st.optional), _ref(st, st.text)))
+    except PolicyError as e:
+        _add_import_note(e, flat)
+        raise
+    # target hardware: MX/NV formats run natively only on Blackwell
+    if target == "hopper" and not emulate:
+        offenders = [(r.node.precision, r.precision, r.source) for r in rules]
+        if default is not None:
+            offenders.insert(0, (default_node.precision, default, flat.sources.get(default_node.span.file, "")))
+        for spec, prec, src in offenders:
+            kinds = {f.kind for f in (prec.weight, prec.activation, prec.grad)} & BLACKWELL_ONLY_KINDS
+            if kinds:
+                k = sorted(x.value for x in kinds)[0]
+                err = PolicyError(f"{k} runs natively only on Blackwell, but the policy targets hopper", spec.span,
+                                  "use `target blackwell`, or `target hopper emulate` to run it by exact emulation "
+                                  "(quantize -> dequantize -> bf16 GEMM; no speed-up), or fp8 / fp8_block", src)
+                if target_node is not None:
+                    err.with_note(f"target set at {target_node.span.file}:{target_node.span.line}:"
+                                  f"{target_node.span.col}")
+                _add_import_note(err, flat)
+                raise err
+    return Compiled(flat=flat, rules=rules, shares=shares, default=default, default_ref=default_ref, target=target,
+                    emulate=emulate)
+
+
+def _span_text(src: str, span: ast.Span) -> str:
+    lines = src.splitlines(keepends=True)
+
+    def off(line: int, col: int) -> int:
+        return sum(len(x) for x in lines[: line - 1]) + col - 1
+
+    return " ".join(src[off(span.line, span.col):off(span.end_line, span.end_col)].split())
+
+
+def _add_import_note(e: PolicyError, flat: FlatPolicy) -> None:
+    if e.span is not None and e.span.file in flat.imported_from:
+        e.with_note(f"imported from {flat.imported_from[e.span.file]}")
+
+
+def _group_tensors(arch: Architecture) -> dict[tuple, list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(arch.tensors):
+        groups.setdefault((t.role, t.layer, t.mtp is not None), []).append(i)
+    return groups
+
+
+def _decide(rules: list[_Rule], base: Precision, linear: bool):
+    """Walk the matching rules in order (later wins). Returns (precision, decided_by, overridden, applied)."""
+    prec, by, over, applied = base, None, [], []
+    for r in rules:
+        if r.quantized and not linear:
+            continue  # quantized formats do not apply to non-linear tensors: they keep what they had
+        if by is not None:
+            over.append(by)
+        prec, by = r.precision, r.ref
+        applied.append(r)
+    return prec, by, tuple(over), applied
+
+
+def resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout] = None) -> Plan:
+    """Resolve a policy (path, or an already parsed `ast.Policy`) against an architecture. Raises PolicyError for
+    policy-level errors; run `checks.check(plan, arch, parallel)` for model/layout checks."""
+    # Building ~50k small objects triggers repeated full (gen-2) garbage collections that rescan the whole
+    # architecture; nothing here creates reference cycles, so pause the cyclic GC for the duration.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _resolve(policy_path, arch, parallel)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout]) -> Plan:
+    comp = compile_policy(policy_path, arch)
+    tensors = arch.tensors
+    n = len(tensors)
+    precs: list[Optional[Precision]] = [None] * n
+    decided: list[Optional[RuleRef]] = [None] * n
+    overridden: list[tuple] = [()] * n
+    dt_cache: dict = {}
+
+    for (role, layer, is_mtp), idxs in _group_tensors(arch).items():
+        linear = role in LINEAR_ROLES
+        matching = [r for r in comp.rules if r.matcher.matches_key(role, layer, is_mtp)]
+        if not matching:
+            for i in idxs:
+                t = tensors[i]
+                precs[i] = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
+                    _nonlinear_default(comp.default, t.dtype, dt_cache)
+            continue
+        if all(r.matcher.name_re is None for r in matching):
+            for r in matching:
+                r.matched += len(idxs)
+                if linear:
+                    r.matched_linear += len(idxs)
+            by_dtype: dict[str, tuple] = {}
+            for i in idxs:
+                t = tensors[i]
+                res = by_dtype.get(t.dtype)
+                if res is None:
+                    base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
+                        _nonlinear_default(comp.default, t.dtype, dt_cache)
+                    res = by_dtype[t.dtype] = _decide(matching, base, linear)
+                precs[i], decided[i], overridden[i] = res[0], res[1], res[2]
+            continue
+        for i in idxs:  # some rule has a name glob: per-tensor matching
+            t = tensors[i]
+            mine = [r for r in matching if r.matcher.name_re is None or r.matcher.name_re.match(t.hf_name)]
+            for r in mine:
+                r.matched += 1
+                if linear:
+                    r.matched_linear += 1
+            base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
+                _nonlinear_default(comp.default, t.dtype, dt_cache)
+            precs[i], decided[i], overridden[i], _ = _decide(mine, base, linear)
+
+    for r in comp.rules:
+        _check_rule_matched(r, arch, comp.flat)
+
+    groups, group_of, notes = _share_scale_groups(comp, arch, precs, decided)
+
+    notes = list(notes)
+    distinct = list({id(p): p for p in precs}.values())
+    used_kinds = {p.weight.kind for p in distinct} | {p.activation.kind for p in distinct}
+    if comp.emulate and comp.target == "hopper" and used_kinds & BLACKWELL_ONLY_KINDS:
+        names = ", ".join(sorted(k.value for k in used_kinds & BLACKWELL_ONLY_KINDS))
+        notes.append(f"target hopper emulate: {names} are not native on Hopper; they run by exact emulation "
+                     "(quantize -> dequantize -> bf16/fp32 GEMM): same numerics, no speed-up")
+
+    bytes_cache: dict = {}
+    plans = []
+    construct = _make_tensor_plan
+    linear_roles = LINEAR_ROLES
+    for i, t in enumerate(tensors):
+        p = precs[i]
+        gid = group_of.get(i)
+        shape = t.shape
+        before = math.prod(shape) * _DTYPE.get(t.dtype, ("bf16", 2))[1]
+        bkey = (shape, id(p.weight))
+        after = bytes_cache.get(bkey)
+        if after is None:
+            after = bytes_cache[bkey] = _weight_bytes(shape, p.weight)
+        plans.append(construct(
+            hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
+            sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
+            shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=gid,
+            bytes_before=before, bytes_after=after,
+            decided_by=decided[i], overridden=overridden[i]))
+    return Plan.model_construct(
+        policy_name=comp.flat.root.name, policy_files=tuple(comp.flat.files), model=arch.name,
+        model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,
+        parallel=parallel, tensors=tuple(plans), share_scale_groups=tuple(groups), policyc_version="0.1.0",
+        notes=tuple(notes))
+
+
+def _describe_selector(sel: ast.Selector, arch: Architecture) -> str:
+    if sel.layers is not None:
+        return f"the model has {arch.num_layers} decoder layers (0..{arch.num_layers - 1})"
+    if sel.mtp:
+        return f"'{arch.name}' has {arch.num_mtp_layers} MTP modules"
+    if sel.role is not None:
+        present = sorted({t.role.split('.')[0] for t in arch.tensors})
+        return f"'{arch.name}' has role groups: {', '.join(present)}"
+    return "no HF tensor name matches the pattern"
+
+
+def _check_rule_matched(r: _Rule, arch: Architecture, flat: FlatPolicy) -> None:
+    sel = r.node.selector
+    if r.matched == 0 and not r.node.optional:
+        err = PolicyError(f"selector `{_sel_text(r)}` matches no tensor of '{arch.name}'", sel.span,
+                          f"{_describe_selector(sel, arch)}; mark the rule `optional` if it may match nothing",
+                          r.source)
+        _add_import_note(err, flat)
+        raise err
+    if r.quantized and r.matched > 0 and r.matched_linear == 0:
+        err = PolicyError(f"quantized format {r.precision.short()} on `{_sel_text(r)}`, which selects no linear "
+                          "weight", r.node.precision.span,
+                          "quantized formats apply only to linear (GEMM) weights; norms, embeddings, routers and "
+                          "biases may only be bf16 / fp16 / fp32", r.source)
+        _add_import_note(err, flat)
+        raise err
+
+
+def _sel_text(r: _Rule) -> str:
+    txt = r.node.text
+    if r.node.optional:
+        txt = txt[len("optional"):].strip()
+    return txt.split(":", 1)[0].strip()
+
+
+def _group_id(members: list[TensorInfo]) -> str:
+    """e.g. model.layers.3.mlp.experts.17.{gate_proj,up_proj}"""
+    parts = [m.hf_name.rsplit(".", 2) for m in members]  # [prefix, module leaf, "weight"]
+    prefix = parts[0][0]
+    if all(len(p) == 3 and p[0] == prefix for p in parts):
+        return prefix + ".{" + ",".join(p[1] for p in parts) + "}"
+    return "{" + ",".join(m.module for m in members) + "}"
+
+
+def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided: list):
+    tensors = arch.tensors
+    groups: dict[tuple, dict] = {}  # instance key -> {"members": [idx], "ref": RuleRef}
+    notes: list[str] = []
+    if not comp.shares:
+        return [], {}, notes
+    keyed = _group_tensors(arch)
+    for st, matcher, ref in comp.shares:
+        src = comp.flat.sources.get(st.span.file, "")
+        hits = []
+        for (role, layer, is_mtp), idxs in keyed.items():
+            if matcher.matches_key(role, layer, is_mtp):
+                hits.extend(i for i in idxs if matcher.name_re is None or matcher.name_re.match(tensors[i].hf_name))
+        if not hits:
+            if st.optional:
+                continue
+            err = PolicyError("share_scale selector matches no tensor of " f"'{arch.name}'", st.selector.span,
+                              "mark it `optional share_scale ...` if the model may lack these tensors", src)
+            _add_import_note(err, comp.flat)
+            raise err
+        hits.sort()
+        for i in hits:
+            t = tensors[i]
+            if t.fused_group is None:
+                err = PolicyError(f"share_scale selects '{t.hf_name}' ({t.role}), which has no fused siblings",
+                                  st.selector.span, "share_scale groups fused siblings: q/k/v, gate/up (dense, "
+                                  "routed or shared experts), q_a/kv_a; narrow the selector, e.g. "
+                                  "routed_experts.{gate, up}", src)
+                _add_import_note(err, comp.flat)
+                raise err
+            key = (t.layer, t.expert, t.mtp, t.fused_group)
+            g = groups.setdefault(key, {"members": [], "ref": ref, "src": src, "st": st})
+            if i not in g["members"]:
+                g["members"].append(i)
+    out, group_of = [], {}
+    noted: set = set()
+    shared_cache: dict[int, Precision] = {}
+    keep_alive: list = []  # ids in shared_cache stay valid while these live
+    for key, g in groups.items():
+        idxs = sorted(g["members"])
+        members = [tensors[i] for i in idxs]
+        st, src = g["st"], g["src"]
+        if len(idxs) < 2:
+            err = PolicyError(f"share_scale group of '{members[0].hf_name}' has a single member",
+                              st.selector.span, "select all fused siblings, e.g. routed_experts.{gate, up}", src)
+            _add_import_note(err, comp.flat)
+            raise err
+        first = precs[idxs[0]]
+        for i in idxs[1:]:
+            if precs[i] is not first and precs[i] != first:
+                a, b = tensors[idxs[0]], tensors[i]
+                err = PolicyError(
+                    f"share_scale members get different formats: '{a.hf_name}' is {first.short()} "
+                    f"(by {_by(decided[idxs[0]])}) but '{b.hf_name}' is {precs[i].short()} (by {_by(decided[i])})",
+                    st.span, "one shared scale needs one format: give all members the same rule", src)
+                _add_import_note(err, comp.flat)
+                raise err
+        w = first.weight
+        if w.is_quantized and w.global_scale in ("tensor", "expert"):
+            shared = shared_cache.get(id(first))
+            if shared is None:
+                shared = first.model_copy(update={"weight": w.model_copy(update={"global_scale": "group"})})
+                shared_cache[id(first)] = shared
+                keep_alive.append(first)
+            for i in idxs:
+                precs[i] = shared
+        elif id(st) not in noted:
+            noted.add(id(st))
+            notes.append(f"share_scale at {g['ref']}: members are {first.short()}, which has no per-tensor "
+                         "second-level scale; the group is recorded but changes no bytes")
+        gid = _group_id(members)
+        out.append(ShareScaleGroup(id=gid, members=tuple(m.hf_name for m in members), declared_at=g["ref"]))
+        for i in idxs:
+            group_of[i] = gid
+    return out, group_of, notes
+
+
+def _by(ref: Optional[RuleRef]) -> str:
+    return f"{ref} `{ref.text}`" if ref is not None else "default"
+
+
+# ---- explain ---------------------------------------------------------------------------------------------------------
+ExplainStep = tuple[Optional[RuleRef], Precision, bool]
+
+
+def explain(policy_path: PolicySource, arch: Architecture, tensor_name_or_glob: str) -> list[ExplainStep]:
+    """The decision chain of ONE tensor: the tensor named `tensor_name_or_glob`, or the first (HF order) tensor the
+    glob matches. See `explain_all` for the step semantics."""
+    return next(iter(explain_all(policy_path, arch, tensor_name_or_glob).values()))
+
+
+def explain_all(policy_path: PolicySource, arch: Architecture,
+                tensor_name_or_glob: str) -> dict[str, list[ExplainStep]]:
+    """For every tensor whose HF name equals / glob-matches `tensor_name_or_glob` (in HF order): the chain of
+    (rule, precision, won) that decided it. The first step is the baseline: the `default` statement's RuleRef (or
+    None when the policy has no default: checkpoint dtype); later steps are the matching rules in source order; exactly
+    one step has won=True. Quantized rules that do not apply to a non-linear tensor are omitted. Share-scale groups
+    are reflected in the precision of the winning step (weight global_scale='group')."""
+    plan = resolve(policy_path, arch)
+    comp = compile_policy(policy_path, arch)
+    pat = tensor_name_or_glob
+    if any(c in pat for c in "*?["):
+        rx = re.compile(fnmatch.translate(pat))
+        idxs = [i for i, t in enumerate(arch.tensors) if rx.match(t.hf_name)]
+    else:
+        idxs = [i for i, t in enumerate(arch.tensors) if t.hf_name == pat]
+    if not idxs:
+        names = [t.hf_name for t in arch.tensors if abs(len(t.hf_name) - len(pat)) <= 4]
+        close = difflib.get_close_matches(pat, names, n=1, cutoff=0.7)
+        hint = f"did you mean '{close[0]}'?" if close else "use a full HF name or a glob, e.g. 'model.layers.0.*'"
+        raise PolicyError(f"no tensor of '{arch.name}' matches '{pat}'", hint=hint)
+    out: dict[str, list[ExplainStep]] = {}
+    dt_cache: dict = {}
+    for i in idxs:
+        t = arch.tensors[i]
+        linear = t.role in LINEAR_ROLES
+        is_mtp = t.mtp is not None
+        base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
+            _nonlinear_default(comp.default, t.dtype, dt_cache)
+        mine = [r for r in comp.rules if r.matcher.matches_key(t.role, t.layer, is_mtp)
+                and (r.matcher.name_re is None or r.matcher.name_re.match(t.hf_name))]
+        _, _, _, applied = _decide(mine, base, linear)
+        steps: list[ExplainStep] = [(comp.default_ref if (comp.default is not None and base is comp.default) else None,
+                                     base, False)]
+        steps += [(r.ref, r.precision, False) for r in applied]
+        final = plan.tensors[i].precision
+        last = steps[-1]
+        steps[-1] = (last[0], final, True)
+        out[t.hf_name] = steps
+    return out
