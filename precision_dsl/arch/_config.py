@@ -26,7 +26,7 @@ Count = Annotated[int, Field(strict=True, ge=0, le=64)]
 StrictBool = Annotated[bool, Field(strict=True)]
 
 DTYPES = ("bfloat16", "float16", "float32")
-MAX_TENSORS = 2_000_000
+MAX_TENSORS = 1_000_000  # DeepSeek-V3: 46k; Kimi-K2-like 384 experts x 61 layers: ~70k
 MAX_PARAMS = 20_000_000_000_000  # 20 T parameters
 
 
@@ -81,7 +81,9 @@ def validate_config(model: type[C], raw: dict[str, Any], source: str) -> C:
             if err["type"] == "missing":
                 lines.append(f"field '{loc}' is missing")
             elif err["loc"]:
-                lines.append(f"field '{loc}': {msg} (got {err.get('input')!r})")
+                got = repr(err.get("input"))
+                got = got if len(got) <= 60 else got[:57] + "..."
+                lines.append(f"field '{loc}': {msg} (got {got})")
             else:
                 lines.append(msg)
         raise ArchitectureError(

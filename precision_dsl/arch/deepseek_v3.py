@@ -147,8 +147,11 @@ def emit_mtp(e: Emitter, cfg: DeepseekConfig, k: int) -> None:
     e.add(f"{hf}.shared_head.head.weight", (v, h), "mtp.lm_head", s, sg="model.shared_head.head")
 
 
-def build(raw: dict[str, Any], source: str) -> tuple[DeepseekConfig, list[TensorInfo]]:
-    cfg = validate_config(DeepseekConfig, raw, source)
+def parse(raw: dict[str, Any], source: str) -> DeepseekConfig:
+    return validate_config(DeepseekConfig, raw, source)
+
+
+def emit(cfg: DeepseekConfig) -> list[TensorInfo]:
     e = Emitter(cfg.checkpoint_dtype)
     emit_embedding(e, cfg.vocab_size, cfg.hidden_size)
     for n in range(cfg.num_hidden_layers):
@@ -156,7 +159,7 @@ def build(raw: dict[str, Any], source: str) -> tuple[DeepseekConfig, list[Tensor
     emit_final_norm_and_head(e, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings)
     for k in range(cfg.num_nextn_predict_layers):
         emit_mtp(e, cfg, k)
-    return cfg, e.tensors
+    return e.tensors
 
 
 def summary(cfg: DeepseekConfig) -> dict[str, int]:

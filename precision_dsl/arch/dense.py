@@ -49,8 +49,11 @@ class DenseConfig(BaseLMConfig):
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
 
-def build(raw: dict[str, Any], source: str) -> tuple[DenseConfig, list[TensorInfo]]:
-    cfg = validate_config(DenseConfig, raw, source)
+def parse(raw: dict[str, Any], source: str) -> DenseConfig:
+    return validate_config(DenseConfig, raw, source)
+
+
+def emit(cfg: DenseConfig) -> list[TensorInfo]:
     mt = cfg.model_type
     qkv_bias = mt == "qwen2" or (mt in ("llama", "qwen3") and cfg.attention_bias)
     o_bias = mt in ("llama", "qwen3") and cfg.attention_bias
@@ -65,7 +68,7 @@ def build(raw: dict[str, Any], source: str) -> tuple[DenseConfig, list[TensorInf
         emit_post_attn_norm(e, s, h, moe=False)
         emit_gated_mlp(e, s, hidden=h, inter=cfg.intermediate_size, bias=mlp_bias)
     emit_final_norm_and_head(e, cfg.vocab_size, h, cfg.tie_word_embeddings)
-    return cfg, e.tensors
+    return e.tensors
 
 
 def summary(cfg: DenseConfig) -> dict[str, int]:

@@ -122,13 +122,19 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
             f"{source}: unsupported model_type {model_type!r}",
             hint=f"supported model types: {', '.join(supported_model_types())}",
         )
-    with _gc_paused():
-        cfg, tensors = adapter.build(raw, source)
-    if len(tensors) > MAX_TENSORS:
+    cfg = adapter.parse(raw, source)
+    # Bound the work before building: every block has < 40 non-expert tensors plus 3 per routed expert.
+    blocks = cfg.num_hidden_layers + getattr(cfg, "num_nextn_predict_layers", 0)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
+    estimate = blocks * (3 * experts + 40) + 3
+    if estimate > MAX_TENSORS:
         raise ArchitectureError(
-            f"{source}: config describes {len(tensors)} tensors (limit {MAX_TENSORS})",
-            hint="check num_hidden_layers / num_experts for typos",
+            f"{source}: config describes about {estimate} tensors ({blocks} blocks x {experts} experts; "
+            f"limit {MAX_TENSORS})",
+            hint="check num_hidden_layers / num_experts / n_routed_experts for typos",
         )
+    with _gc_paused():
+        tensors = adapter.emit(cfg)
     total = sum(math.prod(t.shape) for t in tensors)
     if total > MAX_PARAMS:
         raise ArchitectureError(

@@ -66,8 +66,11 @@ class QwenMoeConfig(BaseLMConfig):
         )
 
 
-def build(raw: dict[str, Any], source: str) -> tuple[QwenMoeConfig, list[TensorInfo]]:
-    cfg = validate_config(QwenMoeConfig, raw, source)
+def parse(raw: dict[str, Any], source: str) -> QwenMoeConfig:
+    return validate_config(QwenMoeConfig, raw, source)
+
+
+def emit(cfg: QwenMoeConfig) -> list[TensorInfo]:
     qwen2 = cfg.model_type == "qwen2_moe"
     e = Emitter(cfg.checkpoint_dtype)
     h = cfg.hidden_size
@@ -93,7 +96,7 @@ def build(raw: dict[str, Any], source: str) -> tuple[QwenMoeConfig, list[TensorI
             e.add(f"{s.hf}.mlp.shared_expert_gate.weight", (1, h), "shared_experts.gate_weight", s,
                   meg=f"{s.meg}.mlp.shared_experts.gate_weight")
     emit_final_norm_and_head(e, cfg.vocab_size, h, cfg.tie_word_embeddings)
-    return cfg, e.tensors
+    return e.tensors
 
 
 def summary(cfg: QwenMoeConfig) -> dict[str, int]:
