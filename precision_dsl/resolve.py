@@ -622,21 +622,23 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
                 _add_import_note(err, comp.flat)
                 raise err
         w = first.weight
-        if w.is_quantized and w.global_scale in ("tensor", "expert"):
-            shared = shared_cache.get(id(first))
-            if shared is None:
-                shared = first.model_copy(update={"weight": w.model_copy(update={"global_scale": "group"})})
-                shared_cache[id(first)] = shared
-                keep_alive.append(first)
-            for i in idxs:
-                precs[i] = shared
-        elif id(st) not in noted:
-            noted.add(id(st))
-            notes.append(f"share_scale at {g['ref']}: members are {first.short()}, which has no per-tensor "
-                         "second-level scale; the group is recorded but changes no bytes")
+        if not w.is_quantized:
+            continue  # high-precision members (e.g. the BF16 final layers) have no scale to share: no group
+        if w.global_scale not in ("tensor", "expert", "group"):
+            if id(st) not in noted:
+                noted.add(id(st))
+                notes.append(f"share_scale at {g['ref']}: some members are {first.short()}, which has no "
+                             "second-level (per-tensor) scale, so they form no share-scale group")
+            continue
+        shared = shared_cache.get(id(first))
+        if shared is None:
+            shared = first.model_copy(update={"weight": w.model_copy(update={"global_scale": "group"})})
+            shared_cache[id(first)] = shared
+            keep_alive.append(first)
         gid = _group_id(members)
         out.append(ShareScaleGroup(id=gid, members=tuple(m.hf_name for m in members), declared_at=g["ref"]))
         for i in idxs:
+            precs[i] = shared
             group_of[i] = gid
     return out, group_of, notes
 

@@ -1,0 +1,348 @@
+"""Static checks of a resolved plan against the model and (optionally) the parallel layout.
+
+`check(plan, arch, parallel=None) -> list[Diagnostic]`. Policy-level mistakes are raised by `resolve` as PolicyError;
+these checks find what depends on the model's shapes and on how trainer (Megatron) and rollout (SGLang) shard it:
+
+  block-divisibility  every quantized dim divides into its blocks, for the whole tensor and for every TP shard
+  fused-siblings      q/k/v, gate/up, q_a/kv_a of one instance get one format (serving engines fuse them)
+  share-scale         members of a share-scale group get one format and carry weight global_scale='group'
+  hardware            MXFP8 / NVFP4 only on Blackwell unless the policy says `target hopper emulate`
+  etp-mismatch        per-token (row) activation scales on routed experts need trainer.etp == rollout.etp
+  pipeline-layers     num_layers % pp, and BF16 prefix/suffix runs vs Megatron's --num-layers-at-{start,end}-in-bf16
+  scale-scope         weight_scale=per_expert on a tensor that is not a routed expert (warning)
+
+Findings about many tensors with the same cause (e.g. 256 experts x 58 layers) are reported once, naming the first
+tensor and how many more share the problem.
+
+Layout facts used (HF weight layout [N, K] = [out_features, in_features]):
+  * rowwise blocks run along K (the contraction dim); MXFP8 training also keeps a columnwise copy, blocked along N
+    (TE MXFP8Quantizer needs last dim % 32 and prod(leading dims) % 32);
+  * NVFP4 needs K % 16 (and N % 16 for 16x16 weight blocks); FP8-block tolerates partial blocks in a whole tensor
+    but a TP shard boundary must not cut a 128-block (SGLang: "weight_block_size must divide the partition");
+  * column-parallel layers (q/k/v/q_b/kv_b, gate/up, lm_head) split N by tp; row-parallel (o, down) split K by tp;
+    routed experts use the expert-TP size etp. q_a/kv_a and MTP eh_proj are replicated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+from .arch.base import Architecture
+from .diagnostics import Diagnostic
+from .plan import ParallelLayout, ParallelSide, Plan, TensorPlan
+from .precision import BLACKWELL_ONLY_KINDS, FormatKind, TensorFormat
+
+COLUMN_PARALLEL = frozenset({
+    "attn.q", "attn.k", "attn.v", "attn.q_b", "attn.kv_b", "mlp.gate", "mlp.up", "shared_experts.gate",
+    "shared_experts.up", "routed_experts.gate", "routed_experts.up", "lm_head", "mtp.lm_head",
+})
+ROW_PARALLEL = frozenset({"attn.o", "mlp.down", "shared_experts.down", "routed_experts.down"})
+TE_YAML_HINT = ("express it with the per-stage TE precision YAML (--te-precision-config-file) that the megatron "
+                "backend emits, instead of --num-layers-at-{start,end}-in-bf16")
+
+
+def check(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout] = None) -> list[Diagnostic]:
+    parallel = parallel if parallel is not None else plan.parallel
+    diags: list[Diagnostic] = []
+    diags += check_hardware(plan)
+    diags += check_block_divisibility(plan, arch, parallel)
+    diags += check_fused_siblings(plan)
+    diags += check_share_scale(plan)
+    diags += check_scale_scope(plan)
+    if parallel is not None:
+        diags += check_etp(plan, parallel)
+        diags += check_pipeline(plan, parallel)
+    return diags
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------------
+class _Aggregator:
+    """Collect (key -> tensors) and emit one Diagnostic per key naming the first tensor and the count of others."""
+
+    def __init__(self):
+        self.items: dict[tuple, list[str]] = {}
+        self.meta: dict[tuple, tuple[str, str, str, str]] = {}
+
+    def add(self, key: tuple, tensor: str, severity: str, code: str, message: str, hint: str) -> None:
+        self.items.setdefault(key, []).append(tensor)
+        self.meta.setdefault(key, (severity, code, message, hint))
+
+    def diagnostics(self) -> list[Diagnostic]:
+        out = []
+        for key, names in self.items.items():
+            severity, code, message, hint = self.meta[key]
+            more = f" (and {len(names) - 1} more tensor{'s' if len(names) > 2 else ''} like it)" if len(names) > 1 else ""
+            out.append(Diagnostic(severity=severity, code=code, message=f"{names[0]}: {message}{more}", hint=hint,
+                                  tensor=names[0]))  # type: ignore[arg-type]
+        return out
+
+
+def _matrix(shape: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    if len(shape) < 2:
+        return None
+    k = shape[-1]
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n, k
+
+
+def _dim_problems(n: int, k: int, w: TensorFormat, a: TensorFormat, g: TensorFormat, quantized_bwd: bool,
+                  shard_axis: Optional[str] = None) -> list[str]:
+    """Problems of one [n, k] weight (a whole tensor or one shard). `shard_axis` (N|K) marks a TP-split dim,
+    where FP8-block tiles must not be cut."""
+    probs = []
+    if w.kind == FormatKind.MXFP8:
+        if k % 32:
+            probs.append(f"K={k} is not a multiple of 32 (MXFP8 rowwise 1x32 blocks)")
+        if n % 32:
+            probs.append(f"N={n} is not a multiple of 32 (MXFP8 columnwise copy for training / 32x32 blocks)")
+    elif w.kind == FormatKind.NVFP4:
+        if k % 16:
+            probs.append(f"K={k} is not a multiple of 16 (NVFP4 1x16 blocks)")
+        if w.block and w.block[0] == 16 and n % 16:
+            probs.append(f"N={n} is not a multiple of 16 (NVFP4 16x16 weight blocks)")
+    elif w.kind == FormatKind.FP8_BLOCK and shard_axis is not None:
+        br, bc = w.block or (128, 128)
+        if shard_axis == "N" and n % br:
+            probs.append(f"shard N={n} cuts a {br}-row FP8 block (shard boundaries must align to blocks)")
+        if shard_axis == "K" and k % bc:
+            probs.append(f"shard K={k} cuts a {bc}-column FP8 block (shard boundaries must align to blocks)")
+    # activations share K with the weight: only report when the weight did not already (weight-hp, act-quantized)
+    if a.kind != w.kind and a.kind in (FormatKind.MXFP8, FormatKind.NVFP4) and a.block and k % a.block[1]:
+        probs.append(f"activation K={k} is not a multiple of {a.block[1]} ({a.kind.value} activation blocks)")
+    # quantized output gradients [M, N] are blocked along N: covered by the MXFP8 weight's N % 32 rule above
+    if quantized_bwd and g.kind != w.kind and g.kind == FormatKind.MXFP8 and g.block and n % g.block[1]:
+        probs.append(f"gradient N={n} is not a multiple of {g.block[1]} (MXFP8 output-gradient blocks)")
+    return sorted(set(probs))
+
+
+def _shard(t: TensorPlan, side: ParallelSide, arch: Architecture) -> Optional[tuple[int, str]]:
+    """(split factor, axis) of this tensor on one side, or None when it is not split."""
+    if t.role in ("attn.k", "attn.v"):
+        kv_heads = int(arch.config.get("num_key_value_heads") or arch.config.get("num_attention_heads") or side.tp)
+        f = min(side.tp, kv_heads)  # engines replicate KV heads beyond tp == num_kv_heads
+        return (f, "N") if f > 1 else None
+    tp = side.etp if t.role.startswith("routed_experts.") else side.tp
+    if tp <= 1:
+        return None
+    if t.role in COLUMN_PARALLEL:
+        return tp, "N"
+    if t.role in ROW_PARALLEL:
+        return tp, "K"
+    return None
+
+
+# ---- checks --------------------------------------------------------------------------------------------------------
+def check_block_divisibility(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout]) -> list[Diagnostic]:
+    agg = _Aggregator()
+    sides = [] if parallel is None else [("trainer", parallel.trainer), ("rollout", parallel.rollout)]
+    cache: dict = {}
+    for t in plan.tensors:
+        if not t.is_linear or not t.precision.is_quantized:
+            continue
+        nk = _matrix(t.shape)
+        if nk is None:
+            continue
+        p = t.precision
+        qbwd = p.backward.value == "quantized"
+        key = (t.role, nk, id(p))
+        if key not in cache:
+            found = []
+            for prob in _dim_problems(nk[0], nk[1], p.weight, p.activation, p.grad, qbwd):
+                found.append((prob, ""))
+            for side_name, side in sides:
+                sh = _shard(t, side, arch)
+                if sh is None:
+                    continue
+                f, axis = sh
+                n, k = nk
+                size = n if axis == "N" else k
+                if size % f:
+                    found.append((f"{axis}={size} does not split evenly over {side_name} "
+                                  f"{'etp' if t.role.startswith('routed_experts.') else 'tp'}={f}", side_name))
+                    continue
+                sn, sk = (n // f, k) if axis == "N" else (n, k // f)
+                for prob in _dim_problems(sn, sk, p.weight, p.activation, p.grad, qbwd, shard_axis=axis):
+                    found.append((f"{prob} in each {side_name} shard [{sn}, {sk}] "
+                                  f"({'etp' if t.role.startswith('routed_experts.') else 'tp'}={f})", side_name))
+            cache[key] = found
+        for prob, side_name in cache[key]:
+            hint = ("keep this tensor in bf16 (add a rule), choose a format whose block divides the dims"
+                    if not side_name else f"change the {side_name} tensor-parallel size, or keep the tensor in bf16")
+            agg.add(("blocks", t.role, nk, id(p), prob), t.hf_name, "error", "block-divisibility",
+                    f"{p.weight.short()} on shape {list(t.shape)}: {prob}", hint)
+    return agg.diagnostics()
+
+
+def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
+    """Siblings that engines fuse into one GEMM must agree in format (weight kind/block, activation, backward).
+    The weight's second-level scale scope may differ only by share_scale ('group' vs per tensor) handled in
+    check_share_scale, so it is ignored here."""
+    by_instance: dict[tuple, list[TensorPlan]] = defaultdict(list)
+    fused = _fused_group_of(plan)
+    for t in plan.tensors:
+        g = fused.get(t.role)
+        if g is not None and t.is_linear:
+            by_instance[(t.layer, t.expert, t.mtp, g)].append(t)
+    agg = _Aggregator()
+    for (layer, expert, mtp, g), members in by_instance.items():
+        keys = {_fusion_key(m) for m in members}
+        if len(keys) > 1:
+            a = members[0]
+            b = next(m for m in members if _fusion_key(m) != _fusion_key(a))
+            agg.add(("fused", g, a.role, b.role, a.precision.short(), b.precision.short()), a.hf_name, "error",
+                    "fused-siblings",
+                    f"is {a.precision.short()} but its fused sibling {b.hf_name} is {b.precision.short()}; "
+                    f"serving engines run the {g} siblings as one GEMM",
+                    "give the siblings one rule, e.g. `routed_experts.{gate, up}: ...` or `attn.{q, k, v}: ...`")
+    return agg.diagnostics()
+
+
+def _fused_group_of(plan: Plan) -> dict[str, str]:
+    from .arch.base import FUSED_SIBLINGS
+
+    return {role: g for g, roles in FUSED_SIBLINGS.items() for role in roles}
+
+
+def _fusion_key(t: TensorPlan):
+    p = t.precision
+    w = p.weight
+    return (w.kind, w.element, w.block, w.scale_dtype, p.activation, p.grad, p.backward)
+
+
+def check_share_scale(plan: Plan) -> list[Diagnostic]:
+    by_name = {t.hf_name: t for t in plan.tensors} if plan.share_scale_groups else {}
+    out = []
+    for g in plan.share_scale_groups:
+        members = [by_name.get(m) for m in g.members]
+        missing = [m for m, t in zip(g.members, members) if t is None]
+        if missing:
+            out.append(Diagnostic(severity="error", code="share-scale", tensor=missing[0],
+                                  message=f"{missing[0]}: member of share-scale group {g.id} is not in the plan",
+                                  hint="re-resolve the plan against this model"))
+            continue
+        precs = {t.precision for t in members}
+        if len(precs) > 1:
+            a, b = members[0], next(t for t in members if t.precision != members[0].precision)
+            out.append(Diagnostic(severity="error", code="share-scale", tensor=a.hf_name,
+                                  message=f"{a.hf_name} is {a.precision.short()} but {b.hf_name} in the same share-"
+                                  f"scale group {g.id} is {b.precision.short()}",
+                                  hint="one shared scale needs one format: give the members the same rule"))
+        elif members and members[0].weight.is_quantized and members[0].weight.global_scale != "group":
+            out.append(Diagnostic(severity="error", code="share-scale", tensor=members[0].hf_name,
+                                  message=f"{members[0].hf_name}: share-scale group {g.id} but the weight format "
+                                  f"{members[0].weight.short()} does not use a group scale",
+                                  hint="re-resolve the plan with policyc (the resolver sets global_scale='group')"))
+    return out
+
+
+def check_hardware(plan: Plan) -> list[Diagnostic]:
+    if plan.target != "hopper" or plan.emulate:
+        return []
+    agg = _Aggregator()
+    for t in plan.tensors:
+        if not t.is_linear:
+            continue
+        kinds = {t.weight.kind, t.activation.kind, t.grad.kind} & BLACKWELL_ONLY_KINDS
+        for k in sorted(kinds, key=lambda x: x.value):
+            agg.add(("hw", k), t.hf_name, "error", "hardware",
+                    f"{k.value} GEMMs run natively only on Blackwell, but the plan targets hopper",
+                    "use `target blackwell`, `target hopper emulate` (exact emulation, no speed-up), or fp8 / "
+                    "fp8_block on Hopper")
+    return agg.diagnostics()
+
+
+def check_scale_scope(plan: Plan) -> list[Diagnostic]:
+    agg = _Aggregator()
+    for t in plan.tensors:
+        if t.is_linear and t.weight.is_quantized and t.weight.global_scale == "expert" and \
+                not t.role.startswith("routed_experts."):
+            agg.add(("scope", t.role), t.hf_name, "warning", "scale-scope",
+                    "weight_scale=per_expert on a tensor that is not a routed expert; it means per tensor here",
+                    "use weight_scale=per_tensor outside routed experts")
+    return agg.diagnostics()
+
+
+def check_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
+    tr, ro = parallel.trainer.etp, parallel.rollout.etp
+    if tr == ro:
+        return []
+    agg = _Aggregator()
+    for t in plan.tensors:
+        if t.role.startswith("routed_experts.") and t.activation.is_quantized and t.activation.global_scale == "row":
+            agg.add(("etp",), t.hf_name, "error", "etp-mismatch",
+                    f"per-token activation scales on routed experts need the same expert-TP size in trainer and "
+                    f"rollout, but trainer etp={tr} and rollout etp={ro}",
+                    "set equal expert tensor-parallel sizes (Megatron --expert-tensor-parallel-size, SGLang "
+                    "moe_tp_size = tp / ep / moe_dp), or use act_scale=per_tensor")
+    return agg.diagnostics()
+
+
+def check_pipeline(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
+    pp = parallel.trainer.pp
+    n = plan.num_layers
+    if pp <= 1 or n <= 0:
+        return []
+    out = []
+    if n % pp:
+        out.append(Diagnostic(severity="warning", code="pipeline-layers",
+                              message=f"{n} decoder layers do not split evenly over trainer pp={pp}",
+                              hint="use a pp that divides num_layers, or Megatron's uneven pipeline options "
+                                   "(--decoder-first/last-pipeline-num-layers)"))
+    quantized_layers: dict[int, bool] = {}
+    has_linear: set[int] = set()
+    names: dict[int, str] = {}
+    for t in plan.tensors:
+        if t.layer is None or t.mtp is not None or not t.is_linear:
+            continue
+        has_linear.add(t.layer)
+        names.setdefault(t.layer, t.hf_name)
+        if t.weight.is_quantized or t.activation.is_quantized:
+            quantized_layers[t.layer] = True
+    if not quantized_layers:
+        return out
+    hp = [layer for layer in range(n) if layer in has_linear and not quantized_layers.get(layer)]
+    hp_set = set(hp)
+    prefix = 0
+    while prefix in hp_set:
+        prefix += 1
+    suffix = 0
+    while (n - 1 - suffix) in hp_set:
+        suffix += 1
+    per_stage = n // pp
+    if per_stage == 0:
+        return out
+    if suffix > per_stage:
+        first = n - suffix
+        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(first),
+                              message=f"{names.get(first)}: the BF16 suffix (layers {first}..{n - 1}, {suffix} "
+                                      f"layers) is longer than one pipeline stage ({per_stage} layers at pp={pp}); "
+                                      "--num-layers-at-end-in-bf16 cannot express it",
+                              hint=TE_YAML_HINT))
+    if prefix > per_stage:
+        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(0),
+                              message=f"{names.get(0)}: the BF16 prefix (layers 0..{prefix - 1}, {prefix} layers) is "
+                                      f"longer than one pipeline stage ({per_stage} layers at pp={pp}); "
+                                      "--num-layers-at-start-in-bf16 cannot express it",
+                              hint=TE_YAML_HINT))
+    middle = [layer for layer in hp if prefix <= layer < n - suffix]
+    if middle:
+        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(middle[0]),
+                              message=f"{names.get(middle[0])}: BF16 layers in the middle of the stack "
+                                      f"({_ranges(middle)}) cannot be expressed by --num-layers-at-{{start,end}}-in-bf16",
+                              hint=TE_YAML_HINT))
+    return out
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:  # type: ignore[list-item]
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}..{prev}" if start != prev else str(start))
+        if x is not None:
+            start = prev = x
+    return ", ".join(out)
