@@ -149,6 +149,11 @@ def _syntax_hint(tok: Token, expected: set[str]) -> str:
         return "close the policy block with '}'"
     if "COLON" in expected and tok.type in ("_NL", "$END", "RBRACE", "SEMICOLON"):
         return "a rule is `<selector>: <format>`, e.g. `routed_experts: mxfp8`"
+    if expected == {"LSQB"} or "LSQB" in expected and "COLON" not in expected:
+        return ('`layers` takes a slice, e.g. layers[-15%:]; to match raw HF names use '
+                'name("model.layers.*.mlp.gate.weight")')
+    if "RSQB" in expected:
+        return "layer slices look like layers[0:3], layers[-15%:], layers[0, 5, -1]"
     if tok.type == "COLON" and "COLON" not in expected:
         return "only one ':' per rule; a format follows the selector, e.g. `attn.kv_b: bf16`"
     if "NAME" in expected and tok.type in ("_NL", "$END", "SEMICOLON", "RBRACE"):
