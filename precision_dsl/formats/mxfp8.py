@@ -185,8 +185,9 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return (vb * dec).reshape(q.shape).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", tile_2d: bool = False) -> torch.Tensor:
-    """dequantize(quantize(x)) in x.dtype, without building the QuantizedTensor (same bits, fewer passes)."""
+def fake_quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", tile_2d: bool = False,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """dequantize(quantize(x)) in `out_dtype` (default x.dtype), without building the QuantizedTensor (same bits)."""
     _check_element(element)
     what = f"mxfp8/{element} fake_quantize"
     x2, shape = as_2d_fp32(x, what)
@@ -197,4 +198,4 @@ def fake_quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", til
     e = scale_from_amax(amax, element)
     data = fp8_bytes_satfinite(xb * e8m0_to_multiplier(e), element, nan_byte=NAN_BYTE)
     out = fp8_bytes_to_f32(data, element) * e8m0_to_scale(e)
-    return out.reshape(shape).to(x.dtype)
+    return out.reshape(shape).to(out_dtype or x.dtype)

@@ -72,17 +72,7 @@ E4M3_MAX = 448.0
 GLOBAL_NUMERATOR = 2688.0  # 448 * 6 (TE; 1536 = 256 * 6 only with 4over6-256, not supported here)
 # E2M1 magnitudes by index 0..7; codes 8..15 are the negatives (code 8 is -0.0).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Bucket boundaries for RNE to E2M1: idx = #{b in BOUNDS : b < |y|}. Ties at 0.25, 1.25, 2.5, 5 go down (boundary is
-# the tie itself); ties at 0.75, 1.75, 3.5 go up, so their boundary is the fp32 value just below the tie.
-_TIE_DOWN = (0.25, 1.25, 2.5, 5.0)
-_TIE_UP = (0.75, 1.75, 3.5)
 SCOPES = ("tensor", "row")
-
-
-def _e2m1_boundaries(device) -> torch.Tensor:
-    up = torch.nextafter(torch.tensor(_TIE_UP, dtype=torch.float32), torch.tensor(0.0))
-    b = torch.cat([torch.tensor(_TIE_DOWN, dtype=torch.float32), up]).sort().values
-    return b.to(device)
 
 
 def make_format(scope: str = "tensor", tile_2d: bool = False) -> TensorFormat:
@@ -123,11 +113,29 @@ def _block_scale_and_enc(amax_b: torch.Tensor, s_enc: torch.Tensor, s_dec: torch
     return sf, enc
 
 
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """uint8 E2M1 codes (0..15) of fp32 y (already scaled): RNE on |y| clamped to 6, sign = (y < 0)."""
-    idx = torch.bucketize(y.abs().clamp(max=E2M1_MAX), _e2m1_boundaries(y.device)).to(torch.uint8)
-    neg = (y < 0).to(torch.uint8) << 3
-    return idx | neg
+def e2m1_round(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 round-to-nearest-even of fp32 y, saturating at 6: returns (|value| on the grid
+    {0, .5, 1, 1.5, 2, 3, 4, 6} as fp32, negative mask y < 0).
+
+    Vectorized with the "magic number" trick, which is ONE correctly rounded fp32 addition: for a = |y| the E2M1
+    grid spacing is 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6]; adding C = 2^22, 2^23 or 2^24 (whose fp32 ulp is
+    exactly that spacing) rounds a to the grid with RNE, and subtracting C is exact. Because the grid value's parity
+    equals its E2M1 mantissa parity, the ties land as specified: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2,
+    3.5->4, 5->4. C is picked from a's fp32 exponent (a < 2 -> 2^22, [2, 4) -> 2^23, >= 4 -> 2^24). NaN -> 6
+    (torch.fmin ignores NaN)."""
+    neg = y < 0
+    a = y.abs()
+    torch.fmin(a, torch.full((), E2M1_MAX, dtype=torch.float32, device=y.device), out=a)
+    c_bits = (a.view(torch.int32) >> 23).clamp_(127, 129).add_(22).bitwise_left_shift_(23)
+    magic = c_bits.view(torch.float32)
+    return a.add_(magic).sub_(magic), neg
+
+
+def e2m1_codes(r: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (sign << 3 | index) from `e2m1_round`'s output. For r >= 1 the index is the fp32 exponent and
+    top mantissa bit: (bits >> 22) - 252 (1 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7); 0 -> 0, 0.5 -> 1."""
+    idx = ((r.view(torch.int32) >> 22) - 252).clamp_(min=0) + (r == 0.5).to(torch.int32)
+    return idx.to(torch.uint8) | (neg.to(torch.uint8) << 3)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -176,25 +184,26 @@ def _global_amax(m2: torch.Tensor, scope: str, global_amax, what: str) -> torch.
 
 
 def _quantize_matrix(m2: torch.Tensor, g: torch.Tensor, tile_2d: bool):
-    """Quantize fp32 [R, C] along C. Returns (codes uint8 [R, C], sf e4m3 [R, C/16] or [R/16, C/16],
-    S_enc, S_dec, y-scaled values, enc per element-block) - the latter two for fake quantization."""
+    """Quantize fp32 [R, C] along C (blocks of 16 or 16x16 tiles).
+    Returns (r, neg, sf, s_dec): E2M1 magnitudes and signs in the blocked view, the E4M3 block scales (fp8 tensor,
+    blocked view) and S_dec ([1] or [R])."""
     r, c = m2.shape
     s_enc = global_encode_scale(g)
     s_dec = global_decode_scale(s_enc)
     if tile_2d:
         blocks = m2.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
-        amax_b = abs_amax(blocks, dim=(1, 3), keepdim=True)  # [R/16, 1, C/16, 1]
-        sf, enc = _block_scale_and_enc(amax_b, s_enc, s_dec)  # per-tensor G only: s_enc shape [1]
-        sf_out = sf.view(r // BLOCK, c // BLOCK)
+        amax_b = abs_amax(blocks, dim=(1, 3), keepdim=True)  # [R/16, 1, C/16, 1]; per-tensor G only
+        sf, enc = _block_scale_and_enc(amax_b, s_enc, s_dec)
     else:
         blocks = m2.view(r, c // BLOCK, BLOCK)
         amax_b = abs_amax(blocks, dim=2, keepdim=True)  # [R, C/16, 1]
-        gs = s_enc.view(-1, 1, 1)
-        sf, enc = _block_scale_and_enc(amax_b, gs, s_dec.view(-1, 1, 1))
-        sf_out = sf.view(r, c // BLOCK)
-    y = blocks * enc
-    codes = _e2m1_codes(y).reshape(r, c)
-    return codes, sf_out, s_enc, s_dec, sf
+        sf, enc = _block_scale_and_enc(amax_b, s_enc.view(-1, 1, 1), s_dec.view(-1, 1, 1))
+    mag, neg = e2m1_round(blocks * enc)
+    return mag, neg, sf, s_dec
+
+
+def _scale_2d(sf: torch.Tensor, r: int, c: int, tile_2d: bool) -> torch.Tensor:
+    return sf.reshape(r // BLOCK, c // BLOCK) if tile_2d else sf.reshape(r, c // BLOCK)
 
 
 def _prepare(x, axis: str, tile_2d: bool, scope: str, global_amax, what: str):
@@ -226,15 +235,16 @@ def quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", tile_2d:
     via `global_amax`; "group" requires it). global_amax: overrides G (1 element; or [rows] with scope="row")."""
     what = f"nvfp4 {'16x16' if tile_2d else '1x16'} {scope} (axis={axis})"
     m2, shape, g, scope = _prepare(x, axis, tile_2d, scope, global_amax, what)
-    codes, sf, s_enc, s_dec, _ = _quantize_matrix(m2, g, tile_2d)
+    mag, neg, sf, s_dec = _quantize_matrix(m2, g, tile_2d)
+    codes = e2m1_codes(mag, neg).reshape(m2.shape)
     return QuantizedTensor(fmt=fmt or make_format(scope, tile_2d), shape=shape, data=_pack(codes),
-                           scale=sf.view(torch.uint8).contiguous(), global_scale=s_dec, global_amax=g,
-                           axis=axis, orig_dtype=x.dtype)
+                           scale=_scale_2d(sf, *m2.shape, tile_2d).view(torch.uint8).contiguous(),
+                           global_scale=s_dec, global_amax=g, axis=axis, orig_dtype=x.dtype)
 
 
-def _decode_matrix(codes: torch.Tensor, sf: torch.Tensor, s_dec: torch.Tensor, tile_2d: bool) -> torch.Tensor:
-    r, c = codes.shape
-    vals = _codes_to_f32(codes)
+def _decode_matrix(vals: torch.Tensor, sf: torch.Tensor, s_dec: torch.Tensor, tile_2d: bool) -> torch.Tensor:
+    """signed E2M1 values [R, C] (fp32) * f32(sf) * S_dec, in this order (the first product is exact)."""
+    r, c = vals.shape
     sff = sf.float()
     if tile_2d:
         out = vals.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK) * sff.view(r // BLOCK, 1, c // BLOCK, 1) * s_dec
@@ -247,20 +257,22 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """x ~= e2m1(code) * f32(sf) * S_dec (fp32: the first product is exact, one rounding for the second),
     returned in `dtype`, original shape and orientation (axis="col" is transposed back)."""
     tile_2d = q.fmt.block == (16, 16)
-    codes = _unpack(q.data)
-    out = _decode_matrix(codes, q.scale.view(torch.float8_e4m3fn), q.global_scale, tile_2d)
+    vals = _codes_to_f32(_unpack(q.data))
+    out = _decode_matrix(vals, q.scale.view(torch.float8_e4m3fn), q.global_scale, tile_2d)
     if q.axis == "col":
         out = out.t()
     return out.reshape(q.shape).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", tile_2d: bool = False,
-                  global_amax: Optional[torch.Tensor | float] = None) -> torch.Tensor:
-    """dequantize(quantize(x)) in x.dtype (same bits, no nibble packing)."""
+                  global_amax: Optional[torch.Tensor | float] = None,
+                  out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """dequantize(quantize(x)) in `out_dtype` (default x.dtype), same bits, without nibble packing."""
     what = f"nvfp4 fake_quantize {'16x16' if tile_2d else '1x16'} {scope} (axis={axis})"
     m2, shape, g, scope = _prepare(x, axis, tile_2d, scope, global_amax, what)
-    codes, sf, _, s_dec, _ = _quantize_matrix(m2, g, tile_2d)
-    out = _decode_matrix(codes, sf, s_dec, tile_2d)
+    mag, neg, sf, s_dec = _quantize_matrix(m2, g, tile_2d)
+    vals = torch.where(neg, -mag, mag).reshape(m2.shape)  # -0.0 for code 8, like the LUT
+    out = _decode_matrix(vals, _scale_2d(sf, *m2.shape, tile_2d), s_dec, tile_2d)
     if axis == "col":
         out = out.t()
-    return out.reshape(shape).to(x.dtype)
+    return out.reshape(shape).to(out_dtype or x.dtype)
