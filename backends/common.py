@@ -1,0 +1,159 @@
+"""Shared vocabulary of the backends: the error a backend raises when it cannot express a plan exactly, the
+artifact container every emitter returns, atomic writing of artifact directories, and small plan helpers.
+
+Design rule (like sqlglot's dialect generators): each backend module is a pure function `emit(plan) -> [Artifact]`
+that either expresses the plan EXACTLY or raises `UnsupportedByBackend(backend, tensor, capability)`. There is no
+"closest approximation" mode: an RL loop whose trainer and rollout silently disagree on one tensor's format is the bug
+policyc exists to prevent.
+
+Every artifact carries the plan's content hash (`plan_stamp`) so a consumer can refuse a mismatched contract.
+No torch import here (the CLI imports this module's users lazily, but keep it light anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from precision_dsl.arch.base import FUSED_SIBLINGS
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind, TensorFormat
+
+BACKENDS = ("megatron", "sglang", "converter", "weight_update")
+
+# File every backend writes next to its artifacts: the full plan JSON (with content_hash) so a consumer can verify.
+PLAN_FILE = "policyc_plan.json"
+
+
+class UnsupportedByBackend(Exception):
+    """`backend` cannot express the plan for `tensor` exactly because it lacks `capability`.
+
+    Exit code 1 at the CLI (the policy is valid; this consumer cannot honour it)."""
+
+    code = 1
+
+    def __init__(self, backend: str, tensor: str, capability: str, hint: str = ""):
+        self.backend = backend
+        self.tensor = tensor
+        self.capability = capability
+        self.hint = hint
+        super().__init__(f"backend '{backend}' cannot express the plan for tensor '{tensor}': {capability}")
+
+
+class PlanMismatch(Exception):
+    """A consumer was handed an artifact / payload produced for a different plan (content hash differs)."""
+
+    code = 1
+
+    def __init__(self, where: str, expected: str, got: Optional[str], hint: str = ""):
+        self.expected, self.got = expected, got
+        self.hint = hint or "re-run `policyc emit` / `policyc convert` with the same policy and model on both ends"
+        super().__init__(f"{where}: plan content hash mismatch: expected {expected}, got {got or '<none>'}")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One file an emitter produces. `path` is relative to the output directory (e.g. `megatron/args.txt`)."""
+
+    path: str
+    content: Union[str, bytes]
+    description: str = ""
+
+    def data(self) -> bytes:
+        return self.content.encode() if isinstance(self.content, str) else self.content
+
+
+def plan_stamp(plan: Plan) -> dict:
+    """The header every artifact carries: enough to identify the contract and refuse a mismatch."""
+    return {
+        "policyc_version": plan.policyc_version,
+        "policy": plan.policy_name,
+        "model": plan.model,
+        "content_hash": plan.content_hash(),
+    }
+
+
+def dump_json(obj) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False) + "\n"
+
+
+def write_tree_atomic(out_dir: Path, files: Iterable[Artifact], force: bool = False) -> Path:
+    """Write `files` under `out_dir` atomically: everything goes to a temp dir next to `out_dir`, which is then
+    renamed into place. An existing `out_dir` is replaced only with `force` (it is moved aside first and removed
+    after the rename, so a crash never leaves a half-written directory under the final name)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise FileExistsError(f"output directory '{out_dir}' already exists (pass --force to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        for art in files:
+            dest = tmp / art.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(art.data())
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished directory `src` to `dst`, replacing an existing `dst` (caller checked --force)."""
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.rename(dst, old)
+        os.rename(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(src, dst)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plan helpers
+# ---------------------------------------------------------------------------------------------------------------
+def weight_kind(t: TensorPlan) -> str:
+    """The storage kind of a tensor under the plan: 'bf16' / 'fp32' / ... for high precision, else the quantized
+    kind ('mxfp8', 'nvfp4', 'fp8_block', 'fp8'). This is the unit the consistency check compares."""
+    return t.precision.weight.kind.value
+
+
+def is_quantized(t: TensorPlan) -> bool:
+    return t.is_linear and t.precision.weight.is_quantized
+
+
+def module_of(hf_name: str) -> str:
+    """HF module path of a parameter name (drop the trailing `.weight` / `.bias`)."""
+    return hf_name.rsplit(".", 1)[0]
+
+
+def fused_instance(t: TensorPlan) -> Optional[tuple]:
+    """Key of the fused-sibling instance `t` belongs to (serving engines run these as one GEMM), or None.
+    Routed experts fuse gate/up per expert; the expert index is part of the key."""
+    for group, roles in FUSED_SIBLINGS.items():
+        if t.role in roles:
+            return (group, t.mtp, t.layer, t.expert if group == "experts.gate_up" else None)
+    return None
+
+
+def fused_members(plan: Plan) -> dict[tuple, list[TensorPlan]]:
+    out: dict[tuple, list[TensorPlan]] = {}
+    for t in plan.tensors:
+        key = fused_instance(t)
+        if key is not None:
+            out.setdefault(key, []).append(t)
+    return out
+
+
+def hp_torch_dtype_name(fmt: TensorFormat) -> str:
+    """safetensors dtype name for a high-precision storage format."""
+    return {FormatKind.BF16: "bfloat16", FormatKind.FP16: "float16", FormatKind.FP32: "float32"}[fmt.kind]
+
+
+def quantized_kinds(plan: Plan) -> set[FormatKind]:
+    return {t.precision.weight.kind for t in plan.quantized()}

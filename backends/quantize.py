@@ -1,0 +1,224 @@
+"""THE quantize-a-tensor function shared by the checkpoint converter and the live weight-update path.
+
+Both paths call `checkpoint_tensors(...)` (one share-scale group at a time), so for the same source weights they
+produce byte-identical tensors by construction. The numerics come from `precision_dsl.formats` (bit-exact to
+TransformerEngine); this module only decides names, dtypes and layouts of what a serving engine loads:
+
+  format        tensors written for a quantized Linear `X` (HF module path)            engine / source
+  ------------  -----------------------------------------------------------------      -------------------------------
+  mxfp8         X.weight float8_e4m3fn [N,K], X.weight_scale_inv uint8 (E8M0) [N,K/32]  SGLang 0.5.23 `Fp8Config`
+                                                                                       (use_mxfp8), Miles convert_hf_to_mxfp8
+  nvfp4         X.weight uint8 [N,K/2] (element 2j low nibble), X.weight_scale            ModelOpt 0.47 export /
+                float8_e4m3fn [N,K/16], X.weight_scale_2 fp32 scalar (= S_dec =          SGLang `ModelOptFp4Config`
+                G/2688), X.input_scale fp32 scalar 1.0 (unused with per-token activations)
+  fp8_block     X.weight float8_e4m3fn [N,K], X.weight_scale_inv fp32 [ceil(N/128),       DeepSeek-V3 README_WEIGHTS /
+                ceil(K/128)] (dequant multiplier)                                        SGLang `Fp8Config` block
+  high precision  X.weight in the plan's storage dtype (bf16 / fp16 / fp32)
+
+Share-scale groups (e.g. gate+up of one expert under NVFP4): every member is quantized with the group amax
+G = max(amax of all members), so all members get the same `weight_scale_2` (SGLang requires gate == up for w13,
+modelopt_quant.py ~l.2740). A caller must therefore hand over all members of a group together.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind, TensorFormat
+
+from .common import UnsupportedByBackend, module_of
+
+_HP_DTYPES = {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}
+
+# Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
+SUFFIXES = {
+    FormatKind.MXFP8: ("weight", "weight_scale_inv"),
+    FormatKind.NVFP4: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+    FormatKind.FP8_BLOCK: ("weight", "weight_scale_inv"),
+}
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
+
+
+class NonFiniteWeight(ValueError):
+    """A weight holds NaN/Inf; nothing is written or sent."""
+
+    code = 1
+
+    def __init__(self, name: str, n_bad: int):
+        self.hint = "the trainer diverged or the checkpoint is corrupt; fix the weights before converting/sending"
+        super().__init__(f"tensor '{name}' contains {n_bad} NaN/Inf value(s)")
+
+
+def check_supported(t: TensorPlan, backend: str) -> None:
+    """Raise UnsupportedByBackend if a checkpoint (and therefore SGLang/vLLM) cannot store `t` exactly."""
+    w = t.precision.weight
+    if not (t.is_linear and w.is_quantized):
+        if w.is_quantized:
+            raise UnsupportedByBackend(backend, t.hf_name, f"quantized non-linear tensor ({w.short()})")
+        return
+    if t.weight.kind == FormatKind.MXFP8:
+        if w.element != "e4m3" or w.block != (1, 32):
+            raise UnsupportedByBackend(backend, t.hf_name, f"MXFP8 checkpoint weights are e4m3 1x32; plan says "
+                                                           f"{w.short()} ({w.element}, block {w.block})")
+    elif t.weight.kind == FormatKind.NVFP4:
+        if w.block != (1, 16):
+            raise UnsupportedByBackend(backend, t.hf_name, f"ModelOpt NVFP4 stores 1x16 weight blocks; plan says "
+                                                           f"block {w.block}")
+        if w.global_scale not in (None, "tensor", "group"):
+            raise UnsupportedByBackend(backend, t.hf_name, f"ModelOpt NVFP4 has one weight_scale_2 per tensor; "
+                                                           f"plan asks for a '{w.global_scale}' weight global scale")
+    elif t.weight.kind == FormatKind.FP8_BLOCK:
+        if w.block != (128, 128) or w.element != "e4m3":
+            raise UnsupportedByBackend(backend, t.hf_name, f"FP8-block checkpoints are e4m3 128x128; plan says "
+                                                           f"{w.short()} block {w.block}")
+        if w.scale_dtype not in (None, "fp32"):
+            raise UnsupportedByBackend(backend, t.hf_name, "DeepSeek FP8 checkpoints store fp32 weight_scale_inv; "
+                                                           f"plan asks for '{w.scale_dtype}' scales",
+                                       hint="use fp8_block with fp32 scales for the rollout checkpoint")
+    else:
+        raise UnsupportedByBackend(backend, t.hf_name, f"no checkpoint format for {w.short()} weights "
+                                                       "(supported: mxfp8, nvfp4, fp8_block 128x128)")
+    if len(t.shape) != 2:
+        raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
+
+
+def output_specs(t: TensorPlan, source_dtype: str = "bfloat16") -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor written for `t`, without touching data. Lets the
+    converter write a safetensors header before quantizing (streaming) and lets manifests be derived."""
+    mod = module_of(t.hf_name)
+    w = t.precision.weight
+    if not (t.is_linear and w.is_quantized):
+        dt = {FormatKind.BF16: "BF16", FormatKind.FP16: "F16", FormatKind.FP32: "F32"}[w.kind]
+        return [(t.hf_name, dt, tuple(t.shape))]
+    n, k = t.shape
+    if w.kind == FormatKind.MXFP8:
+        return [(f"{mod}.weight", "F8_E4M3", (n, k)), (f"{mod}.weight_scale_inv", "U8", (n, k // 32))]
+    if w.kind == FormatKind.NVFP4:
+        return [(f"{mod}.weight", "U8", (n, k // 2)), (f"{mod}.weight_scale", "F8_E4M3", (n, k // 16)),
+                (f"{mod}.weight_scale_2", "F32", ()), (f"{mod}.input_scale", "F32", ())]
+    if w.kind == FormatKind.FP8_BLOCK:
+        return [(f"{mod}.weight", "F8_E4M3", (n, k)),
+                (f"{mod}.weight_scale_inv", "F32", (-(-n // 128), -(-k // 128)))]
+    raise AssertionError(w.kind)
+
+
+def _fmt_for_quantizer(w: TensorFormat) -> TensorFormat:
+    # Weights are quantized rowwise (blocks along K, the forward copy). A share-scale "group" scope is passed as is
+    # together with the group's amax (formats.nvfp4 requires global_amax for it).
+    return w
+
+
+def _assert_finite(name: str, x: torch.Tensor) -> None:
+    if x.is_floating_point():
+        bad = (~torch.isfinite(x)).sum().item()
+        if bad:
+            raise NonFiniteWeight(name, int(bad))
+
+
+def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backend: str = "converter",
+                       check_finite: bool = True) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors (full names -> tensors, exact dtypes) for one unit of work: a single tensor, or ALL the
+    members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
+    from precision_dsl.formats import quantize
+
+    if check_finite:
+        for t, x in members:
+            _assert_finite(t.hf_name, x)
+    out: dict[str, torch.Tensor] = {}
+    group_amax: Optional[torch.Tensor] = None
+    needs_group = [t for t, _ in members if t.is_linear and t.weight.kind == FormatKind.NVFP4
+                   and t.weight.global_scale == "group"]
+    if needs_group:
+        from precision_dsl.formats.nvfp4 import group_amax as _group_amax
+
+        group_amax = _group_amax([x for t, x in members if t in needs_group])
+    for t, x in members:
+        w = t.precision.weight
+        if tuple(x.shape) != tuple(t.shape):
+            raise ValueError(f"tensor '{t.hf_name}' has shape {tuple(x.shape)}, the plan says {t.shape}")
+        if not (t.is_linear and w.is_quantized):
+            check_supported(t, backend)
+            out[t.hf_name] = x.to(_HP_DTYPES[w.kind]).contiguous()
+            continue
+        check_supported(t, backend)
+        mod = module_of(t.hf_name)
+        ga = group_amax if (w.kind == FormatKind.NVFP4 and w.global_scale == "group") else None
+        if w.kind == FormatKind.NVFP4 and w.global_scale == "group" and t.share_scale_group is None:
+            raise UnsupportedByBackend(backend, t.hf_name, "NVFP4 'group' weight scale without a share-scale group")
+        q = quantize(x, _fmt_for_quantizer(w), axis="row", global_amax=ga)
+        n, k = t.shape
+        if w.kind == FormatKind.MXFP8:
+            out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
+            out[f"{mod}.weight_scale_inv"] = q.scale.reshape(n, k // 32).contiguous()
+        elif w.kind == FormatKind.NVFP4:
+            out[f"{mod}.weight"] = q.data.reshape(n, k // 2).contiguous()
+            out[f"{mod}.weight_scale"] = q.scale[:n, : k // 16].contiguous().view(torch.float8_e4m3fn)
+            out[f"{mod}.weight_scale_2"] = q.global_scale.reshape(()).to(torch.float32).clone()
+            # ModelOpt's static activation scale. With per-token activations (the only NVFP4 activation mode the
+            # SGLang backend accepts) the kernel computes scales per token and this value is unused; Miles writes
+            # 1.0 too (tools/convert_hf_to_nvfp4.py).
+            out[f"{mod}.input_scale"] = torch.ones((), dtype=torch.float32)
+        elif w.kind == FormatKind.FP8_BLOCK:
+            nb, kb = -(-n // 128), -(-k // 128)
+            out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
+            out[f"{mod}.weight_scale_inv"] = q.scale[:nb, :kb].to(torch.float32).contiguous()
+    return out
+
+
+def work_units(plan: Plan, names: Sequence[str]) -> list[list[str]]:
+    """Split `names` (HF tensor names, in order) into units for `checkpoint_tensors`: share-scale groups whose
+    scale is shared (NVFP4 'group') become one unit, placed at the position of their LAST member; everything
+    else is a unit of one. Raises if a group member is missing from `names`."""
+    by = plan.by_name()
+    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+    present = set(names)
+    pos = {n: i for i, n in enumerate(names)}
+    units: list[list[str]] = []
+    done: set[str] = set()
+    for n in names:
+        if n in done:
+            continue
+        t = by[n]
+        g = groups.get(n) if needs_shared_amax(t) else None
+        if g is None:
+            units.append([n])
+            done.add(n)
+            continue
+        missing = [m for m in g.members if m not in present]
+        if missing:
+            raise ValueError(f"share-scale group '{g.id}' is incomplete: {', '.join(missing)} missing")
+        if n == max(g.members, key=pos.__getitem__):
+            units.append(sorted(g.members, key=pos.__getitem__))
+            done.update(g.members)
+    return units
+
+
+def needs_shared_amax(t: TensorPlan) -> bool:
+    return t.is_linear and t.weight.kind == FormatKind.NVFP4 and t.weight.global_scale == "group"
+
+
+def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
+    """Rebuild a QuantizedTensor for plan tensor `t` from its checkpoint tensors (inverse of checkpoint_tensors),
+    or return the plain tensor for a high-precision one. Used by `verify`, the tests and WeightReceiver."""
+    from precision_dsl.formats.base import QuantizedTensor
+
+    w = t.precision.weight
+    if not (t.is_linear and w.is_quantized):
+        return tensors[t.hf_name]
+    mod = module_of(t.hf_name)
+    n, k = t.shape
+    if w.kind == FormatKind.MXFP8:
+        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"].view(torch.uint8),
+                               scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
+    if w.kind == FormatKind.NVFP4:
+        s2 = tensors[f"{mod}.weight_scale_2"].reshape(1).to(torch.float32)
+        return QuantizedTensor(fmt=_fmt_for_quantizer(w), shape=(n, k), data=tensors[f"{mod}.weight"],
+                               scale=tensors[f"{mod}.weight_scale"].view(torch.uint8), global_scale=s2,
+                               axis="row")
+    if w.kind == FormatKind.FP8_BLOCK:
+        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"].view(torch.uint8),
+                               scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
+    raise AssertionError(w.kind)

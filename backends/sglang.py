@@ -1,0 +1,371 @@
+"""SGLang 0.5.23 rollout backend: server args, env vars, and the checkpoint `quantization_config` (with the
+exemption list in SGLang module prefixes) that makes the server run exactly the plan.
+
+Facts used (SGLang 0.5.23 wheel; see ../shared/research/backends.md §C):
+  * The quant method is read from the checkpoint (config.json `quantization_config`, else hf_quant_config.json).
+    `--quantization` must equal it (`_verify_quantization`), so we pass exactly the checkpoint's method.
+  * mxfp8 -> `Fp8Config(use_mxfp8)`: keys quant_method/activation_scheme/fmt/weight_block_size [1,32]/scale_fmt,
+    exemptions in `modules_to_not_convert` matched by `is_layer_skipped` (dotted-path match; fused modules checked
+    shard by shard and they must agree; a FusedMoE `model.layers.N.mlp.experts` is skipped by any entry containing
+    "experts" with that prefix as a substring -> per-expert precision is impossible).
+  * fp8 128x128 block (DeepSeek) -> `Fp8Config`, same exemption key.
+  * NVFP4 -> ModelOpt `modelopt_fp4`: `ignore` (config.json) / `quantization.exclude_modules` (hf_quant_config.json),
+    glob patterns matched against the full prefix or any single dotted part; a FusedMoE is excluded by its
+    container prefix, a fused qkv/gate_up by its fused name -> we list both the HF names and the SGLang fused
+    prefixes (Miles' convert_hf_to_nvfp4.py does the same).
+  * mixed formats: `modelopt_mixed` covers FP8 + NVFP4 per layer only; MXFP8 + NVFP4 or FP8-block + anything has
+    no SGLang method -> UnsupportedByBackend.
+  * `--kv-cache-dtype auto` follows the checkpoint's kv_cache_quant_algo, so bf16 is always passed explicitly.
+  * Routers, embeddings, lm_head (ParallelLMHead) and MTP eh_proj (plain nn.Linear in deepseek_nextn) are never
+    quantized by these methods.
+
+Public API:
+  rollout_config(plan) -> RolloutConfig      # validated; raises UnsupportedByBackend
+  emit(plan) -> list[Artifact]                # sglang/server_args.json, sglang/launch_args.txt, sglang/env.sh,
+                                              # sglang/quantization_config.json (+ hf_quant_config.json for NVFP4)
+  derive_formats(quant_config, arch) -> {hf_name: kind}   # what SGLang would run, from a quantization_config
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind
+
+from .common import (Artifact, UnsupportedByBackend, dump_json, fused_members, is_quantized, module_of,
+                     plan_stamp)
+
+BACKEND = "sglang"
+SGLANG_VERSION = "0.5.23"
+MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
+
+# SGLang fused module name -> HF shard names (layers/quantization/utils.py fused mapping + DeepSeek packed mapping).
+FUSED_SHARDS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "fused_qkv_a_proj_with_mqa": ("q_a_proj", "kv_a_proj_with_mqa"),
+}
+# Roles SGLang never quantizes with these methods (quantizing them cannot be expressed).
+_NEVER_QUANTIZED_ROLES = {"lm_head": "ParallelLMHead is not quantized by fp8/mxfp8/modelopt_fp4 configs",
+                          "mtp.lm_head": "the NextN shared_head.head is a ParallelLMHead (not quantized)",
+                          "mtp.eh_proj": "deepseek_nextn builds eh_proj as a plain nn.Linear (not quantizable)"}
+# Row-parallel roles: their K (input) dim is split across TP ranks; the others split N.
+_ROW_PARALLEL = {"attn.o", "mlp.down", "routed_experts.down", "shared_experts.down"}
+_BLOCK_K = {FormatKind.MXFP8: 32, FormatKind.NVFP4: 16, FormatKind.FP8_BLOCK: 128}
+
+
+@dataclass
+class RolloutConfig:
+    method: Optional[str]  # SGLang --quantization value (None: unquantized checkpoint)
+    quantization_config: Optional[dict]  # config.json "quantization_config"
+    hf_quant_config: Optional[dict]  # hf_quant_config.json (ModelOpt), if any
+    exclude: list[str]  # exemption list as written into the checkpoint config
+    server_args: list[str]
+    env: dict[str, str]
+    notes: list[str] = field(default_factory=list)
+
+
+def _sglang_prefix(t: TensorPlan) -> str:
+    return t.sglang_prefix or module_of(t.hf_name)
+
+
+def _check_fused(plan: Plan) -> None:
+    """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang."""
+    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+    for key, members in fused_members(plan).items():
+        first = members[0]
+        for t in members[1:]:
+            if _serving_key(t) != _serving_key(first):
+                raise UnsupportedByBackend(
+                    BACKEND, t.hf_name,
+                    f"SGLang fuses {', '.join(module_of(m.hf_name).rsplit('.', 1)[-1] for m in members)} into one "
+                    f"GEMM ({_sglang_prefix(first)}): all shards need one precision, but {first.hf_name} is "
+                    f"{first.precision.short()} and this one is {t.precision.short()}",
+                    hint="give the fused siblings the same format in the policy")
+        if first.is_linear and first.weight.kind == FormatKind.NVFP4:
+            gids = {groups[m.hf_name].id if m.hf_name in groups else None for m in members}
+            if len(members) > 1 and (len(gids) != 1 or None in gids
+                                     or set(groups[first.hf_name].members) != {m.hf_name for m in members}):
+                raise UnsupportedByBackend(
+                    BACKEND, first.hf_name,
+                    f"SGLang keeps one NVFP4 weight_scale_2 for the fused module {_sglang_prefix(first)} (it takes "
+                    "gate's / the max and does not requantize the others), so its members must share one global "
+                    "scale",
+                    hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))")
+
+
+def _serving_key(t: TensorPlan) -> tuple:
+    """What a serving quant method fixes for a module: weight element/block/scale dtype and the activation format.
+    The weight global-scale scope (per tensor vs shared by a group) is not part of it: ModelOpt stores one
+    weight_scale_2 per checkpoint tensor either way (group members just carry equal values)."""
+    w = t.precision.weight
+    return (w.kind, w.element, w.block, w.scale_dtype, t.precision.activation)
+
+
+def _check_experts(plan: Plan) -> None:
+    per_layer: dict[tuple, TensorPlan] = {}
+    for t in plan.tensors:
+        if not t.role.startswith("routed_experts."):
+            continue
+        key = (t.mtp, t.layer)
+        ref = per_layer.setdefault(key, t)
+        if _serving_key(t) != _serving_key(ref):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name,
+                f"SGLang's FusedMoE ({_sglang_prefix(t)}) runs all routed experts of a layer (gate/up/down) with one "
+                f"quant method, but {ref.hf_name} is {ref.precision.short()} and this one is {t.precision.short()}",
+                hint="select whole layers of routed experts (routed_experts in layers[...]) in the policy")
+
+
+def _check_tensor(t: TensorPlan, plan: Plan) -> None:
+    from .quantize import check_supported
+
+    if not is_quantized(t):
+        return
+    if t.role in _NEVER_QUANTIZED_ROLES:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"quantized {t.role}: {_NEVER_QUANTIZED_ROLES[t.role]}")
+    check_supported(t, BACKEND)
+    w, a = t.precision.weight, t.precision.activation
+    if w.kind == FormatKind.MXFP8:
+        if a.kind != FormatKind.MXFP8 or a.block != (1, 32):
+            raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang mxfp8 is W8A8 with dynamic 1x32 MXFP8 "
+                                                           f"activations; plan has activations {a.short()}")
+    elif w.kind == FormatKind.FP8_BLOCK:
+        if a.kind != FormatKind.FP8_BLOCK or a.block != (1, 128):
+            raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang block FP8 quantizes activations dynamically "
+                                                           f"1x128; plan has activations {a.short()}")
+        if a.scale_dtype not in (None, "fp32"):
+            raise UnsupportedByBackend(BACKEND, t.hf_name, f"activation scales '{a.scale_dtype}': the SGLang "
+                                                           "triton block-FP8 path uses fp32 scales")
+    elif w.kind == FormatKind.NVFP4:
+        if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name,
+                f"NVFP4 activations {a.short()}: SGLang either needs a calibrated static input_scale (per-tensor) "
+                "or per-token scales (SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION); only per_token is supported",
+                hint="use nvfp4(act_scale=per_token)")
+        if not t.role.startswith("routed_experts."):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name,
+                "per-token NVFP4 activations outside routed experts: SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION "
+                "applies to the FlashInfer MoE runner; the dense ModelOpt FP4 linear uses the static input_scale",
+                hint="keep NVFP4 on routed experts only (Miles does the same)")
+
+
+def _check_shapes(t: TensorPlan, plan: Plan) -> None:
+    if not is_quantized(t) or len(t.shape) != 2:
+        return
+    side = plan.parallel.rollout if plan.parallel else None
+    tp, ep = (side.tp, side.ep) if side else (1, 1)
+    split = max(tp // ep, 1) if t.role.startswith("routed_experts.") else tp
+    kind = t.weight.kind
+    n, k = t.shape
+    bk = _BLOCK_K[kind]
+    k_part = k // split if t.role in _ROW_PARALLEL else k
+    n_part = n // split if t.role not in _ROW_PARALLEL else n
+    if (t.role in _ROW_PARALLEL and k % split) or (t.role not in _ROW_PARALLEL and n % split):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"shape {t.shape} does not split evenly over {split} ranks")
+    if k_part % bk:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {bk} == 0; "
+                                                       f"K per rank is {k_part} (shape {t.shape}, split {split})")
+    if kind == FormatKind.FP8_BLOCK and split > 1 and n_part % 128 and t.role.startswith("routed_experts."):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 MoE needs moe_intermediate/moe_tp % 128 == 0; "
+                                                       f"got {n_part} (moe_tp={split})",
+                                   hint="use expert parallelism (ep) instead of expert TP for the rollout")
+
+
+def _exclusions(plan: Plan, modelopt: bool) -> list[str]:
+    """Every non-quantized linear, in HF module names; plus SGLang fused / container prefixes (ModelOpt matches
+    those, not the shards); FusedMoE containers instead of per-expert names."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def add(name: str) -> None:
+        if name not in seen:
+            seen.add(name)
+            out.append(name)
+
+    by_fused: dict[str, list[TensorPlan]] = {}
+    for t in plan.tensors:
+        if not t.is_linear or is_quantized(t):
+            continue
+        if t.role.startswith("routed_experts."):
+            add(_sglang_prefix(t))  # model.layers.N.mlp.experts (FusedMoE container)
+            continue
+        add(module_of(t.hf_name))
+        prefix = _sglang_prefix(t)
+        last = prefix.rsplit(".", 1)[-1]
+        if prefix != module_of(t.hf_name):
+            if last in FUSED_SHARDS:
+                by_fused.setdefault(prefix, []).append(t)
+                # fp8/mxfp8 check fused modules shard by shard under the SGLang prefix's parent
+                add(f"{prefix.rsplit('.', 1)[0]}.{module_of(t.hf_name).rsplit('.', 1)[-1]}")
+            else:
+                add(prefix)  # MTP NextN names (model.decoder.*), shared_head.head
+    for prefix in by_fused:
+        add(prefix)
+    return out
+
+
+def rollout_config(plan: Plan) -> RolloutConfig:
+    for t in plan.tensors:
+        _check_tensor(t, plan)
+    _check_fused(plan)
+    _check_experts(plan)
+    for t in plan.tensors:
+        _check_shapes(t, plan)
+
+    quant = [t for t in plan.tensors if is_quantized(t)]
+    kinds: dict[FormatKind, TensorPlan] = {}
+    for t in quant:
+        kinds.setdefault(t.weight.kind, t)
+    if len(kinds) > 1:
+        names = sorted(k.value for k in kinds)
+        minority = min(kinds, key=lambda k: sum(1 for t in quant if t.weight.kind == k))
+        raise UnsupportedByBackend(
+            BACKEND, kinds[minority].hf_name,
+            f"one checkpoint mixing {' + '.join(names)}: SGLang {SGLANG_VERSION} has no quant method for this mix "
+            "(modelopt_mixed covers FP8 + NVFP4 only)",
+            hint="use one quantized format for the rollout and keep the rest bf16")
+    side = plan.parallel.rollout if plan.parallel else None
+    tp, ep = (side.tp, side.ep) if side else (1, 1)
+    has_moe = any(t.role.startswith("routed_experts.") for t in plan.tensors)
+    experts_quantized = any(t.role.startswith("routed_experts.") for t in quant)
+    env: dict[str, str] = {}
+    notes: list[str] = []
+    args = ["--tp-size", str(tp)]
+    if has_moe:
+        args += ["--ep-size", str(ep)]
+    args += ["--kv-cache-dtype", "bf16"]  # explicit: `auto` follows the checkpoint's kv_cache_quant_algo
+    kind = next(iter(kinds), None)
+    hf_quant = None
+    if kind is None:
+        method, qcfg, exclude = None, None, []
+        if has_moe:
+            args += ["--moe-runner-backend", "auto"]
+    elif kind == FormatKind.MXFP8:
+        method = "mxfp8"
+        exclude = _exclusions(plan, modelopt=False)
+        qcfg = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [1, 32],
+                "scale_fmt": "ue8m0", "modules_to_not_convert": exclude}
+        args += ["--quantization", "mxfp8", "--fp8-gemm-backend", "triton"]
+        if has_moe:
+            # cutlass MXFP8 MoE has no EP (Miles run_qwen3_30b_a3b.py); flashinfer_trtllm supports EP.
+            args += ["--moe-runner-backend", ("flashinfer_trtllm" if ep > 1 else "cutlass") if experts_quantized
+                     else "auto"]
+        notes.append("MXFP8 GEMMs need SM100 (Blackwell); on Hopper SGLang would convert MXFP8 to 128-block FP8 "
+                     "(not bit-exact) - do not serve this checkpoint on Hopper")
+    elif kind == FormatKind.FP8_BLOCK:
+        method = "fp8"
+        exclude = _exclusions(plan, modelopt=False)
+        qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
+                "modules_to_not_convert": exclude}
+        # DeepGEMM on Blackwell requantizes scales to UE8M0; the triton path keeps the fp32 scales of the plan.
+        args += ["--quantization", "fp8", "--fp8-gemm-backend", "triton"]
+        if has_moe:
+            args += ["--moe-runner-backend", "triton" if experts_quantized else "auto"]
+    elif kind == FormatKind.NVFP4:
+        method = "modelopt_fp4"
+        exclude = _exclusions(plan, modelopt=True)
+        qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": exclude,
+                "kv_cache_scheme": None, "producer": MODELOPT_PRODUCER,
+                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                              "input_activations": {"num_bits": 4, "type": "float",
+                                                                    "group_size": 16, "dynamic": True},
+                                              "targets": ["Linear"]}}}
+        hf_quant = {"producer": MODELOPT_PRODUCER,
+                    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                     "exclude_modules": exclude}}
+        args += ["--quantization", "modelopt_fp4", "--moe-runner-backend", "flashinfer_trtllm_routed"]
+        env.update({"SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION": "1",
+                    "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH": "1",
+                    "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH": "1"})
+        notes.append("NVFP4 GEMMs need SM100 (Blackwell)")
+    else:
+        raise UnsupportedByBackend(BACKEND, kinds[kind].hf_name, f"{kind.value} weights: the converter/SGLang path "
+                                                                 "supports mxfp8, nvfp4 and fp8_block 128x128")
+    return RolloutConfig(method=method, quantization_config=qcfg, hf_quant_config=hf_quant, exclude=exclude,
+                         server_args=args, env=env, notes=notes)
+
+
+def emit(plan: Plan) -> list[Artifact]:
+    cfg = rollout_config(plan)
+    stamp = plan_stamp(plan)
+    env_lines = [f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); SGLang {SGLANG_VERSION}"]
+    env_lines += [f"export {k}={v}" for k, v in sorted(cfg.env.items())]
+    manifest = {"policyc": stamp, "sglang_version": SGLANG_VERSION, "quantization": cfg.method,
+                "server_args": cfg.server_args, "env": cfg.env,
+                "checkpoint": "serve the checkpoint written by `policyc convert` for this plan (its config carries "
+                              "the quantization_config below and policyc_plan.json)",
+                "quantization_config": cfg.quantization_config, "notes": cfg.notes}
+    arts = [Artifact("sglang/server_args.json", dump_json(manifest), "SGLang server args + env + quant config"),
+            Artifact("sglang/launch_args.txt", " ".join(cfg.server_args) + "\n", "argv fragment for launch_server"),
+            Artifact("sglang/env.sh", "\n".join(env_lines) + "\n", "environment for the SGLang server"),
+            Artifact("sglang/quantization_config.json", dump_json({"policyc": stamp,
+                                                                   "quantization_config": cfg.quantization_config}),
+                     "config.json quantization_config of the rollout checkpoint")]
+    if cfg.hf_quant_config is not None:
+        arts.append(Artifact("sglang/hf_quant_config.json", dump_json(cfg.hf_quant_config), "ModelOpt hf_quant_config"))
+    return arts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# derivation: which tensors would SGLang quantize given a quantization_config (used by consistency tests / verify)
+# ---------------------------------------------------------------------------------------------------------------
+def _path_match(prefix: str, entries: set[str]) -> bool:
+    # Fp8Config adds each entry with and without a `model.` prefix; matching is on dotted-path boundaries.
+    cands = {prefix, prefix[len("model."):] if prefix.startswith("model.") else "model." + prefix}
+    return any(c in entries for c in cands)
+
+
+def _fp8_skipped(prefix: str, entries: set[str]) -> bool:
+    last = prefix.rsplit(".", 1)[-1]
+    if last == "experts":
+        return any("experts" in e and prefix in e for e in entries)
+    if last in FUSED_SHARDS:
+        parent = prefix.rsplit(".", 1)[0]
+        flags = [_path_match(f"{parent}.{s}", entries) for s in FUSED_SHARDS[last]]
+        if any(flags) and not all(flags):
+            raise ValueError(f"{prefix}: SGLang requires all shards of fused layers to have the same precision")
+        return all(flags)
+    return _path_match(prefix, entries)
+
+
+def _modelopt_excluded(prefix: str, patterns: list[str]) -> bool:
+    parts = prefix.split(".")
+    for p in patterns:
+        rx = re.compile(fnmatch.translate(p))
+        if rx.match(prefix) or any(rx.match(part) for part in parts):
+            return True
+        tail = p.rsplit(".", 1)[-1]
+        if tail in ("q_a_proj", "kv_a_proj_with_mqa") and prefix.endswith("fused_qkv_a_proj_with_mqa") \
+                and p.rsplit(".", 1)[0] in prefix:
+            return True
+    return False
+
+
+def derive_formats(quant_config: Optional[dict], arch) -> dict[str, str]:
+    """{hf_name: kind} SGLang would run for `arch` under a checkpoint `quantization_config` (None: unquantized).
+    Independent of the plan: reads only the config, with SGLang's own matching rules."""
+    out: dict[str, str] = {}
+    if not quant_config:
+        return {t.hf_name: "bf16" for t in arch.tensors}
+    method = quant_config.get("quant_method")
+    if method == "modelopt":
+        kind = {"NVFP4": "nvfp4"}[quant_config["quant_algo"]]
+        pats = list(quant_config.get("ignore") or quant_config.get("exclude_modules") or [])
+        skipped = lambda p: _modelopt_excluded(p, pats)  # noqa: E731
+    else:
+        kind = "mxfp8" if method == "mxfp8" else "fp8_block"
+        entries = set(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or [])
+        skipped = lambda p: _fp8_skipped(p, entries)  # noqa: E731
+    for t in arch.tensors:
+        if not t.is_linear or t.role in _NEVER_QUANTIZED_ROLES or t.sglang_prefix is None:
+            out[t.hf_name] = "bf16"
+            continue
+        out[t.hf_name] = "bf16" if skipped(t.sglang_prefix) else kind
+    return out
