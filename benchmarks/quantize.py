@@ -1,0 +1,300 @@
+"""Quantize-kernel benchmark on one GPU (written for the H200): our fused Triton kernels vs the physical limit
+(a device-to-device copy of the same bf16 input), our eager references and the best public implementations that
+run on Hopper (torchao prototype.mx_formats; plain PyTorch per-token NVFP4 under torch.compile).
+
+    python benchmarks/quantize.py [--shapes 8192x2048,16384x7168,4096x4096] [--no-sweep] [--json OUT.json]
+
+Timing: triton.testing.do_bench (CUDA events, median), which zeroes a 256 MB buffer before every timed call, so
+every call starts with an L2 that holds none of its input (L2-cold). "bytes" = bytes the op must move at least:
+the bf16 input read once + every output written once. GB/s = bytes / time; "% copy" = GB/s / GB/s of the copy
+(copy bytes = 2 x input bytes, read + write). Peer ratios: peer time / our time (> 1 = we are faster).
+torchao: carry a wheel and `pip install --no-deps` it; peers that fail to import/run are reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLT_MAX = 3.4028234663852886e38
+
+
+def _bench(fn, rep_ms=60):
+    from triton.testing import do_bench
+
+    fn()
+    return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3  # microseconds
+
+
+# ------------------------------------------------------------------------------------------------------- peers
+
+
+def torch_per_token_nvfp4(x):
+    """Straightforward PyTorch per-token NVFP4 (TE-like formulas, not bit-exact: plain `/`), a peer baseline."""
+    import torch
+
+    m, k = x.shape
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    s_enc = (2688.0 / amax).clamp(max=FLT_MAX)
+    s_enc = torch.where(amax == 0, torch.ones_like(s_enc), s_enc)
+    s_dec = 1.0 / s_enc
+    xb = xf.view(m, k // 16, 16)
+    ab = xb.abs().amax(-1, keepdim=True)
+    sf = (ab * (s_enc / 6.0).unsqueeze(-1)).clamp(max=448.0).to(torch.float8_e4m3fn)
+    enc = (1.0 / (sf.float() * s_dec.unsqueeze(-1))).clamp(max=FLT_MAX)
+    y = (xb * enc).clamp(-6.0, 6.0)
+    a = y.abs()
+    idx = ((a > 0.25).to(torch.uint8) + (a >= 0.75).to(torch.uint8) + (a > 1.25).to(torch.uint8)
+           + (a >= 1.75).to(torch.uint8) + (a > 2.5).to(torch.uint8) + (a >= 3.5).to(torch.uint8)
+           + (a > 5.0).to(torch.uint8))
+    code = (idx + (y < 0).to(torch.uint8) * 8).view(m, k)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed, sf.view(m, k // 16), s_dec
+
+
+def _torchao():
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+    from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+
+    return to_mx, ScaleCalculationMode, nvfp4_quantize, per_tensor_amax_to_scale
+
+
+# -------------------------------------------------------------------------------------------------- our configs
+
+SWEEP = {
+    "nvfp4_row": [dict(block_m=1, num_warps=4), dict(block_m=1, num_warps=8), dict(block_m=2, num_warps=4),
+                  dict(block_m=2, num_warps=8), dict(block_m=4, num_warps=8), dict(loop_chunk=128, num_warps=4),
+                  dict(loop_chunk=256, num_warps=8)],
+    "nvfp4_tensor": [dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=16, block_nb=32, num_warps=4),
+                     dict(block_m=16, block_nb=64, num_warps=8), dict(block_m=8, block_nb=64, num_warps=4),
+                     dict(block_m=32, block_nb=32, num_warps=8)],
+    "mxfp8_rowcol": [dict(group=1, nkb=2, num_warps=4), dict(group=1, nkb=4, num_warps=4),
+                     dict(group=1, nkb=4, num_warps=8), dict(group=1, nkb=8, num_warps=8),
+                     dict(group=2, nkb=4, num_warps=8)],
+    "fp8_block_1x128": [dict(block_r=8, block_c=512, num_warps=4), dict(block_r=4, block_c=1024, num_warps=4),
+                        dict(block_r=16, block_c=256, num_warps=8), dict(block_r=8, block_c=1024, num_warps=8)],
+}
+
+
+def _best(name, make_fn, configs, log):
+    best = None
+    for cfg in configs:
+        try:
+            t = _bench(make_fn(cfg))
+        except Exception as e:  # a config that does not compile (e.g. too many registers) is skipped
+            log.append(f"{name} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
+            continue
+        log.append(f"{name} {cfg}: {t:.1f} us")
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    return best
+
+
+def run_shape(m, k, sweep, log):
+    import torch
+
+    from precision_dsl.formats import fp8_block, mxfp8, nvfp4
+    from precision_dsl.kernels import triton_fp8_block as kfb
+    from precision_dsl.kernels import triton_mxfp8 as kmx
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    torch.manual_seed(0)
+    x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+    n = m * k
+    in_b = 2 * n
+    rows = []  # (group, label, us, bytes, kind) kind: copy | ours | ref | peer
+
+    def add(group, label, fn, nbytes, kind):
+        try:
+            t = _bench(fn)
+            rows.append((group, label, t, nbytes, kind))
+        except Exception as e:
+            rows.append((group, label, None, nbytes, kind))
+            log.append(f"{group} / {label}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
+
+    dst = torch.empty_like(x)
+    add("copy", "device-to-device copy (x.copy_)", lambda: dst.copy_(x), 2 * in_b, "copy")
+
+    # ---- NVFP4 per token
+    b_tok = in_b + n // 2 + n // 16 + 8 * m
+    cfg = {}
+    if sweep:
+        best = _best("nvfp4_row", lambda c: (lambda: knv.row_scaled(x, **c)), SWEEP["nvfp4_row"], log)
+        cfg = best[1] if best else {}
+    add("nvfp4 per-token", f"ours (Triton, one pass) {cfg}", lambda: knv.row_scaled(x, **cfg), b_tok, "ours")
+    add("nvfp4 per-token", "our eager reference", lambda: nvfp4.quantize(x, scope="row"), b_tok, "ref")
+    add("nvfp4 per-token", "plain PyTorch, eager", lambda: torch_per_token_nvfp4(x), b_tok, "peer")
+    tok_c = torch.compile(torch_per_token_nvfp4)
+    add("nvfp4 per-token", "plain PyTorch, torch.compile", lambda: tok_c(x), b_tok, "peer")
+
+    # ---- NVFP4 per tensor (amax pass + quantize), and with a given amax
+    b_ten = in_b + n // 2 + n // 16 + 8
+    cfg_t = {}
+    if sweep:
+        best = _best("nvfp4_tensor", lambda c: (lambda: knv.per_tensor(x, **c)), SWEEP["nvfp4_tensor"], log)
+        cfg_t = best[1] if best else {}
+    add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) {cfg_t}",
+        lambda: knv.per_tensor(x, **cfg_t), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "our eager reference", lambda: nvfp4.quantize(x, scope="tensor"), b_ten,
+        "ref")
+    g = knv.tensor_amax(x)
+    add("nvfp4 per-tensor, amax given", f"ours (one pass) {cfg_t}", lambda: knv.per_tensor(x, g, **cfg_t), b_ten,
+        "ours")
+    add("nvfp4 16x16 weight tiles incl. amax", "ours", lambda: knv.per_tensor(x, tile_2d=True), in_b + n // 2
+        + n // 256 + 8, "ours")
+    add("nvfp4 16x16 weight tiles incl. amax", "our eager reference",
+        lambda: nvfp4.quantize(x, scope="tensor", tile_2d=True), in_b + n // 2 + n // 256 + 8, "ref")
+    try:
+        to_mx, SCM, nvfp4_quantize, per_tensor_amax_to_scale = _torchao()
+        have_ao = True
+    except Exception as e:
+        have_ao = False
+        log.append(f"torchao import failed: {type(e).__name__}: {e}")
+    if have_ao:
+        def ao_nvfp4_amax(t):
+            return nvfp4_quantize(t, 16, per_tensor_amax_to_scale(torch.max(torch.abs(t))))
+
+        def ao_nvfp4_given(t, s):
+            return nvfp4_quantize(t, 16, s)
+
+        ao_amax_c = torch.compile(ao_nvfp4_amax)
+        ao_given_c = torch.compile(ao_nvfp4_given)
+        pts = per_tensor_amax_to_scale(torch.max(torch.abs(x)))
+        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, eager", lambda: ao_nvfp4_amax(x), b_ten,
+            "peer")
+        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, torch.compile", lambda: ao_amax_c(x),
+            b_ten, "peer")
+        add("nvfp4 per-tensor, amax given", "torchao nvfp4_quantize (scale given), torch.compile",
+            lambda: ao_given_c(x, pts), b_ten, "peer")
+
+    # ---- MXFP8
+    b_row = in_b + n + n // 32
+    b_rc = in_b + 2 * n + 2 * (n // 32)
+    cfg_m = {}
+    if sweep:
+        best = _best("mxfp8_rowcol", lambda c: (lambda: kmx.quantize_rowcol(x, "e4m3", True, True, **c)),
+                     SWEEP["mxfp8_rowcol"], log)
+        cfg_m = best[1] if best else {}
+    add("mxfp8 e4m3 rowwise+columnwise", f"ours (one read, both copies) {cfg_m}",
+        lambda: kmx.quantize_rowcol(x, "e4m3", True, True, **cfg_m), b_rc, "ours")
+    add("mxfp8 e4m3 rowwise+columnwise", "our eager reference (row + col)",
+        lambda: (mxfp8.quantize(x, "e4m3", axis="row"), mxfp8.quantize(x, "e4m3", axis="col")), b_rc, "ref")
+    add("mxfp8 e4m3 rowwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e4m3", True, False, **cfg_m), b_row,
+        "ours")
+    add("mxfp8 e4m3 columnwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e4m3", False, True, **cfg_m),
+        b_row, "ours")
+    add("mxfp8 e5m2 rowwise+columnwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e5m2", True, True,
+                                                                                     **cfg_m), b_rc, "ours")
+    if have_ao:
+        def ao_row(t):
+            return to_mx(t, torch.float8_e4m3fn, 32, SCM.RCEIL)
+
+        def ao_col(t):
+            return to_mx(t.t().contiguous(), torch.float8_e4m3fn, 32, SCM.RCEIL)
+
+        ao_row_c = torch.compile(ao_row)
+        ao_col_c = torch.compile(ao_col)
+        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, eager", lambda: ao_row(x), b_row, "peer")
+        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, torch.compile", lambda: ao_row_c(x), b_row, "peer")
+        add("mxfp8 e4m3 columnwise", "torchao to_mx RCEIL of x.t(), torch.compile", lambda: ao_col_c(x), b_row,
+            "peer")
+        add("mxfp8 e4m3 rowwise+columnwise", "torchao to_mx RCEIL row + col (two passes), eager",
+            lambda: (ao_row(x), ao_col(x)), b_rc, "peer")
+        add("mxfp8 e4m3 rowwise+columnwise", "torchao to_mx RCEIL row + col (two passes), torch.compile",
+            lambda: (ao_row_c(x), ao_col_c(x)), b_rc, "peer")
+
+    # ---- FP8 block
+    b_fb = in_b + n + 4 * math.ceil(k / 128) * m
+    cfg_f = {}
+    if sweep:
+        best = _best("fp8_block_1x128", lambda c: (lambda: kfb.quantize(x, "e4m3", False, True, False, **c)),
+                     SWEEP["fp8_block_1x128"], log)
+        cfg_f = best[1] if best else {}
+    add("fp8-block 1x128 pow2", f"ours {cfg_f}", lambda: kfb.quantize(x, "e4m3", False, True, False, **cfg_f), b_fb,
+        "ours")
+    add("fp8-block 1x128 pow2", "our eager reference", lambda: fp8_block.quantize(x, "e4m3", (1, 128), True), b_fb,
+        "ref")
+    b_sq = in_b + n + 4 * math.ceil(k / 128) * math.ceil(m / 128)
+    add("fp8-block 128x128 fp32 scale", "ours", lambda: kfb.quantize(x, "e4m3", True, False, False), b_sq, "ours")
+    add("fp8-block 128x128 fp32 scale", "our eager reference",
+        lambda: fp8_block.quantize(x, "e4m3", (128, 128), False), b_sq, "ref")
+    add("fp8-block 1x128 pow2, x.T (colwise)", "ours (transposed store)",
+        lambda: kfb.quantize(x, "e4m3", False, True, True), b_fb, "ours")
+    return rows
+
+
+def render(shape, rows):
+    copy = next(r for r in rows if r[4] == "copy")
+    copy_gbs = copy[3] / copy[2] / 1e3
+    lines = [f"### {shape[0]}x{shape[1]} bf16 (copy: {copy[2]:.1f} us, {copy_gbs:.0f} GB/s)", "",
+             "| op | implementation | us | GB/s | % of copy | fastest peer / this |", "|---|---|---:|---:|---:|---:|"]
+    groups = []
+    for r in rows:
+        if r[0] not in groups:
+            groups.append(r[0])
+    for grp in groups:
+        rs = [r for r in rows if r[0] == grp]
+        peers = [r[2] for r in rs if r[4] == "peer" and r[2] is not None]
+        fastest = min(peers) if peers else None
+        for g_, label, t, nb, kind in rs:
+            if t is None:
+                lines.append(f"| {g_} | {label} | failed | | | |")
+                continue
+            gbs = nb / t / 1e3
+            ratio = f"{fastest / t:.2f}x" if fastest else "-"
+            lines.append(f"| {g_} | {label} | {t:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="8192x2048,16384x7168,4096x4096")
+    ap.add_argument("--no-sweep", action="store_true", help="use default kernel configs, no tuning sweep")
+    ap.add_argument("--json", default=None, help="write raw rows (and the sweep log) to this file")
+    ap.add_argument("--log", default=None, help="write the sweep / failure log to this file")
+    args = ap.parse_args(argv)
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("benchmarks/quantize.py needs a CUDA GPU (run it on the H200 through the device tool)")
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    try:
+        import torchao
+
+        ao_v = torchao.__version__
+    except Exception as e:
+        ao_v = f"not importable ({type(e).__name__})"
+    print(f"device: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), torch "
+          f"{torch.__version__}, triton {triton.__version__}, torchao {ao_v}")
+    log, out = [], {}
+    for s in args.shapes.split(","):
+        m, k = (int(v) for v in s.lower().split("x"))
+        t0 = time.time()
+        rows = run_shape(m, k, not args.no_sweep, log)
+        out[s] = rows
+        print(render((m, k), rows))
+        print(f"({time.time() - t0:.0f} s for this shape)\n", flush=True)
+    if args.log:
+        with open(args.log, "w") as f:
+            f.write("\n".join(log))
+    else:
+        print("\n".join(log))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": out, "log": log}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

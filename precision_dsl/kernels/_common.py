@@ -1,0 +1,118 @@
+"""Shared Triton building blocks of the fused quantize kernels (Hopper sm_90, no Blackwell-only PTX).
+
+Exactness rules every kernel follows (the readable references in precision_dsl/formats/ are the oracle; see
+../shared/research/quantizers.md section 1):
+  * all arithmetic is IEEE fp32 RN without flush-to-zero. Plain Triton fp32 `*`, `+`, min/max lower to
+    `mul.rn.f32` etc. (no .ftz). Divisions use `tl.math.div_rn` (libdevice `__nv_fdiv_rn`); libdevice picks its
+    .ftz variant when Triton's `enable_reflect_ftz` option is on (the default in triton 3.6), so every launch passes
+    LAUNCH_OPTS (`enable_reflect_ftz=False`: IEEE `div.rn.f32`, subnormal results kept). Triton's own fp32 `/` is
+    the approximate `div.full.f32` and is never used.
+  * FMA contraction is switched off (`enable_fp_fusion=False`) so that every product is rounded on its own.
+  * fp32 -> fp8 casts (`.to(tl.float8e4nv / tl.float8e5)`) lower to `cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32` on
+    sm_89+: RNE, finite overflow and +-inf clamp to +-Fmax, NaN -> 0x7F.
+  * block maxima use `tl.maximum` / `tl.max`, i.e. `max.f32`, which ignores NaN like the hardware max in TE's
+    kernels; a final `max(., 0)` makes an all-NaN block 0.
+  * E2M1 / E8M0 conversions are done with ordinary integer/float arithmetic (the Blackwell `cvt ... e2m1x2` and
+    `cvt.rp.satfinite.ue8m0x2` instructions do not exist on sm_90a).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Keyword options added to every kernel launch (see module docstring). The interpreter (TRITON_INTERPRET=1)
+# silently drops them; there numpy's division is IEEE anyway.
+LAUNCH_OPTS = {"enable_reflect_ftz": False, "enable_fp_fusion": False}
+
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite fp32 (constexpr: usable inside kernels)
+
+# Input dtype codes (constexpr): how pairs of elements are packed in one integer word.
+IN_BF16 = 0
+IN_FP16 = 1
+IN_FP32 = 2
+
+
+@triton.jit
+def abs_max0(a, b):
+    """NaN-ignoring max of |a|, |b| (max.f32)."""
+    return tl.maximum(tl.abs(a), tl.abs(b))
+
+
+@triton.jit
+def unpack_pair(u, IN_DTYPE: tl.constexpr):
+    """Split one integer word holding elements (2j, 2j+1) of a row into two exact fp32 values (lo = element 2j).
+
+    bf16/fp16 pairs arrive as int32 (little endian: element 2j in bits 0-15), fp32 pairs as int64. Loading pairs
+    keeps the low/high nibble partners in the same thread, so packing two E2M1 codes per byte needs no reshape or
+    split (layout conversions were the bottleneck of a first per-token kernel, see perf_baseline.md)."""
+    if IN_DTYPE == 0:
+        lo = (u << 16).to(tl.float32, bitcast=True)
+        hi = (u & -65536).to(tl.float32, bitcast=True)
+    elif IN_DTYPE == 1:
+        lo = (u & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (u >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        lo = u.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (u >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def f32_const(bits: tl.constexpr):
+    """fp32 constant from its bit pattern (no double -> float rounding questions)."""
+    return tl.full([], bits, tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_code(y):
+    """E2M1 code (int32 0..15) of fp32 y = RN(x * enc): RNE of min(|y|, 6), sign = (y < 0).
+
+    Rounding to the E2M1 grid with one fp32 add: the grid spacing is 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6];
+    C = 2^(e + 22) with e = max(floor(log2|y|), 0) has ulp(C) = spacing, so RN(|y| + C) - C = k * spacing with k the
+    RNE multiple (ties to even k = ties to the even E2M1 code). The code is then k + 2e:
+      e=0: k in {0,1,2,3,4} -> codes 0..4 (0, .5, 1, 1.5, 2);  e=1: k in {2,3,4} -> 4..6 (2, 3, 4);
+      e=2: k in {2,3} -> 6, 7 (4, 6); |y| = 5 is a tie -> k = 2 -> 4 (even), > 5 -> 6.
+    NaN: min(NaN, 6) = 6 (max.f32 ignores NaN) -> code 7, the reference's choice. -0.0 -> code 0 (y < 0 is false),
+    a negative y that rounds to zero -> code 8 (sign kept), as TE's Python reference."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    e_bits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
+    c_bits = e_bits + (22 << 23)
+    s = a + c_bits.to(tl.float32, bitcast=True)
+    code = s.to(tl.int32, bitcast=True) - c_bits + ((e_bits >> 22) - 254)
+    return code + tl.where(y < 0, 8, 0)
+
+
+@triton.jit
+def e8m0_from_amax(amax, FMAX_RCP: tl.constexpr):
+    """TE `float_to_e8m0(amax * RN(1/Fmax))`: round toward +inf to a power of two, saturate finite.
+
+    Returns (E as int32 0..255, multiplier 2^(127-E) as fp32; E = 254 -> 2^-127 = 0x00400000, E = 0 -> 2^127)."""
+    d = amax * FMAX_RCP
+    bits = d.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    e = exp + tl.where(man != 0, 1, 0)
+    e = tl.where(exp == 0, tl.where(man > 0x400000, 1, 0), e)
+    e = tl.where(exp == 254, 254, e)
+    e = tl.where(exp == 255, tl.where(man != 0, 255, 254), e)  # NaN -> 255, +inf -> 254
+    s_bits = tl.where(e == 254, 0x00400000, (254 - e) << 23)
+    s_bits = tl.where(e == 255, 0x7FC00000, s_bits)
+    return e, s_bits.to(tl.float32, bitcast=True)
+
+
+def in_dtype_code(dtype) -> int:
+    import torch
+
+    return {torch.bfloat16: IN_BF16, torch.float16: IN_FP16, torch.float32: IN_FP32}[dtype]
+
+
+def pair_view(x2):
+    """[M, K] contiguous bf16/fp16/fp32 -> integer view [M, K/2] of element pairs (int32 or int64)."""
+    import torch
+
+    return x2.view(torch.int64 if x2.dtype == torch.float32 else torch.int32)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

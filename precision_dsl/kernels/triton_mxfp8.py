@@ -1,0 +1,97 @@
+"""Fused MXFP8 quantize kernel (Triton, Hopper sm_90), byte-identical to precision_dsl.formats.mxfp8 (TE rule).
+
+`_mxfp8_rowcol_kernel` reads each [32*G, 32*NKB] input tile ONCE (as a 4-D [G, 32, NKB, 32] block, so both
+reductions are plain axis reductions of the same registers, no reshape) and writes
+  * the rowwise copy (1x32 blocks along K): data [M, K] fp8 bytes, scale [M, K/32] E8M0 bytes, and/or
+  * the columnwise copy (32x1 blocks along M, data NOT transposed, TE's layout): data [M, K], scale [M/32, K].
+E4M3 or E5M2 elements. Per block (see the reference docstring):
+    a = NaN-ignoring max|x|;  d = RN(a * RN(1/Fmax));  E = e8m0_round_up_satfinite(d);  s = 2^(127-E)
+    q = cvt.rn.satfinite(RN(x * s))   (x * s is exact; NaN -> 0x7F)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+from ._common import e8m0_from_amax
+
+FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+# RN(1/Fmax) as exact fp32 values (numpy fp32 division is IEEE RN); 1/448 -> 0x3B124925.
+FMAX_RCP = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
+
+
+@triton.jit
+def _to_fp8_bytes(v, E5M2: tl.constexpr):
+    if E5M2:
+        q = v.to(tl.float8e5)
+    else:
+        q = v.to(tl.float8e4nv)
+    return q.to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _mxfp8_rowcol_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K, stride_x,
+                         stride_rd, stride_rs, stride_cd, stride_cs, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
+                         DO_ROW: tl.constexpr, DO_COL: tl.constexpr, G: tl.constexpr, NKB: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    g = tl.arange(0, G)
+    r = tl.arange(0, 32)
+    kb = tl.arange(0, NKB)
+    c = tl.arange(0, 32)
+    rows = pid_m * (G * 32) + g[:, None, None, None] * 32 + r[None, :, None, None]  # [G, 32, 1, 1]
+    kblk = pid_k * NKB + kb  # [NKB] 32-column block index
+    cols = kblk[None, None, :, None] * 32 + c[None, None, None, :]  # [1, 1, NKB, 32]
+    rmask = rows < M
+    cmask = cols < K
+    mask = rmask & cmask
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    if DO_ROW:
+        amax_r = tl.maximum(tl.max(ax, axis=3), 0.0)  # [G, 32, NKB]
+        e_r, s_r = e8m0_from_amax(amax_r, FMAX_RCP)
+        q_r = _to_fp8_bytes(x * s_r[:, :, :, None], E5M2)
+        tl.store(row_data_ptr + rows64 * stride_rd + cols, q_r, mask=mask)
+        rows3 = pid_m * (G * 32) + g[:, None, None] * 32 + r[None, :, None]  # [G, 32, 1]
+        smask = (rows3 < M) & (kblk[None, None, :] * 32 < K)
+        tl.store(row_scale_ptr + rows3.to(tl.int64) * stride_rs + kblk[None, None, :], e_r.to(tl.uint8),
+                 mask=smask)
+    if DO_COL:
+        amax_c = tl.maximum(tl.max(ax, axis=1), 0.0)  # [G, NKB, 32]
+        e_c, s_c = e8m0_from_amax(amax_c, FMAX_RCP)
+        q_c = _to_fp8_bytes(x * s_c[:, None, :, :], E5M2)
+        tl.store(col_data_ptr + rows64 * stride_cd + cols, q_c, mask=mask)
+        srow = pid_m * G + g[:, None, None]  # [G, 1, 1] 32-row block index
+        cols3 = kblk[None, :, None] * 32 + c[None, None, :]  # [1, NKB, 32]
+        smask = (srow * 32 < M) & (cols3 < K)
+        tl.store(col_scale_ptr + srow.to(tl.int64) * stride_cs + cols3, e_c.to(tl.uint8), mask=smask)
+
+
+def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, group=1, nkb=4, num_warps=4):
+    """MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor, both copies from one read of x.
+
+    Needs K % 32 == 0 (rowwise) and M % 32 == 0 (colwise). Returns (row_data, row_scale, col_data, col_scale),
+    None for a copy not asked for. Data are uint8 fp8 bytes [M, K]; scales uint8 E8M0 [M, K/32] / [M/32, K]."""
+    import torch
+
+    m, k = x2.shape
+    dev = x2.device
+    rd = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
+    rs = torch.empty((m, k // 32), dtype=torch.uint8, device=dev) if rowwise else None
+    cd = torch.empty((m, k), dtype=torch.uint8, device=dev) if colwise else None
+    cs = torch.empty((m // 32, k), dtype=torch.uint8, device=dev) if colwise else None
+    if m and k:
+        from ._common import LAUNCH_OPTS
+
+        dummy = rd if rd is not None else cd
+        rd_, rs_ = (rd, rs) if rowwise else (dummy, dummy)
+        cd_, cs_ = (cd, cs) if colwise else (dummy, dummy)
+        grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
+        _mxfp8_rowcol_kernel[grid](x2, rd_, rs_, cd_, cs_, m, k, x2.stride(0), rd_.stride(0), rs_.stride(0),
+                                   cd_.stride(0), cs_.stride(0), FMAX_RCP=FMAX_RCP[element],
+                                   E5M2=element == "e5m2", DO_ROW=rowwise, DO_COL=colwise, G=group, NKB=nkb,
+                                   num_warps=num_warps, **LAUNCH_OPTS)
+    return rd, rs, cd, cs

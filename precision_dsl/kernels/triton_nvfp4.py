@@ -1,0 +1,259 @@
+"""Fused NVFP4 quantize kernels (Triton, Hopper sm_90), byte-identical to precision_dsl.formats.nvfp4 (TE >= 2.14).
+
+Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pair):
+  * `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
+    row amax -> S_enc/S_dec per row -> E4M3 block scales -> packed E2M1. Writes data [M, K/2], scale [M, K/16],
+    S_dec [M] and G [M].
+  * `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
+    non-negative floats) - the first of the two passes of per-tensor NVFP4 (skipped when `global_amax` is given,
+    e.g. for a share-scale group).
+  * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
+    (no host synchronisation): S_enc/S_dec are derived in every program, identically.
+
+Numerics (see the reference's module docstring for the formulas and _common for the exactness rules):
+    S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
+    sf = e4m3_rn(min(RN(a_b * RN(S_enc * RN(1/6))), 448));  enc = min(RN(1/RN(f32(sf) * S_dec)), FLT_MAX)
+    code = E2M1_rne(clamp(RN(x * enc), -6, 6)) | 8 * (y < 0)
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import FLT_MAX, e2m1_code, f32_const, unpack_pair
+
+RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
+
+
+@triton.jit
+def _global_scales(g):
+    """(S_enc, S_dec) from fp32 G (TE compute_global_encode_scaling_factor_FP4)."""
+    g = tl.maximum(g, 0.0)
+    s_enc = tl.minimum(tl.math.div_rn(tl.full(g.shape, 2688.0, tl.float32), g), FLT_MAX)
+    s_enc = tl.where((g == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), s_enc)
+    return s_enc, s_dec
+
+
+@triton.jit
+def _block_scale(amax_b, s_enc, s_dec):
+    """(E4M3 scale byte as uint8, fp32 per-block encode multiplier) for block amaxes (broadcast against s_enc)."""
+    mul = s_enc * f32_const(RCP6_BITS)
+    sf = tl.minimum(amax_b * mul, 448.0).to(tl.float8e4nv)
+    sf_f = sf.to(tl.float32)
+    prod = sf_f * s_dec
+    enc = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), FLT_MAX)
+    return sf.to(tl.uint8, bitcast=True), enc
+
+
+@triton.jit
+def _pack_codes(lo, hi, enc):
+    """Two fp32 elements -> one byte (element 2j low nibble, 2j+1 high nibble)."""
+    c_lo = e2m1_code(lo * enc)
+    c_hi = e2m1_code(hi * enc)
+    return (c_lo | (c_hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
+                             stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = tl.arange(0, BLOCK_NB)
+    pr = tl.arange(0, 8)
+    rmask = rows < M
+    mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
+    r64 = rows.to(tl.int64)
+    offs = r64[:, None, None] * stride_xp + nb[None, :, None] * 8 + pr[None, None, :]
+    u = tl.load(xp_ptr + offs, mask=mask3, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), 0.0)  # [BM, BNB]
+    g = tl.max(amax_b, axis=1)  # [BM]
+    s_enc, s_dec = _global_scales(g)
+    sf, enc = _block_scale(amax_b, s_enc[:, None], s_dec[:, None])
+    packed = _pack_codes(lo, hi, enc[:, :, None])
+    d_offs = r64[:, None, None] * stride_d + nb[None, :, None] * 8 + pr[None, None, :]
+    tl.store(data_ptr + d_offs, packed, mask=mask3)
+    mask2 = rmask[:, None] & (nb < NB)[None, :]
+    tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
+    tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+    tl.store(amax_ptr + rows, g, mask=rmask)
+
+
+@triton.jit
+def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """amax_bits (int32, zero-initialised) = max over the tensor of the bit pattern of |x| (NaN ignored)."""
+    pid_m = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask = (rows < M)[:, None] & (cols < NP)[None, :]
+    u = tl.load(xp_ptr + rows.to(tl.int64)[:, None] * stride_xp + cols[None, :], mask=mask, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    a = tl.maximum(tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), axis=0), 0.0)
+    tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
+                         IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_NB: tl.constexpr):
+    """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
+    TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16])."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    pr = tl.arange(0, 8)
+    rmask = rows < M
+    bmask = nb < NB
+    mask3 = rmask[:, None, None] & bmask[None, :, None]
+    r64 = rows.to(tl.int64)
+    u = tl.load(xp_ptr + r64[:, None, None] * stride_xp + nb[None, :, None] * 8 + pr[None, None, :], mask=mask3,
+                other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    g = tl.load(g_ptr)
+    s_enc, s_dec = _global_scales(g)
+    if (pid_m == 0) & (pid_b == 0):
+        tl.store(sdec_ptr, s_dec)
+    amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, BNB]
+    if TILE_2D:
+        amax_t = tl.maximum(tl.max(amax_b, axis=0), 0.0)  # [BNB]
+        sf, enc = _block_scale(amax_t, s_enc, s_dec)
+        packed = _pack_codes(lo, hi, enc[None, :, None])
+        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+    else:
+        sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc, s_dec)
+        packed = _pack_codes(lo, hi, enc[:, :, None])
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+    tl.store(data_ptr + r64[:, None, None] * stride_d + nb[None, :, None] * 8 + pr[None, None, :], packed,
+             mask=mask3)
+
+
+@triton.jit
+def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
+                                  stride_s, IN_DTYPE: tl.constexpr, CHUNK_NB: tl.constexpr):
+    """Per-row NVFP4, one row per program, the row read twice in CHUNK_NB-block chunks (amax pass, then the
+    quantize pass mostly from L2). Variant for rows too long to keep in registers; also a tuning alternative."""
+    row = tl.program_id(0).to(tl.int64)
+    pr = tl.arange(0, 8)
+    cb = tl.arange(0, CHUNK_NB)
+    acc = tl.zeros([CHUNK_NB], tl.float32)
+    for start in range(0, NB, CHUNK_NB):
+        nb = start + cb
+        m = (nb < NB)[:, None]
+        u = tl.load(xp_ptr + row * stride_xp + nb[:, None] * 8 + pr[None, :], mask=m, other=0)
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        acc = tl.maximum(acc, tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1))
+    g = tl.maximum(tl.max(acc, axis=0), 0.0)
+    s_enc, s_dec = _global_scales(g)
+    for start in range(0, NB, CHUNK_NB):
+        nb = start + cb
+        bm = nb < NB
+        u = tl.load(xp_ptr + row * stride_xp + nb[:, None] * 8 + pr[None, :], mask=bm[:, None], other=0)
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), 0.0)
+        sf, enc = _block_scale(amax_b, s_enc, s_dec)
+        packed = _pack_codes(lo, hi, enc[:, None])
+        tl.store(data_ptr + row * stride_d + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
+        tl.store(scale_ptr + row * stride_s + nb, sf, mask=bm)
+    tl.store(sdec_ptr + row, s_dec)
+    tl.store(amax_ptr + row, g)
+
+
+# ----------------------------------------------------------------------------------------------- host wrappers
+
+
+def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: about 4096 pair words per program."""
+    from ._common import next_pow2
+
+    bnb = next_pow2(nb)
+    bm = max(1, min(16, 4096 // (bnb * 8)))
+    warps = 4 if bm * bnb * 8 <= 4096 else 8
+    return bm, bnb, warps
+
+
+def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None):
+    """Per-row NVFP4 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 16 == 0).
+    Returns (data uint8 [M, K/2], scale uint8 [M, K/16], S_dec fp32 [M], G fp32 [M])."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    nb = k // 16
+    dev = x2.device
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty((m, nb), dtype=torch.uint8, device=dev)
+    sdec = torch.empty((m,), dtype=torch.float32, device=dev)
+    amax = torch.empty((m,), dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        sdec.fill_(1.0)
+        amax.zero_()
+        return data, scale, sdec, amax
+    xp = pair_view(x2)
+    code = in_dtype_code(x2.dtype)
+    bm, bnb, warps = _launch_cfg_rows(nb)
+    if loop_chunk is None and bnb * 8 > 16384:
+        loop_chunk = 256
+    if loop_chunk:
+        _nvfp4_row_scaled_loop_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
+                                            scale.stride(0), IN_DTYPE=code, CHUNK_NB=loop_chunk,
+                                            num_warps=num_warps or 4, **LAUNCH_OPTS)
+        return data, scale, sdec, amax
+    bm = block_m or bm
+    warps = num_warps or warps
+    _nvfp4_row_scaled_kernel[(triton.cdiv(m, bm),)](xp, data, scale, sdec, amax, m, nb, xp.stride(0),
+                                                     data.stride(0), scale.stride(0), IN_DTYPE=code, BLOCK_M=bm,
+                                                     BLOCK_NB=bnb, num_warps=warps, **LAUNCH_OPTS)
+    return data, scale, sdec, amax
+
+
+def tensor_amax(x2):
+    """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    bits = torch.zeros((1,), dtype=torch.int32, device=x2.device)
+    if m and k:
+        xp = pair_view(x2)
+        np_ = xp.shape[1]
+        bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
+        bm = max(1, 8192 // bp)
+        grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
+        _amax_kernel[grid](xp, bits, m, np_, xp.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=bm,
+                           BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+    return bits.view(torch.float32)
+
+
+def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None):
+    """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
+    on the device) replaces the amax pass (share-scale groups). Returns (data, scale, S_dec [1], G [1])."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    nb = k // 16
+    dev = x2.device
+    g = tensor_amax(x2) if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32)
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty(((m // 16) if tile_2d else m, nb), dtype=torch.uint8, device=dev)
+    sdec = torch.empty((1,), dtype=torch.float32, device=dev)
+    if m and k:
+        xp = pair_view(x2)
+        bm = 16 if tile_2d else (block_m or 16)
+        bnb = block_nb or min(64, max(1, 1 << (nb - 1).bit_length()))
+        grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
+        _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
+                                   IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
+                                   num_warps=num_warps or 4, **LAUNCH_OPTS)
+    else:
+        sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
+    return data, scale, sdec, g
