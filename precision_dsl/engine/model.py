@@ -393,6 +393,7 @@ def save_model(model: Qwen3MoeForCausalLM, path: Path, dtype: torch.dtype = torc
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is meant to be shared
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

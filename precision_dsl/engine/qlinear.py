@@ -68,12 +68,13 @@ def group_amaxes(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, torc
     """Share-scale group id -> the group's NVFP4 global amax (max over members, of the BF16 weights)."""
     out = {}
     for g in plan.share_scale_groups:
-        members = [_bf16(weights[m]) for m in g.members if m in weights]
+        members = [_bf16(weights[m].detach()) for m in g.members if m in weights]
         if members:
             out[g.id] = numerics.group_amax(members)
     return out
 
 
+@torch.no_grad()
 def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, object]:
     """hf_name -> QuantizedTensor (quantized linears) or a BF16 tensor (everything else), from BF16(master).
     This is the trainer's forward weight; the weight-update sender must produce the same bytes."""

@@ -1,0 +1,227 @@
+"""`policyc run` and `policyc ablate`. Only typer at import time: torch & co. load inside the commands."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (quantize -> dequantize -> FP32 GEMM) with the bit-exact "
+                 "reference quantizers; times are NOT Blackwell speeds")
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from ..arch import ArchitectureError
+    from .loop import ContractViolation
+    from .model import ModelLoadError
+    from .numerics import EngineFormatError
+    from .plans import PlanLoadError
+    from .task import TaskError
+    from .weight_path import PlanHashMismatch
+
+    errs: list[type[BaseException]] = [ArchitectureError, ContractViolation, ModelLoadError, EngineFormatError,
+                                       PlanLoadError, TaskError, PlanHashMismatch]
+    try:
+        from ..diagnostics import PolicyError
+
+        errs.append(PolicyError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from .miles import MilesError
+
+        errs.append(MilesError)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(errs)
+
+
+def _guard(body):
+    from ..commands import _fail
+
+    try:
+        return body()
+    except typer.Exit:
+        raise
+    except _expected_errors() as err:
+        raise _fail(err)
+    except OSError as err:
+        from ..commands import UserError
+
+        raise _fail(UserError(f"{err.strerror or err}: {getattr(err, 'filename', '')}"))
+
+
+def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> Path:
+    """A run directory that holds no previous results (never overwrite a user's files silently)."""
+    from ..commands import UserError
+
+    if out is None:
+        base = Path("runs") / default_name
+        out, i = base, 2
+        while out.exists() and any(out.iterdir()):
+            out, i = Path(f"{base}-{i}"), i + 1
+    elif out.exists() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output directory {out} is not empty", "pass a new --out or add --overwrite")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _live_run(cfg, title: str):
+    """Run the loop with a rich progress bar + a compact live metrics line; returns RunResult."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from .loop import run
+
+    con = Console(stderr=True, highlight=False)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[info]}"), console=con, transient=False) as prog:
+        task_id = prog.add_task(title, total=cfg.steps, info="starting")
+        window: list[float] = []
+
+        def on_step(m):
+            window.append(m.reward_mean)
+            avg = sum(window[-10:]) / len(window[-10:])
+            ident = "" if m.quantized_weights_identical is None else \
+                (" bytes=identical" if m.quantized_weights_identical else f" bytes≠({m.quantized_weights_differing})")
+            prog.update(task_id, advance=1, info=(
+                f"reward {m.reward_mean:.2f} (avg10 {avg:.2f})  |Δlogp| {m.mismatch_abs_logp:.1e}  "
+                f"KLref {m.kl_ref_k3:.1e}  gnorm {m.grad_norm:.2f}{' SPIKE' if m.grad_spike else ''}  "
+                f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}"))
+
+        return run(cfg, on_step=on_step)
+
+
+def _write_run(result, out: Path) -> dict:
+    from .metrics import JsonlWriter, read_jsonl, write_json_atomic
+    from .plots import plot_run
+
+    w = JsonlWriter(out / "metrics.jsonl")
+    for m in result.steps:
+        w.write(m)
+    w.close()
+    summary = run_summary(result)
+    write_json_atomic(out / "summary.json", summary)
+    title = f"{result.policy_name}{' [BROKEN ' + result.config.broken_contract + ']' if result.config.broken_contract else ''}"
+    plot_run(read_jsonl(out / "metrics.jsonl"), out, title + " — tiny-moe GRPO (emulated numerics)")
+    return summary
+
+
+def run_summary(result) -> dict:
+    s = result.steps
+    k = max(1, min(10, len(s) // 4))
+
+    def avg(key, xs):
+        return sum(getattr(m, key) for m in xs) / max(len(xs), 1)
+
+    return {
+        "policy": result.policy_name, "plan_hash": result.plan_hash, "rollout_plan_hash": result.rollout_plan_hash,
+        "broken_contract": result.config.broken_contract, "steps": len(s), "seed": result.config.seed,
+        "reward_start": avg("reward_mean", s[:k]), "reward_end": avg("reward_mean", s[-k:]),
+        "mismatch_abs_logp_mean": avg("mismatch_abs_logp", s), "mismatch_k3_mean": avg("mismatch_k3", s),
+        "kl_ref_k3_end": avg("kl_ref_k3", s[-k:]), "grad_spikes": sum(m.grad_spike for m in s),
+        "time_rollout_s": sum(m.time_rollout_s for m in s), "time_train_s": sum(m.time_train_s for m in s),
+        "time_weight_update_s": sum(m.time_weight_update_s for m in s),
+        "rollout_tokens_per_s": sum(m.response_tokens for m in s) / max(sum(m.time_rollout_s for m in s), 1e-9),
+        "quantized_weights_identical_every_step": all(m.quantized_weights_identical is not False for m in s),
+        "wall_s": result.wall_s, "note": EMULATED_NOTE,
+    }
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("run")
+    def run_cmd(
+        policy: Optional[str] = typer.Argument(None, help="policy file or shipped policy name "
+                                               "(default: nvfp4-pertoken-dequant-backward)"),
+        model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3-MoE directory"),
+        task: str = typer.Option("arithmetic", "--task", help="arithmetic | PATH.jsonl (dapo-math style)"),
+        steps: int = typer.Option(150, "--steps", min=1),
+        seed: int = typer.Option(0, "--seed"),
+        device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+        out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<policy>-s<seed>)"),
+        broken_contract: Optional[str] = typer.Option(None, "--broken-contract",
+                                                      help="per_tensor | unshared: make the rollout disagree"),
+        prompts: int = typer.Option(16, "--prompts", help="prompts per step"),
+        samples: int = typer.Option(8, "--samples", help="samples per prompt (GRPO group size)"),
+        lr: float = typer.Option(3e-4, "--lr"),
+        kl_coef: float = typer.Option(0.0, "--kl-coef"),
+        digits: int = typer.Option(2, "--digits", help="arithmetic: digits per operand"),
+        operators: str = typer.Option("+", "--operators", help="arithmetic: subset of '+-*'"),
+        engine: str = typer.Option("embedded", "--engine", help="embedded | miles (emit a Miles launch script)"),
+        parallel: Optional[str] = typer.Option(None, "--parallel", help="miles: parallel layout, e.g. "
+                                               "'trainer: tp=4 ep=8; rollout: tp=8 ep=8'"),
+        launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out"),
+    ) -> None:
+        """GRPO on the bundled tiny MoE: a plan-quantized trainer and a SEPARATE rollout engine that receives
+        its quantized weights only through the live weight-update path. Writes metrics.jsonl, summary.json and
+        run.png. With --engine miles: write (and optionally --launch) the equivalent Miles launch instead."""
+
+        def body():
+            from rich.console import Console
+
+            con = Console(highlight=False)
+            if engine == "miles":
+                from .miles import emit_miles_launch
+
+                out_dir = _fresh_out_dir(out, f"miles-{Path(policy or 'default').stem}", overwrite)
+                script = emit_miles_launch(policy, model, parallel, out_dir, launch=launch)
+                con.print(f"wrote {script}")
+                return
+            if engine != "embedded":
+                from ..commands import UserError
+
+                raise UserError(f"--engine must be embedded or miles, got {engine!r}")
+            if device not in ("cpu", "cuda"):
+                from ..commands import UserError
+
+                raise UserError(f"--device must be cpu or cuda, got {device!r}")
+            from .loop import RunConfig
+            from .plans import policy_path
+
+            name = policy_path(policy).stem
+            out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
+                                                                else ""), overwrite)
+            cfg = RunConfig(policy=policy, model=model, task=task, steps=steps, seed=seed, device=device,
+                            prompts_per_step=prompts, samples_per_prompt=samples, lr=lr, kl_coef=kl_coef,
+                            digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir)
+            con.print(f"[bold]policyc run[/] {name} on {model} · task {task} · {steps} steps · seed {seed} · "
+                      f"{device}\n{EMULATED_NOTE}")
+            result = _live_run(cfg, name)
+            s = _write_run(result, out_dir)
+            con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else
+                      f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"))
+            con.print(f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} · train-rollout mean |Δlogp| "
+                      f"{s['mismatch_abs_logp_mean']:.2e} (k3 {s['mismatch_k3_mean']:.2e}) · KL vs BF16 ref "
+                      f"{s['kl_ref_k3_end']:.2e} · grad spikes {s['grad_spikes']} · rollout "
+                      f"{s['rollout_tokens_per_s']:.0f} tok/s · quantized weights byte-identical every step: "
+                      f"{s['quantized_weights_identical_every_step']} · {s['wall_s']:.0f}s")
+            con.print(f"wrote {out_dir}/metrics.jsonl, summary.json, run.png")
+
+        _guard(body)
+
+    @app.command("ablate")
+    def ablate_cmd(
+        policies: List[str] = typer.Argument(..., help="policy files or shipped policy names"),
+        seeds: int = typer.Option(1, "--seeds", min=1),
+        steps: int = typer.Option(100, "--steps", min=1),
+        out: Path = typer.Option(Path("runs/ablation"), "--out"),
+        broken_contract: Optional[str] = typer.Option(
+            None, "--broken-contract", help="also run the first NVFP4 per-token policy with this broken contract"),
+        device: str = typer.Option("cpu", "--device"),
+        prompts: int = typer.Option(16, "--prompts"),
+        lr: float = typer.Option(3e-4, "--lr"),
+        overwrite: bool = typer.Option(False, "--overwrite"),
+    ) -> None:
+        """Run several policies x seeds and draw one figure like the MXFP8/NVFP4 RL blog: reward and mismatch per
+        config, time per phase; print a table of final reward mean±std and mismatch."""
+
+        def body():
+            from .ablate import ablate
+
+            out_dir = _fresh_out_dir(out, "ablation", overwrite)
+            ablate(policies, seeds=seeds, steps=steps, out=out_dir, broken_contract=broken_contract, device=device,
+                   prompts=prompts, lr=lr)
+
+        _guard(body)
