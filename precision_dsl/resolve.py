@@ -170,8 +170,11 @@ def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], out: list) -
             chain = " -> ".join(Path(k).name for k in stack[stack.index(key):] + [key])
             raise PolicyError(f"import cycle: {chain}", st.span, "remove one of the imports; a policy cannot "
                               "(directly or indirectly) import itself", policy.source)
-        child = load_policy(path)
         where = f"{st.span.file}:{st.span.line}:{st.span.col}"
+        try:
+            child = load_policy(path)
+        except PolicyError as e:
+            raise e.with_note(f"imported from {where}")
         if child.span.file not in flat.sources:
             flat.files.append(child.span.file)
             flat.sources[child.span.file] = child.source
