@@ -264,8 +264,8 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
             try:
                 for unit in units:
                     members = [(by[n], reader.get(n)) for n in unit]
-                    for n, _ in members:
-                        report.bytes_in += by[n].bytes_before
+                    for t, _ in members:
+                        report.bytes_in += t.bytes_before
                     out = checkpoint_tensors(members, BACKEND)
                     for name, _dt, _shape in _specs_for_unit(plan, unit):
                         writer.write(name, out[name])
