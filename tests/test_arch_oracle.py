@@ -172,3 +172,155 @@ def test_mtp_is_not_built_by_transformers_but_mirrors_a_decoder_layer():
         "shared_head.norm.weight": (h,), "shared_head.head.weight": (v, h),
     }
     assert {k: s for k, s in inner.items() if k in decoder} == decoder
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Megatron-core oracle (megatron-core 0.16.1, CPU, no TransformerEngine)
+# ------------------------------------------------------------------------------------------------------------------
+# Without TE only the *local* spec can be built, so the child process builds GPTModel with
+# get_gpt_decoder_block_spec(use_transformer_engine=False) (+ get_gpt_mtp_block_spec) and translates the local
+# names into the TE-spec names our catalog uses, by the rules Megatron itself defines:
+#   * standard attention: input_layernorm -> self_attention.linear_qkv.layer_norm_weight (the local spec's own
+#     sharded_state_dict_keys_map); dense MLP layers: pre_mlp_layernorm -> mlp.linear_fc1.layer_norm_weight (same
+#     map; the TE dense spec has pre_mlp_layernorm=IdentityOp, the TE MoE spec keeps it);
+#   * MLA with qk_layernorm: q_layernorm / kv_layernorm -> linear_q_up_proj / linear_kv_up_proj .layer_norm_weight
+#     (TE MLA spec builds the up-projections as column_parallel_layer_norm_linear);
+#   * experts: SequentialMLP local_experts.E.linear_fcX.weight -> TEGroupedMLP linear_fcX.weight{E}.
+# Everything else (module paths, router/expert_bias, shared_experts, MTP enorm/hnorm/eh_proj/transformer_layer/
+# final_layernorm, shapes) is compared as built. Runs in a subprocess: it initialises torch.distributed (gloo) and
+# stubs torch.cuda.current_device / TE placeholders, which must not leak into the test session.
+_MEGATRON_CHILD = r'''
+import json, os, re, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+spec = json.loads(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state
+parallel_state.initialize_model_parallel(1, 1)
+torch.cuda.current_device = lambda: "cpu"  # router expert_bias asks for the CUDA device
+import megatron.core.transformer.multi_latent_attention as mla
+for n in dir(mla):  # TE classes are MagicMock placeholders without TE; isinstance() needs real types
+    if n.startswith("TE") and type(getattr(mla, n)).__name__ == "MagicMock":
+        setattr(mla, n, type(n, (), {}))
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+kw = spec["config"]
+cfg = (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(use_cpu_initialization=True, **kw)
+block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+if kw.get("multi_latent_attention"):  # local DotProductAttention rejects MLA's k_channels; it has no parameters
+    for ls in block.layer_specs:
+        ls.submodules.self_attention.submodules.core_attention = IdentityOp
+mtp = get_gpt_mtp_block_spec(cfg, block.layer_specs[-1], use_transformer_engine=False) if kw.get("mtp_num_layers") else None
+model = GPTModel(cfg, block, vocab_size=spec["vocab"], max_sequence_length=64, position_embedding_type="rope",
+                 share_embeddings_and_output_weights=spec["tied"], mtp_block_spec=mtp)
+out = {}
+for name, t in model.state_dict().items():
+    if name.endswith("_extra_state"):
+        continue
+    out[name] = list(t.shape)
+print("MEGATRON_NAMES=" + json.dumps(out))
+'''
+
+
+def _megatron_kwargs(arch) -> dict:
+    """HF config -> TransformerConfig kwargs (only what changes parameter names/shapes)."""
+    c = arch.config
+    h = c["hidden_size"]
+    by = arch.by_name()
+    moe_layers = sorted({t.layer for t in arch.tensors if t.role == "router.weight" and t.layer is not None})
+    kw = dict(num_layers=arch.num_layers, hidden_size=h, ffn_hidden_size=c["intermediate_size"],
+              num_attention_heads=c["num_attention_heads"], normalization="RMSNorm", gated_linear_unit=True,
+              add_bias_linear=bool(c.get("attention_bias") and c.get("mlp_bias")))
+    if arch.num_experts:
+        kw.update(num_moe_experts=arch.num_experts, moe_router_topk=c.get("num_experts_per_tok", 2),
+                  moe_layer_freq=[int(n in moe_layers) for n in range(arch.num_layers)],
+                  moe_ffn_hidden_size=c["moe_intermediate_size"])
+    if any(t.role == "router.bias" for t in arch.tensors):
+        kw.update(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    shared = [t for t in arch.tensors if t.role == "shared_experts.gate" and t.mtp is None]
+    if shared:
+        kw["moe_shared_expert_intermediate_size"] = shared[0].shape[0]
+        kw["moe_shared_expert_gate"] = any(t.role == "shared_experts.gate_weight" for t in arch.tensors)
+    if arch.model_type.startswith("deepseek"):
+        kw.update(multi_latent_attention=True, q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"],
+                  qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
+                  v_head_dim=c["v_head_dim"], qk_layernorm=True, rope_type="rope")
+        if arch.num_mtp_layers:
+            kw["mtp_num_layers"] = arch.num_mtp_layers
+    else:
+        kw.update(num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
+                  kv_channels=by["model.layers.0.self_attn.k_proj.weight"].shape[0]
+                  // (c.get("num_key_value_heads") or c["num_attention_heads"]),
+                  qk_layernorm="model.layers.0.self_attn.q_norm.weight" in by,
+                  add_qkv_bias="model.layers.0.self_attn.q_proj.bias" in by and not kw["add_bias_linear"])
+    return kw
+
+
+def _megatron_te_names(local: dict, dense_layers: set, mla: bool) -> dict:
+    out = {}
+    for name, shape in local.items():
+        if name == "embedding.position_embeddings.weight":
+            continue
+        m = re.match(r"^((?:decoder\.layers\.(\d+))|(?:mtp\.layers\.\d+\.transformer_layer))\.(.*)$", name)
+        if m:
+            prefix, layer, rest = m.groups()
+            dense = layer is not None and int(layer) in dense_layers
+            if rest == "input_layernorm.weight" and not mla:
+                rest = "self_attention.linear_qkv.layer_norm_weight"
+            elif rest == "pre_mlp_layernorm.weight" and dense:
+                rest = "mlp.linear_fc1.layer_norm_weight"
+            elif mla and rest == "self_attention.q_layernorm.weight":
+                rest = "self_attention.linear_q_up_proj.layer_norm_weight"
+            elif mla and rest == "self_attention.kv_layernorm.weight":
+                rest = "self_attention.linear_kv_up_proj.layer_norm_weight"
+            else:
+                e = re.match(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", rest)
+                if e:
+                    rest = f"mlp.experts.{e.group(2)}.weight{e.group(1)}"
+            name = f"{prefix}.{rest}"
+        out[name] = tuple(shape)
+    return out
+
+
+def _catalog_megatron_view(arch) -> dict:
+    """Our tensors grouped by megatron_name; fused parameters stack their parts along dim 0."""
+    grouped: dict[str, list] = {}
+    for t in arch.tensors:
+        if t.megatron_name:
+            grouped.setdefault(t.megatron_name, []).append(t)
+    out = {}
+    for name, parts in grouped.items():
+        first = parts[0].shape
+        out[name] = (sum(p.shape[0] for p in parts),) + first[1:] if len(parts) > 1 else first
+    return out
+
+
+MEGATRON_CASES = ["tiny-moe", "deepseek-v3-small", "qwen2-moe-shared", "llama-biases", "qwen2-bias"]
+
+
+@pytest.mark.parametrize("name", MEGATRON_CASES)
+def test_megatron_names_match_megatron_core(name):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
+    arch = load_architecture(name) if name in list_bundled() else architecture_from_config(VARIANTS[name], name)
+    dense_layers = {n for n in range(arch.num_layers)
+                    if f"model.layers.{n}.mlp.gate.weight" not in arch.by_name()}
+    spec = {"config": _megatron_kwargs(arch), "vocab": arch.config["vocab_size"],
+            "tied": bool(arch.config.get("tie_word_embeddings")), "port": 29500 + os.getpid() % 400}
+    proc = subprocess.run([sys.executable, "-c", _MEGATRON_CHILD, json.dumps(spec)], capture_output=True, text=True,
+                          timeout=240)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("MEGATRON_NAMES=")), None)
+    assert line is not None, f"megatron child failed:\n{proc.stderr[-3000:]}"
+    theirs = _megatron_te_names(json.loads(line.removeprefix("MEGATRON_NAMES=")), dense_layers,
+                                mla=arch.model_type.startswith("deepseek"))
+    ours = _catalog_megatron_view(arch)
+    assert sorted(set(theirs) - set(ours)) == []
+    assert sorted(set(ours) - set(theirs)) == []
+    assert {k: v for k, v in ours.items() if theirs[k] != v} == {}
