@@ -42,64 +42,53 @@ def _pad_rows(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
     return x2, m
 
 
+def _block_rows(fmt: TensorFormat, axis: str) -> int:
+    """Rows a block spans over the [M, K] view (columnwise copies and 2-D tiles need M % that == 0)."""
+    if fmt.kind == FormatKind.MXFP8:
+        return 32 if axis == "col" or tuple(fmt.block or (1, 32)) in ((32, 32), (32, 1)) else 1
+    if fmt.kind == FormatKind.NVFP4:
+        return 16 if axis == "col" or tuple(fmt.block or (1, 16)) == (16, 16) else 1
+    if fmt.kind == FormatKind.FP8_BLOCK:
+        return 128 if axis == "col" or tuple(fmt.block or (1, 128)) == (128, 128) else 1
+    return 1
+
+
 def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", global_amax=None, what: str = ""):
     """QuantizedTensor of `x` in `fmt` (weights and payloads: the bytes are what trainer and rollout compare)."""
-    from ..formats import mxfp8, nvfp4
+    from .. import formats
 
-    if fmt.kind == FormatKind.MXFP8:
-        return mxfp8.quantize(x, element=fmt.element, axis=axis, tile_2d=fmt.block == (32, 32), fmt=fmt)
-    if fmt.kind == FormatKind.NVFP4:
-        return nvfp4.quantize(x, axis=axis, scope=_scope(fmt), tile_2d=fmt.block == (16, 16),
-                              global_amax=global_amax, fmt=fmt)
-    raise EngineFormatError(f"{what or 'tensor'}: format {fmt.short()} is not emulated by the embedded engine yet "
-                            "(hint: use an mxfp8 / nvfp4 / bf16 policy, or --engine miles)")
+    try:
+        return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
+    except formats.FormatInputError as e:
+        raise EngineFormatError(f"{what or 'tensor'}: {e}") from None
 
 
 def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    from ..formats import mxfp8, nvfp4
+    from .. import formats
 
-    if q.fmt.kind == FormatKind.MXFP8:
-        return mxfp8.dequantize(q, dtype)
-    if q.fmt.kind == FormatKind.NVFP4:
-        return nvfp4.dequantize(q, dtype)
-    raise EngineFormatError(f"cannot dequantize format {q.fmt.short()}")
+    return formats.dequantize(q, dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", global_amax=None,
                   what: str = "") -> torch.Tensor:
-    """dequantize(quantize(x)) as fp32 [same shape]; high-precision formats just round. axis="col" zero-pads M to
-    the block size (wgrad operands have arbitrary token counts)."""
+    """dequantize(quantize(x)) as fp32, same shape; high-precision formats just round. Operands whose token count
+    is not a multiple of the block height (columnwise wgrad copies, expert batches) are zero-padded first: zeros
+    never raise a block amax, so the real rows quantize exactly as in TE's padded buffers."""
     if not fmt.is_quantized:
         return round_hp(x, fmt)
-    from ..formats import mxfp8, nvfp4
+    from .. import formats
 
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
-    m = x2.shape[0]
-    if fmt.kind == FormatKind.MXFP8:
-        if axis == "col" or fmt.block == (32, 32):
-            x2, m = _pad_rows(x2, 32)
-        out = mxfp8.fake_quantize(x2, element=fmt.element, axis=axis, tile_2d=fmt.block == (32, 32))
-    elif fmt.kind == FormatKind.NVFP4:
-        if axis == "col" or fmt.block == (16, 16):
-            x2, m = _pad_rows(x2, 16)
-        out = nvfp4.fake_quantize(x2, axis=axis, scope=_scope(fmt), tile_2d=fmt.block == (16, 16),
-                                  global_amax=global_amax)
-    else:
-        raise EngineFormatError(f"{what or 'tensor'}: format {fmt.short()} is not emulated by the embedded engine "
-                                "yet (hint: use an mxfp8 / nvfp4 / bf16 policy, or --engine miles)")
+    x2, m = _pad_rows(x2, _block_rows(fmt, axis))
+    try:
+        out = formats.fake_quantize(x2, fmt, axis=axis, global_amax=global_amax, out_dtype=torch.float32)
+    except formats.FormatInputError as e:
+        raise EngineFormatError(f"{what or 'tensor'}: {e}") from None
     return out[:m].reshape(shape)
 
 
 def group_amax(tensors) -> torch.Tensor:
-    from ..formats import nvfp4
+    from .. import formats
 
-    return nvfp4.group_amax(list(tensors))
-
-
-def payload_tensors(q) -> dict[str, torch.Tensor]:
-    return q.tensors()
-
-
-def optional_amax(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if x is None else x.detach().abs().amax().float().reshape(1)
+    return formats.group_amax(list(tensors))
