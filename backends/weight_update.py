@@ -425,6 +425,72 @@ class SendReport:
     digests: dict[str, str] = field(default_factory=dict)
 
 
+def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
+    """Atomic units of an update: fused-sibling instances (q/k/v, gate/up, q_a/kv_a, one expert's gate/up) merged
+    with NVFP4 share-scale groups; every other tensor is a unit of one. A unit always travels in one bucket."""
+    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+
+    def key(t: TensorPlan) -> tuple:
+        g = groups.get(t.hf_name) if needs_shared_amax(t) else None
+        if g is not None:
+            return ("share", g.id)
+        fi = fused_instance(t)
+        return ("fused",) + fi if fi is not None else ("one", t.hf_name)
+
+    need: dict[tuple, set[str]] = {}
+    for t in plan.tensors:
+        need.setdefault(key(t), set()).add(t.hf_name)
+    parent = {k: k for k in need}
+
+    def find(k):
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    for t in plan.tensors:  # a share-scale group overlapping a fused instance (gate/up) joins it
+        fi = fused_instance(t)
+        if fi is not None and ("fused",) + fi in need:
+            parent[find(key(t))] = find(("fused",) + fi)
+    members: dict[tuple, set[str]] = {}
+    for k, ns in need.items():
+        members.setdefault(find(k), set()).update(ns)
+    return members
+
+
+def emit(plan: Plan, bucket_bytes: int = 512 << 20):
+    """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
+    (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
+    from .common import Artifact, dump_json, plan_stamp
+    from .quantize import check_supported, output_specs
+    from .safetensors_io import DTYPE_SIZES
+
+    for t in plan.tensors:
+        check_supported(t, "weight_update")
+    params: dict[str, dict] = {}
+    sizes: dict[str, int] = {}
+    for t in plan.tensors:
+        specs = output_specs(t)
+        sizes[t.hf_name] = sum(DTYPE_SIZES[dt] * int(torch.Size(sh).numel()) for _, dt, sh in specs)
+        key = t.megatron_name or t.hf_name
+        entry = params.setdefault(key, {"hf": [], "outputs": []})
+        entry["hf"].append(t.hf_name)
+        entry["outputs"].extend([[n, dt, list(sh)] for n, dt, sh in specs])
+    groups = [sorted(ns) for ns in atomic_groups(plan).values() if len(ns) > 1]
+    order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
+    buckets, size = 0, 0
+    for ns in sorted(atomic_groups(plan).values(), key=lambda ns: max(order[n] for n in ns)):
+        nb = sum(sizes[n] for n in ns)
+        if size and size + nb > bucket_bytes:
+            buckets, size = buckets + 1, 0
+        size += nb
+    buckets += 1 if size else 0
+    manifest = {"policyc": plan_stamp(plan), "bucket_bytes": bucket_bytes, "buckets": buckets,
+                "atomic_groups": sorted(groups), "params": params}
+    return [Artifact("weight_update/manifest.json", dump_json(manifest),
+                     "Megatron param -> rollout tensors (name, dtype, shape), atomic groups, buckets")]
+
+
 class WeightSender:
     def __init__(self, plan: Plan, transport, bucket_bytes: int = 512 << 20, check_equal: bool = False,
                  arch_config: Optional[dict] = None):
@@ -432,39 +498,12 @@ class WeightSender:
         self.check_equal = check_equal
         self.names = _NameMap(plan, arch_config)
         self._groups = {m: g for g in plan.share_scale_groups for m in g.members}
-
-    def _unit_of(self, t: TensorPlan) -> tuple:
-        """Atomic key: the fused-sibling instance (travels in one bucket) - share-scale groups lie inside it or
-        are their own key."""
-        g = self._groups.get(t.hf_name) if needs_shared_amax(t) else None
-        if g is not None:
-            return ("share", g.id)
-        fi = fused_instance(t)
-        return ("fused",) + fi if fi is not None else ("one", t.hf_name)
+        self._order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
 
     def _atomic_units(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[TensorPlan, torch.Tensor]]]:
         """Yield complete atomic units (fused siblings + share-scale groups) as soon as all members arrived."""
         by = self.plan.by_name()
-        need: dict[tuple, set[str]] = {}
-        for t in self.plan.tensors:
-            need.setdefault(self._unit_of(t), set()).add(t.hf_name)
-        # a share-scale group and a fused instance may overlap (gate/up): merge them into one atomic unit
-        parent = {k: k for k in need}
-
-        def find(k):
-            while parent[k] != k:
-                parent[k] = parent[parent[k]]
-                k = parent[k]
-            return k
-
-        for t in self.plan.tensors:
-            fi = fused_instance(t)
-            a = self._unit_of(t)
-            if fi is not None and ("fused",) + fi in need:
-                parent[find(a)] = find(("fused",) + fi)
-        members: dict[tuple, set[str]] = {}
-        for k, ns in need.items():
-            members.setdefault(find(k), set()).update(ns)
+        members = atomic_groups(self.plan)
         unit_of_name = {n: k for k, ns in members.items() for n in ns}
         pending: dict[tuple, dict[str, torch.Tensor]] = {}
         seen: set[str] = set()
@@ -486,7 +525,6 @@ class WeightSender:
     def quantize_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """The quantized checkpoint tensors, one atomic unit at a time (NaN/Inf checked per unit; see send for the
         all-before-send guarantee)."""
-        self._order = {t.hf_name: i for i, t in enumerate(self.plan.tensors)}
         for unit in self._atomic_units(items):
             out: dict[str, torch.Tensor] = {}
             # share-scale groups inside the unit are quantized together; the rest one by one

@@ -1,0 +1,152 @@
+"""`policyc emit / convert / verify`. Registered by precision_dsl/cli.py at start-up, so this module imports only
+typer; torch, safetensors, yaml and the backend modules are imported inside the command bodies.
+
+Exit codes: 0 ok; 1 the plan is valid but a backend cannot express it (UnsupportedByBackend), a plan-hash mismatch,
+or `verify` found differences; 2 bad input (policy/model/checkpoint/paths).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+BACKEND_CHOICES = ("megatron", "sglang", "converter", "weight_update")
+
+
+def _run(body):
+    """Run a command body; expected errors become `error: ...` + `hint: ...` and an exit code, never a traceback."""
+    from precision_dsl.commands import UserError, _fail, _guard
+
+    from .common import PlanMismatch, UnsupportedByBackend
+    from .safetensors_io import CheckpointError
+
+    def guarded():
+        try:
+            return body()
+        except UnsupportedByBackend as err:
+            raise _fail(_Coded(str(err), err.hint or "change the policy for this tensor, or emit only the other "
+                                                      "backends with --backend", 1))
+        except PlanMismatch as err:
+            raise _fail(_Coded(str(err), err.hint, 1))
+        except CheckpointError as err:
+            raise _fail(_Coded(str(err), err.hint, 2))
+        except FileExistsError as err:
+            raise _fail(UserError(str(err), "choose another --out or pass --force"))
+        except Exception as err:  # numerics / weight errors with a message for the user
+            from .quantize import NonFiniteWeight
+            from .weight_update import WeightUpdateError
+
+            if isinstance(err, (NonFiniteWeight, WeightUpdateError)):
+                raise _fail(_Coded(str(err), getattr(err, "hint", ""), 1))
+            raise
+
+    return _guard(guarded)
+
+
+class _Coded(Exception):
+    def __init__(self, message: str, hint: str, code: int):
+        super().__init__(message)
+        self.hint, self.code = hint, code
+
+
+def emit_artifacts(plan, backends: Optional[list[str]] = None):
+    """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
+    from . import converter, megatron, sglang, weight_update
+    from .common import PLAN_FILE, Artifact
+
+    mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
+    arts = [Artifact(PLAN_FILE, plan.to_json() + "\n", "the plan (IR) with its content_hash")]
+    for name in backends or BACKEND_CHOICES:
+        arts.extend(mods[name].emit(plan))
+    return arts
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("emit")
+    def emit_cmd(policy: Path = typer.Argument(..., help="policy file"),
+                 model: str = typer.Option(..., "--model", "-m", help="bundled model name or config.json/dir"),
+                 parallel: Optional[str] = typer.Option(
+                     None, "--parallel", "-p", help="e.g. 'trainer:tp=2,etp=1,ep=8,pp=2 rollout:tp=8,ep=8'"),
+                 out: Path = typer.Option(..., "--out", "-o", help="output directory (written atomically)"),
+                 backend: Optional[List[str]] = typer.Option(
+                     None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
+                                                   "default: all)"),
+                 force: bool = typer.Option(False, "--force", help="replace an existing --out directory")):
+        """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash)."""
+
+        def body():
+            from precision_dsl.commands import UserError, _console, build_plan
+
+            from .common import write_tree_atomic
+
+            bad = [b for b in backend or [] if b not in BACKEND_CHOICES]
+            if bad:
+                raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKEND_CHOICES)}")
+            plan = build_plan(policy, model, parallel)
+            arts = emit_artifacts(plan, list(backend) if backend else None)
+            write_tree_atomic(out, arts, force=force)
+            con = _console()
+            con.print(f"wrote {len(arts)} files to {out} (plan {plan.content_hash()[:19]}...)")
+            for a in arts:
+                con.print(f"  {a.path:<42} {a.description}", markup=False)
+
+        _run(body)
+
+    @app.command("convert")
+    def convert_cmd(src: Path = typer.Argument(..., help="HF checkpoint directory (safetensors, BF16/FP32)"),
+                    policy: Path = typer.Option(..., "--policy", "-P", help="policy file"),
+                    out: Path = typer.Option(..., "--out", "-o", help="output checkpoint directory"),
+                    model: Optional[str] = typer.Option(None, "--model", "-m",
+                                                        help="architecture (default: SRC/config.json)"),
+                    parallel: Optional[str] = typer.Option(None, "--parallel", "-p", help="parallel layout"),
+                    force: bool = typer.Option(False, "--force", help="replace an existing output directory"),
+                    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar")):
+        """Convert an HF checkpoint into the quantized checkpoint SGLang/vLLM load (resumable, atomic)."""
+
+        def body():
+            from precision_dsl.commands import UserError, _console, build_plan
+
+            from . import converter
+
+            if not Path(src).is_dir():
+                raise UserError(f"source checkpoint '{src}' is not a directory")
+            plan = build_plan(policy, model or str(src), parallel)
+            rep = converter.convert(src, plan, out, force=force, progress=progress)
+            _console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
+                             f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
+                             f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan.content_hash()[:19]}...")
+            if rep.skipped_files:
+                _console().print(f"not copied (pickle files are never read): {', '.join(rep.skipped_files)}")
+
+        _run(body)
+
+    @app.command("verify")
+    def verify_cmd(dst: Path = typer.Argument(..., help="converted checkpoint directory"),
+                   source: Path = typer.Option(..., "--source", "-s", help="the HF checkpoint it was made from"),
+                   policy: Optional[Path] = typer.Option(None, "--policy", "-P",
+                                                         help="also require the plan of this policy"),
+                   model: Optional[str] = typer.Option(None, "--model", "-m", help="architecture for --policy"),
+                   parallel: Optional[str] = typer.Option(None, "--parallel", "-p")):
+        """Re-derive every byte of DST from SOURCE and compare (exit 0 = identical, 1 = differences)."""
+
+        def body():
+            from precision_dsl.commands import _console, build_plan
+
+            from . import converter
+
+            expected = None
+            if policy is not None:
+                expected = build_plan(policy, model or str(source), parallel).content_hash()
+            problems = converter.verify(dst, source, expected_hash=expected)
+            con = _console()
+            if problems:
+                for p in problems[:50]:
+                    con.print(f"[red]mismatch:[/] {p}", markup=True)
+                if len(problems) > 50:
+                    con.print(f"... and {len(problems) - 50} more")
+                raise typer.Exit(1)
+            con.print(f"verified: {dst} matches {source} under plan {converter.read_plan(dst).content_hash()[:19]}...")
+
+        _run(body)
