@@ -38,7 +38,15 @@ class UserError(Exception):
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    import os
+    import shutil
+
+    stream = sys.stderr if stderr else sys.stdout
+    # Plan tables are wide: when piped (no terminal) or on a narrow terminal, lay out at 160 columns instead of
+    # rich's default 80 so that names and formats stay on one line.
+    width = None if stream.isatty() and shutil.get_terminal_size().columns >= 120 else int(
+        os.environ.get("POLICYC_WIDTH", "180"))
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
 
 
 def _fail(err: Exception) -> "typer.Exit":
@@ -238,7 +246,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
              f" · target {plan.target}{' (emulated)' if plan.emulate else ''}")
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
     for col in ("layers", "tensors", "shape", "weight", "activation", "grad", "backward", "rule"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col != "tensors")
     prev = None
     for r in rows:
         style = "dim" if r.weight in ("bf16", "fp16", "fp32") else None
