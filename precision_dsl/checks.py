@@ -259,7 +259,7 @@ def check_scale_scope(plan: Plan) -> list[Diagnostic]:
     for t in plan.tensors:
         if t.is_linear and t.weight.is_quantized and t.weight.global_scale == "expert" and \
                 not t.role.startswith("routed_experts."):
-            agg.add(("scope", t.role), t.hf_name, "warning", "scale-scope",
+            agg.add(("scope",), t.hf_name, "warning", "scale-scope",
                     "weight_scale=per_expert on a tensor that is not a routed expert; it means per tensor here",
                     "use weight_scale=per_tensor outside routed experts")
     return agg.diagnostics()
