@@ -226,6 +226,29 @@ def summarize(plan: Plan) -> list[tuple[str, int, float, int, int]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+ROLE_GROUP_ORDER = ("routed_experts", "shared_experts", "mlp", "attn", "embedding", "lm_head", "router", "norm")
+
+
+def role_summary(plan: Plan) -> tuple[list[tuple[str, int, float, str]], int, int]:
+    """Parameters per role group of the main model (MTP modules counted apart, as model cards do: DeepSeek-V3 is
+    "671B" without its 14B MTP module). Returns ([(group, params, % of main model, weight formats)], main total,
+    MTP total)."""
+    acc: dict[str, int] = defaultdict(int)
+    fmts: dict[str, set] = defaultdict(set)
+    main = mtp = 0
+    for t in plan.tensors:
+        if t.mtp is not None:
+            mtp += t.numel
+            continue
+        group = t.role.split(".")[0]
+        acc[group] += t.numel
+        fmts[group].add(t.weight.short())
+        main += t.numel
+    order = [g for g in ROLE_GROUP_ORDER if g in acc] + sorted(g for g in acc if g not in ROLE_GROUP_ORDER)
+    rows = [(g, acc[g], 100.0 * acc[g] / main if main else 0.0, ", ".join(sorted(fmts[g]))) for g in order]
+    return rows, main, mtp
+
+
 def _human(n: float, unit: str = "") -> str:
     for s in ("", "K", "M", "G", "T"):
         if abs(n) < 1000:
@@ -263,6 +286,21 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
     summary.add_row("[bold]total[/]", _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
     con.print(summary)
+    roles, main, mtp = role_summary(plan)
+    by_role = Table(title="parameters by role (main model" + (", MTP apart" if mtp else "") + ")",
+                    title_justify="left", header_style="bold")
+    for col in ("role", "params", "% of model", "weight formats"):
+        by_role.add_column(col, justify="right" if col in ("params", "% of model") else "left")
+    for g, n, pct, f in roles:
+        by_role.add_row(g, _human(n), f"{pct:.1f}%", f)
+    by_role.add_row("[bold]model[/]", _human(main), "100.0%", "")
+    if mtp:
+        by_role.add_row("MTP modules", _human(mtp), "(apart)", "")
+    con.print(by_role)
+    experts = sum(n for g, n, _, _ in roles if g in ("routed_experts", "shared_experts"))
+    if experts:
+        con.print(f"routed+shared experts: {experts / 1e9:.1f}B of {main / 1e9:.1f}B parameters "
+                  f"({100.0 * experts / main:.1f}%)")
     groups = len(plan.share_scale_groups)
     if groups:
         con.print(f"share-scale groups: {groups} (one global scale per group)")
