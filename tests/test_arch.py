@@ -276,6 +276,33 @@ def test_load_by_path_and_directory(tmp_path):
     assert load_architecture(ckpt).tensors == a.tensors  # PathLike accepted
 
 
+def test_hf_repo_ids_resolve_to_bundled_configs():
+    for repo_id, name in (("Qwen/Qwen3-30B-A3B", "qwen3-30b-a3b"), ("deepseek-ai/DeepSeek-V3", "deepseek-v3"),
+                          ("meta-llama/Llama-3.2-1B", "llama-3.2-1b"), ("Qwen/Qwen3-0.6B", "qwen3-0.6b")):
+        a = load_architecture(repo_id)
+        assert a.name == name and a.config == load_architecture(name).config
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_weights_match_catalog(name):
+    """Where a bundle ships safetensors weights (tiny-moe), their names/shapes/dtypes are exactly the catalog's."""
+    from precision_dsl.resources import models_dir
+
+    files = sorted((models_dir() / name).glob("*.safetensors"))
+    if not files:
+        pytest.skip(f"bundle {name} ships no safetensors weights")
+    safetensors = pytest.importorskip("safetensors")
+    found = {}
+    for f in files:
+        with safetensors.safe_open(str(f), framework="numpy") as fh:  # header only; no pickle
+            for key in fh.keys():
+                sl = fh.get_slice(key)
+                found[key] = (tuple(sl.get_shape()), sl.get_dtype())
+    expect = {t.hf_name: (t.shape, {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[t.dtype])
+              for t in load_architecture(name).tensors}
+    assert found == expect
+
+
 def test_variants_structure():
     base = json.loads(json.dumps(load_architecture("tiny-moe").config))
     a = architecture_from_config({**base, "mlp_only_layers": [0], "decoder_sparse_step": 1}, "x")

@@ -72,6 +72,10 @@ def _locate(name_or_path: str) -> tuple[str, Path]:
         return text, cfg
     if path.is_file():
         return text, path
+    # HF repo ids of bundled models ("Qwen/Qwen3-30B-A3B", "deepseek-ai/DeepSeek-V3") resolve offline to the bundle.
+    alias = text.rstrip("/").rsplit("/", 1)[-1].lower()
+    if (models_dir() / alias / "config.json").is_file():
+        return alias, models_dir() / alias / "config.json"
     raise ArchitectureError(
         f"unknown model {text!r}: not a bundled model and no such file or directory",
         hint=f"bundled models: {', '.join(list_bundled())}; or give a path to config.json / a checkpoint directory",
@@ -154,6 +158,9 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
 
 
 def load_architecture(name_or_path: str) -> Architecture:
-    """Bundled name ("tiny-moe", "qwen3-30b-a3b", "deepseek-v3", ...), a config.json path, or a checkpoint directory."""
+    """Bundled name ("tiny-moe", "qwen3-30b-a3b", "deepseek-v3", ...), a config.json path, or a checkpoint directory.
+
+    An HF repo id whose last part is a bundled name (case-insensitive, e.g. "Qwen/Qwen3-30B-A3B") also resolves to the
+    bundled config when no such local path exists. Raises ArchitectureError (a ValueError) on any bad input."""
     name, path = _locate(name_or_path)
     return architecture_from_config(read_config(path), name, str(path))
