@@ -193,8 +193,8 @@ _MEGATRON_CHILD = r'''
 import json, os, re, sys, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
-spec = json.loads(sys.argv[1])
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+specs = json.loads(sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(specs["port"]))
 dist.init_process_group("gloo", rank=0, world_size=1)
 from megatron.core import parallel_state
 parallel_state.initialize_model_parallel(1, 1)
@@ -207,21 +207,21 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec,
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-kw = spec["config"]
-cfg = (MLATransformerConfig if kw.get("multi_latent_attention") else TransformerConfig)(use_cpu_initialization=True, **kw)
-block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
-if kw.get("multi_latent_attention"):  # local DotProductAttention rejects MLA's k_channels; it has no parameters
-    for ls in block.layer_specs:
-        ls.submodules.self_attention.submodules.core_attention = IdentityOp
-mtp = get_gpt_mtp_block_spec(cfg, block.layer_specs[-1], use_transformer_engine=False) if kw.get("mtp_num_layers") else None
-model = GPTModel(cfg, block, vocab_size=spec["vocab"], max_sequence_length=64, position_embedding_type="rope",
-                 share_embeddings_and_output_weights=spec["tied"], mtp_block_spec=mtp)
-out = {}
-for name, t in model.state_dict().items():
-    if name.endswith("_extra_state"):
-        continue
-    out[name] = list(t.shape)
-print("MEGATRON_NAMES=" + json.dumps(out))
+result = {}
+for case, spec in specs["cases"].items():
+    kw = spec["config"]
+    mla_on = kw.get("multi_latent_attention")
+    cfg = (MLATransformerConfig if mla_on else TransformerConfig)(use_cpu_initialization=True, **kw)
+    block = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False)
+    if mla_on:  # local DotProductAttention rejects MLA's k_channels; core attention has no parameters
+        for ls in block.layer_specs:
+            ls.submodules.self_attention.submodules.core_attention = IdentityOp
+    mtp = (get_gpt_mtp_block_spec(cfg, block.layer_specs[-1], use_transformer_engine=False)
+           if kw.get("mtp_num_layers") else None)
+    model = GPTModel(cfg, block, vocab_size=spec["vocab"], max_sequence_length=64, position_embedding_type="rope",
+                     share_embeddings_and_output_weights=spec["tied"], mtp_block_spec=mtp)
+    result[case] = {n: list(t.shape) for n, t in model.state_dict().items() if not n.endswith("_extra_state")}
+print("MEGATRON_NAMES=" + json.dumps(result))
 '''
 
 
@@ -301,25 +301,38 @@ def _catalog_megatron_view(arch) -> dict:
 MEGATRON_CASES = ["tiny-moe", "deepseek-v3-small", "qwen2-moe-shared", "llama-biases", "qwen2-bias"]
 
 
-@pytest.mark.parametrize("name", MEGATRON_CASES)
-def test_megatron_names_match_megatron_core(name):
+def _case_arch(name):
+    return load_architecture(name) if name in list_bundled() else architecture_from_config(VARIANTS[name], name)
+
+
+@pytest.fixture(scope="module")
+def megatron_names() -> dict:
+    """Build every case in ONE child process (importing megatron.core costs ~7 s)."""
     import json
     import os
     import subprocess
     import sys
 
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
-    arch = load_architecture(name) if name in list_bundled() else architecture_from_config(VARIANTS[name], name)
-    dense_layers = {n for n in range(arch.num_layers)
-                    if f"model.layers.{n}.mlp.gate.weight" not in arch.by_name()}
-    spec = {"config": _megatron_kwargs(arch), "vocab": arch.config["vocab_size"],
-            "tied": bool(arch.config.get("tie_word_embeddings")), "port": 29500 + os.getpid() % 400}
-    proc = subprocess.run([sys.executable, "-c", _MEGATRON_CHILD, json.dumps(spec)], capture_output=True, text=True,
-                          timeout=240)
+    cases = {}
+    for name in MEGATRON_CASES:
+        arch = _case_arch(name)
+        cases[name] = {"config": _megatron_kwargs(arch), "vocab": arch.config["vocab_size"],
+                       "tied": bool(arch.config.get("tie_word_embeddings"))}
+    payload = json.dumps({"cases": cases, "port": 29500 + os.getpid() % 400})
+    proc = subprocess.run([sys.executable, "-c", _MEGATRON_CHILD, payload], capture_output=True, text=True,
+                          timeout=300)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("MEGATRON_NAMES=")), None)
     assert line is not None, f"megatron child failed:\n{proc.stderr[-3000:]}"
-    theirs = _megatron_te_names(json.loads(line.removeprefix("MEGATRON_NAMES=")), dense_layers,
-                                mla=arch.model_type.startswith("deepseek"))
+    return json.loads(line.removeprefix("MEGATRON_NAMES="))
+
+
+@pytest.mark.parametrize("name", MEGATRON_CASES)
+def test_megatron_names_match_megatron_core(megatron_names, name):
+    arch = _case_arch(name)
+    by = arch.by_name()
+    dense_layers = {n for n in range(arch.num_layers) if f"model.layers.{n}.mlp.gate.weight" not in by}
+    theirs = _megatron_te_names(megatron_names[name], dense_layers, mla=arch.model_type.startswith("deepseek"))
     ours = _catalog_megatron_view(arch)
     assert sorted(set(theirs) - set(ours)) == []
     assert sorted(set(ours) - set(theirs)) == []
