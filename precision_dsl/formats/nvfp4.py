@@ -140,14 +140,14 @@ def e2m1_codes(r: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     """[R, C] codes -> [R, C/2] bytes, even element in the low nibble."""
-    pairs = codes.reshape(codes.shape[0], -1, 2)
+    pairs = codes.reshape(codes.shape[0], codes.shape[1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def _unpack(data: torch.Tensor) -> torch.Tensor:
     lo = data & 0x0F
     hi = data >> 4
-    return torch.stack([lo, hi], dim=-1).reshape(data.shape[0], -1)
+    return torch.stack([lo, hi], dim=-1).reshape(data.shape[0], data.shape[1] * 2)
 
 
 def _codes_to_f32(codes: torch.Tensor) -> torch.Tensor:
