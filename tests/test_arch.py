@@ -20,8 +20,11 @@ from precision_dsl.arch import (
     ArchitectureError,
     TensorInfo,
     architecture_from_config,
+    fused_groups,
     list_bundled,
     load_architecture,
+    megatron_params,
+    sglang_modules,
     supported_model_types,
 )
 from precision_dsl.arch import _emit
@@ -250,6 +253,22 @@ def test_invariants(archs, name):
         assert len({t.megatron_name for t in members if t.megatron_name}) == (2 if group == "q_a+kv_a" else 1)
     assert a.by_name()["model.norm.weight"].role == "norm.final"
     assert LINEAR_ROLES <= set(ROLES)
+
+
+def test_group_helpers(archs):
+    a = archs["deepseek-v3"]
+    groups = fused_groups(a)
+    # per MoE layer: q_a+kv_a, 256 expert gate/up pairs, shared gate/up; dense layer: q_a+kv_a, gate_up; + MTP block
+    assert len(groups) == 58 * (1 + 256 + 1) + 3 * 2 + (1 + 256 + 1)
+    assert [t.role for t in groups[(3, 17, None, "experts.gate_up")]] == ["routed_experts.gate", "routed_experts.up"]
+    assert [t.role for t in groups[(None, None, 0, "q_a+kv_a")]] == ["attn.q_a", "attn.kv_a"]
+    mods = sglang_modules(a)
+    assert len(mods["model.layers.3.mlp.experts"]) == 256 * 3
+    assert [t.role for t in mods["model.layers.0.self_attn.fused_qkv_a_proj_with_mqa"]] == ["attn.q_a", "attn.kv_a"]
+    assert len(mods["model.decoder.mlp.experts"]) == 256 * 3  # the MTP block in SGLang's NextN draft model
+    params = megatron_params(archs["qwen3-30b-a3b"])
+    assert [t.megatron_part for t in params["decoder.layers.0.self_attention.linear_qkv.weight"]] == ["q", "k", "v"]
+    assert [t.megatron_part for t in params["decoder.layers.0.mlp.experts.linear_fc1.weight5"]] == ["gate", "up"]
 
 
 def test_tensorinfo_objects_are_valid_models(archs):

@@ -6,6 +6,7 @@
 
 from .base import FUSED_SIBLINGS, LINEAR_ROLES, ROLE_GROUPS, ROLES, Architecture, TensorInfo
 from .errors import ArchitectureError
+from .groups import fused_groups, megatron_params, sglang_modules
 from .loader import architecture_from_config, list_bundled, load_architecture, read_config, supported_model_types
 
 __all__ = [
@@ -17,8 +18,11 @@ __all__ = [
     "ArchitectureError",
     "TensorInfo",
     "architecture_from_config",
+    "fused_groups",
     "list_bundled",
     "load_architecture",
+    "megatron_params",
     "read_config",
+    "sglang_modules",
     "supported_model_types",
 ]
