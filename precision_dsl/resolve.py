@@ -217,6 +217,10 @@ class _Rule:
     quantized: bool
     matcher: _Matcher
     source: str
+    # True when the selector addresses non-linear tensors on purpose (a name glob, or only non-linear roles such as
+    # `norm`, `router.bias`): then a high-precision rule applies to them as written. Otherwise (layers[...], mtp,
+    # mixed role groups) it may widen but never narrow them, like `default`.
+    explicit_nonlinear: bool = False
     matched: int = 0
     matched_linear: int = 0
 
@@ -305,6 +309,10 @@ def _ckpt_precision(dtype: str, cache: dict) -> Precision:
     return p
 
 
+def _ckpt_bits(dtype: str) -> int:
+    return _HP_BITS[_DTYPE.get(dtype, ("bf16", 2))[0]]
+
+
 def _nonlinear_default(default: Optional[Precision], dtype: str, cache: dict) -> Precision:
     """Non-linear tensors take only the high-precision part of `default`, and `default` never narrows them
     (an fp32 router bias stays fp32 under `default bf16`); an explicit rule can."""
@@ -363,9 +371,12 @@ def compile_policy(policy: PolicySource, arch: Architecture) -> Compiled:
                 default_node = st
             elif isinstance(st, ast.Rule):
                 prec = _compile_precision(st.precision, src)
+                matcher = _compile_selector(st.selector, arch, src, st.optional)
+                explicit = matcher.name_re is not None or (matcher.roles is not None
+                                                           and not (matcher.roles & LINEAR_ROLES))
                 rules.append(_Rule(index=len(rules), node=st, ref=_ref(st, st.text), precision=prec,
-                                   quantized=prec.is_quantized,
-                                   matcher=_compile_selector(st.selector, arch, src, st.optional), source=src))
+                                   quantized=prec.is_quantized, matcher=matcher, source=src,
+                                   explicit_nonlinear=explicit))
             elif isinstance(st, ast.ShareScale):
                 shares.append((st, _compile_selector(st.selector, arch, src, st.optional), _ref(st, st.text)))
     except PolicyError as e:
@@ -413,12 +424,15 @@ def _group_tensors(arch: Architecture) -> dict[tuple, list[int]]:
     return groups
 
 
-def _decide(rules: list[_Rule], base: Precision, linear: bool):
+def _decide(rules: list[_Rule], base: Precision, linear: bool, ckpt_bits: int = 16):
     """Walk the matching rules in order (later wins). Returns (precision, decided_by, overridden, applied)."""
     prec, by, over, applied = base, None, [], []
     for r in rules:
-        if r.quantized and not linear:
-            continue  # quantized formats do not apply to non-linear tensors: they keep what they had
+        if not linear:
+            if r.quantized:
+                continue  # quantized formats do not apply to non-linear tensors: they keep what they had
+            if not r.explicit_nonlinear and _HP_BITS[r.precision.weight.kind.value] < ckpt_bits:
+                continue  # e.g. `layers[-15%:]: bf16` does not narrow an fp32 router bias
         if by is not None:
             over.append(by)
         prec, by = r.precision, r.ref
@@ -470,7 +484,7 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
                 if res is None:
                     base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
                         _nonlinear_default(comp.default, t.dtype, dt_cache)
-                    res = by_dtype[t.dtype] = _decide(matching, base, linear)
+                    res = by_dtype[t.dtype] = _decide(matching, base, linear, _ckpt_bits(t.dtype))
                 precs[i], decided[i], overridden[i] = res[0], res[1], res[2]
             continue
         for i in idxs:  # some rule has a name glob: per-tensor matching
@@ -482,7 +496,7 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
                     r.matched_linear += 1
             base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
                 _nonlinear_default(comp.default, t.dtype, dt_cache)
-            precs[i], decided[i], overridden[i], _ = _decide(mine, base, linear)
+            precs[i], decided[i], overridden[i], _ = _decide(mine, base, linear, _ckpt_bits(t.dtype))
 
     for r in comp.rules:
         _check_rule_matched(r, arch, comp.flat)
@@ -690,7 +704,7 @@ def explain_all(policy_path: PolicySource, arch: Architecture,
             _nonlinear_default(comp.default, t.dtype, dt_cache)
         mine = [r for r in comp.rules if r.matcher.matches_key(t.role, t.layer, is_mtp)
                 and (r.matcher.name_re is None or r.matcher.name_re.match(t.hf_name))]
-        _, _, _, applied = _decide(mine, base, linear)
+        _, _, _, applied = _decide(mine, base, linear, _ckpt_bits(t.dtype))
         steps: list[ExplainStep] = [(comp.default_ref if (comp.default is not None and base is comp.default) else None,
                                      base, False)]
         steps += [(r.ref, r.precision, False) for r in applied]

@@ -107,6 +107,19 @@ def test_default_never_narrows_nonlinear_and_quantized_default_skips_them(tmp_pa
     assert plan.by_name()["model.norm.weight"].weight.kind == FormatKind.FP32  # widening is allowed
     plan = run(tmp_path, "    default bf16\n    router: bf16")  # an explicit rule may narrow
     assert plan.by_name()["model.layers.0.mlp.gate.e_score_correction_bias"].weight.kind == FormatKind.BF16
+    plan = run(tmp_path, '    default bf16\n    name("*.e_score_correction_bias"): bf16')  # so may a name glob
+    assert plan.by_name()["model.layers.0.mlp.gate.e_score_correction_bias"].weight.kind == FormatKind.BF16
+
+
+def test_layer_rules_do_not_narrow_nonlinear_tensors(tmp_path):
+    plan = run(tmp_path, "    default mxfp8\n    layers[0]: bf16")
+    by = plan.by_name()
+    bias = by["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias.weight.kind == FormatKind.FP32 and bias.decided_by is None
+    norm = by["model.layers.0.input_layernorm.weight"]
+    assert norm.weight.kind == FormatKind.BF16 and norm.decided_by.text == "layers[0]: bf16"
+    plan = run(tmp_path, "    layers[0]: fp32")  # widening is fine
+    assert plan.by_name()["model.layers.0.input_layernorm.weight"].weight.kind == FormatKind.FP32
 
 
 def test_last_default_and_target_win(tmp_path):
