@@ -161,10 +161,17 @@ def _fmt_cell(t: TensorPlan) -> tuple[str, str, str, str]:
 
 def _layer_rows(tensors: list[TensorPlan]) -> list[tuple]:
     """Rows of one layer, experts collapsed: key = (local name pattern, formats, rule) -> expert ids."""
-    groups: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
+    # First bucket on cheap identity keys (routed experts are ~99% of DeepSeek-V3's 46k tensors and share their
+    # name pattern per role), then derive display strings once per bucket.
+    buckets: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
     for t in tensors:
+        ident = (t.role, t.shape, t.precision, t.decided_by, t.is_linear) if t.expert is not None else (t.hf_name,)
+        buckets.setdefault(ident, []).append(t)
+    groups: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
+    for ts in buckets.values():
+        t = ts[0]
         key = (_local_name(t), "x".join(map(str, t.shape))) + _fmt_cell(t) + (_rule(t),)
-        groups.setdefault(key, []).append(t)
+        groups.setdefault(key, []).extend(ts)
     # merge gate/up (and q/k/v) members that share everything but the leaf name into one row `{gate_proj,up_proj}`
     merged: "OrderedDict[tuple, tuple[list[str], list[TensorPlan]]]" = OrderedDict()
     for key, ts in groups.items():

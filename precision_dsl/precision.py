@@ -10,6 +10,7 @@ These are pure data (pydantic, frozen, hashable): no torch import here, so `poli
 from __future__ import annotations
 
 from enum import Enum
+from functools import lru_cache
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
@@ -75,7 +76,10 @@ class TensorFormat(BaseModel):
         return elem_bits + scale_bits / (self.block[0] * self.block[1])
 
     def short(self) -> str:
-        """Compact human string, e.g. `nvfp4[1x16,e4m3,row]`, `mxfp8/e4m3[1x32]`, `bf16`."""
+        """Compact human string, e.g. `nvfp4[1x16,per_token]`, `mxfp8/e4m3[1x32]`, `bf16`."""
+        return _format_short(self)
+
+    def _short(self) -> str:
         if not self.is_quantized:
             return self.kind.value
         parts = []
@@ -91,6 +95,12 @@ class TensorFormat(BaseModel):
             parts.append({"row": "per_token", "tensor": "per_tensor", "expert": "per_expert", "group": "shared"}[
                 self.global_scale])
         return head + (f"[{','.join(parts)}]" if parts else "")
+
+
+@lru_cache(maxsize=None)
+def _format_short(fmt: TensorFormat) -> str:
+    # Memoised: `plan` renders ~10^5 cells for DeepSeek-V3 from a handful of distinct formats.
+    return fmt._short()
 
 
 def hp(kind: str) -> TensorFormat:
