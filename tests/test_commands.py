@@ -1,0 +1,153 @@
+"""CLI: plan / explain / check / diff, through typer's runner, plus the pure rendering helpers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from precision_dsl.arch import load_architecture
+from precision_dsl.cli import app
+from precision_dsl.commands import diff_plans, plan_rows, role_summary, summarize
+from precision_dsl.plan import Plan
+from precision_dsl.resolve import resolve
+
+ROOT = Path(__file__).resolve().parent.parent
+POL = ROOT / "policies"
+NVFP4 = POL / "nvfp4-pertoken-dequant-backward.policy"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def dsv3_plan() -> Plan:
+    return resolve(NVFP4, load_architecture("deepseek-v3"))
+
+
+def test_deepseek_expert_share_is_656_5b_of_671b(dsv3_plan):
+    roles, main, mtp = role_summary(dsv3_plan)
+    experts = sum(n for g, n, _, _ in roles if g in ("routed_experts", "shared_experts"))
+    assert experts == (61 - 3) * (256 + 1) * 3 * 7168 * 2048
+    assert round(experts / 1e9, 1) == 656.5
+    assert 670e9 < main < 672e9  # the model card's 671B: MTP module counted apart
+    assert 13e9 < mtp < 15e9
+    assert round(100 * experts / main, 1) == 97.8
+
+
+def test_plan_cli_reports_expert_share(dsv3_plan):
+    res = runner.invoke(app, ["plan", str(NVFP4), "--model", "deepseek-v3"])
+    assert res.exit_code == 0, res.output
+    assert "routed+shared experts: 656.5B of 671.0B parameters (97.8%)" in res.output
+    assert "mlp.experts[0-255].{gate_proj,up_proj}" in res.output
+    assert "plan hash: " + dsv3_plan.content_hash() in res.output
+    assert "exact emulation" in res.output  # Blackwell-only formats are labelled as emulated here
+
+
+def test_qwen3_last_15_percent_is_layers_40_to_47():
+    plan = resolve(NVFP4, load_architecture("qwen3-30b-a3b"))
+    expert_layers_nvfp4 = {t.layer for t in plan.tensors if t.role.startswith("routed_experts")
+                           and t.weight.kind.value == "nvfp4"}
+    assert expert_layers_nvfp4 == set(range(0, 40))
+    rows = plan_rows(plan)
+    labels = {r.layers for r in rows}
+    assert "40-47" in labels and "0-39" in labels  # identical consecutive layers merged into those two runs
+    res = runner.invoke(app, ["plan", str(NVFP4), "--model", "qwen3-30b-a3b"])
+    assert res.exit_code == 0 and "40-47" in res.output
+
+
+def test_plan_rows_expand_and_glob():
+    plan = resolve(NVFP4, load_architecture("tiny-moe"))
+    rows = plan_rows(plan, expand=True)
+    assert {r.layers for r in rows} >= {"0", "1", "2", "3", "-"}
+    only = plan_rows(plan, tensor_glob="model.layers.1.mlp.experts.*")
+    assert only and all(r.layers == "1" for r in only)
+    assert sum(r.count for r in only) == 8 * 3  # 8 experts x gate/up/down
+
+
+def test_summary_adds_up():
+    plan = resolve(NVFP4, load_architecture("tiny-moe"))
+    rows = summarize(plan)
+    assert sum(r[1] for r in rows) == sum(t.numel for t in plan.tensors)
+    assert abs(sum(r[2] for r in rows) - 100.0) < 1e-6
+    nv = [r for r in rows if r[0].startswith("nvfp4")]
+    assert nv and all(r[4] < r[3] for r in nv)  # nvfp4 shrinks bytes
+
+
+def test_plan_json_roundtrip_and_glob():
+    res = runner.invoke(app, ["plan", str(NVFP4), "--model", "tiny-moe", "--json"])
+    assert res.exit_code == 0
+    plan = Plan.from_json(res.stdout)
+    assert plan.policy_name == "nvfp4-pertoken-dequant-backward"
+    res = runner.invoke(app, ["plan", str(NVFP4), "--model", "tiny-moe", "--json", "--tensor", "*.experts.0.*"])
+    data = json.loads(res.stdout)
+    assert {t["expert"] for t in data["tensors"]} == {0}
+
+
+def test_explain_shows_chain_and_winner():
+    res = runner.invoke(app, ["explain", str(NVFP4), "model.layers.45.mlp.experts.3.gate_proj.weight",
+                              "--model", "qwen3-30b-a3b"])
+    assert res.exit_code == 0, res.output
+    assert res.output.count("✔ wins") == 1
+    assert "overridden" in res.output
+    assert "bf16" in res.output.split("✔ wins")[1].splitlines()[0]
+
+
+def test_explain_unknown_tensor_is_a_clean_error():
+    res = runner.invoke(app, ["explain", str(NVFP4), "model.layers.1.mlp.experts.3.gate_prj.weight"])
+    assert res.exit_code == 2
+    assert "Traceback" not in res.output
+    assert "did you mean" in res.output
+
+
+def test_check_exit_codes(tmp_path):
+    ok = runner.invoke(app, ["check", str(NVFP4), "--model", "qwen3-30b-a3b"])
+    assert ok.exit_code == 0, ok.output
+    # per-token activation scales with unequal expert-TP on trainer and rollout: refused
+    bad = runner.invoke(app, ["check", str(NVFP4), "--model", "qwen3-30b-a3b",
+                              "--parallel", "trainer:tp=2,etp=2,ep=4 rollout:tp=4,etp=1,ep=4"])
+    assert bad.exit_code == 1, bad.output
+    assert "etp" in bad.output.lower()
+    assert "model.layers." in bad.output  # names a tensor
+
+
+def test_check_hopper_refuses_nvfp4(tmp_path):
+    p = tmp_path / "h.policy"
+    p.write_text('policy "h" {\n  target hopper\n  default bf16\n  routed_experts: nvfp4\n}\n')
+    res = runner.invoke(app, ["check", str(p), "--model", "tiny-moe"])
+    assert res.exit_code in (1, 2)
+    assert "hopper" in res.output.lower() and "Traceback" not in res.output
+
+
+def test_bad_inputs_never_traceback(tmp_path):
+    cases = [
+        ["plan", str(tmp_path / "missing.policy")],
+        ["plan", str(NVFP4), "--model", "no-such-model"],
+        ["plan", str(NVFP4), "--parallel", "trainer:tq=2"],
+        ["plan", str(NVFP4), "--tensor", "nothing.*"],
+    ]
+    bad = tmp_path / "bad.policy"
+    bad.write_text('policy "x" {\n  routed_experts: nvfp5\n}\n')
+    cases.append(["plan", str(bad)])
+    for args in cases:
+        res = runner.invoke(app, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+        assert "error" in res.output.lower()
+    res = runner.invoke(app, ["plan", str(bad)])
+    assert "bad.policy:2:" in res.output and "^" in res.output
+
+
+def test_diff_lists_changed_tensors():
+    a, b = POL / "bf16.policy", NVFP4
+    res = runner.invoke(app, ["diff", str(a), str(b), "--model", "tiny-moe"])
+    assert res.exit_code == 0, res.output
+    assert "mlp.experts" in res.output
+    arch = load_architecture("tiny-moe")
+    changes = diff_plans(resolve(a, arch), resolve(b, arch))
+    # tiny-moe has 4 layers: the last (15% -> layer 3) stays bf16, so experts of layers 0-2 change
+    changed = {n for n, _, _ in changes}
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in changed
+    assert "model.layers.3.mlp.experts.0.gate_proj.weight" not in changed
+    same = runner.invoke(app, ["diff", str(a), str(a), "--model", "tiny-moe"])
+    assert "no tensor" in same.output
