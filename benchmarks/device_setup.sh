@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Prepare the H200 device machine (no network there): install the pure-Python deps policyc needs that the device image
+# lacks (pydantic, lark, torchao for the peer benchmark) from wheels carried in .wheels/, and make the repo importable.
+#
+# Here (once):  pip download pydantic lark torchao==0.18.0 --python-version 3.12 --only-binary=:all: \
+#                   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .wheels
+# On the device: source benchmarks/device_setup.sh   (run tool: carry [".wheels"])
+set -e
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if [ -d .wheels ]; then
+  python3 -m pip install -q --no-index --find-links .wheels pydantic lark 2>&1 | tail -1 || true
+  ls .wheels/torchao-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .wheels/torchao-*.whl 2>&1 | tail -1 || true
+fi
+python3 -c "import torch, pydantic, lark; print('device:', torch.cuda.device_count(), 'GPU(s)', torch.__version__, 'pydantic', pydantic.VERSION)"
