@@ -463,45 +463,43 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
     overridden: list[tuple] = [()] * n
     dt_cache: dict = {}
 
-    for (role, layer, is_mtp), idxs in _group_tensors(arch).items():
+    # Group tensors by everything a selector can look at: (role, layer, is-mtp) and, for rules with a name glob,
+    # which of those globs match (a per-tensor regex only for the few glob rules). Each group is decided once.
+    name_rules = [r for r in comp.rules if r.matcher.name_re is not None]
+    glob_pos = {id(r): k for k, r in enumerate(name_rules)}
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        sig = tuple(r.matcher.name_re.match(t.hf_name) is not None for r in name_rules) if name_rules else ()
+        groups.setdefault((t.role, t.layer, t.mtp is not None, sig), []).append(i)
+
+    for (role, layer, is_mtp, sig), idxs in groups.items():
         linear = role in LINEAR_ROLES
-        matching = [r for r in comp.rules if r.matcher.matches_key(role, layer, is_mtp)]
+        matching = [r for r in comp.rules if r.matcher.matches_key(role, layer, is_mtp)
+                    and (r.matcher.name_re is None or sig[glob_pos[id(r)]])]
         if not matching:
             for i in idxs:
                 t = tensors[i]
                 precs[i] = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
                     _nonlinear_default(comp.default, t.dtype, dt_cache)
             continue
-        if all(r.matcher.name_re is None for r in matching):
-            for r in matching:
-                r.matched += len(idxs)
-                if linear:
-                    r.matched_linear += len(idxs)
-            by_dtype: dict[str, tuple] = {}
-            for i in idxs:
-                t = tensors[i]
-                res = by_dtype.get(t.dtype)
-                if res is None:
-                    base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
-                        _nonlinear_default(comp.default, t.dtype, dt_cache)
-                    res = by_dtype[t.dtype] = _decide(matching, base, linear, _ckpt_bits(t.dtype))
-                precs[i], decided[i], overridden[i] = res[0], res[1], res[2]
-            continue
-        for i in idxs:  # some rule has a name glob: per-tensor matching
+        for r in matching:
+            r.matched += len(idxs)
+            if linear:
+                r.matched_linear += len(idxs)
+        by_dtype: dict[str, tuple] = {}
+        for i in idxs:
             t = tensors[i]
-            mine = [r for r in matching if r.matcher.name_re is None or r.matcher.name_re.match(t.hf_name)]
-            for r in mine:
-                r.matched += 1
-                if linear:
-                    r.matched_linear += 1
-            base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
-                _nonlinear_default(comp.default, t.dtype, dt_cache)
-            precs[i], decided[i], overridden[i], _ = _decide(mine, base, linear, _ckpt_bits(t.dtype))
+            res = by_dtype.get(t.dtype)
+            if res is None:
+                base = (comp.default or _ckpt_precision(t.dtype, dt_cache)) if linear else \
+                    _nonlinear_default(comp.default, t.dtype, dt_cache)
+                res = by_dtype[t.dtype] = _decide(matching, base, linear, _ckpt_bits(t.dtype))
+            precs[i], decided[i], overridden[i] = res[0], res[1], res[2]
 
     for r in comp.rules:
         _check_rule_matched(r, arch, comp.flat)
 
-    groups, group_of, notes = _share_scale_groups(comp, arch, precs, decided)
+    share_groups, group_of, notes = _share_scale_groups(comp, arch, precs, decided, groups)
 
     notes = list(notes)
     distinct = list({id(p): p for p in precs}.values())
@@ -533,7 +531,7 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
     return Plan.model_construct(
         policy_name=comp.flat.root.name, policy_files=tuple(comp.flat.files), model=arch.name,
         model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,
-        parallel=parallel, tensors=tuple(plans), share_scale_groups=tuple(groups), policyc_version="0.1.0",
+        parallel=parallel, tensors=tuple(plans), share_scale_groups=tuple(share_groups), policyc_version="0.1.0",
         notes=tuple(notes))
 
 
@@ -581,17 +579,16 @@ def _group_id(members: list[TensorInfo]) -> str:
     return "{" + ",".join(m.module for m in members) + "}"
 
 
-def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided: list):
+def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided: list, keyed: dict):
     tensors = arch.tensors
     groups: dict[tuple, dict] = {}  # instance key -> {"members": [idx], "ref": RuleRef}
     notes: list[str] = []
     if not comp.shares:
         return [], {}, notes
-    keyed = _group_tensors(arch)
     for st, matcher, ref in comp.shares:
         src = comp.flat.sources.get(st.span.file, "")
         hits = []
-        for (role, layer, is_mtp), idxs in keyed.items():
+        for (role, layer, is_mtp, _sig), idxs in keyed.items():
             if matcher.matches_key(role, layer, is_mtp):
                 hits.extend(i for i in idxs if matcher.name_re is None or matcher.name_re.match(tensors[i].hf_name))
         if not hits:
@@ -653,7 +650,8 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
             shared_cache[id(first)] = shared
             keep_alive.append(first)
         gid = _group_id(members)
-        out.append(ShareScaleGroup(id=gid, members=tuple(m.hf_name for m in members), declared_at=g["ref"]))
+        out.append(ShareScaleGroup.model_construct(id=gid, members=tuple(m.hf_name for m in members),
+                                                   declared_at=g["ref"]))
         for i in idxs:
             precs[i] = shared
             group_of[i] = gid

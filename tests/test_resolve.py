@@ -431,3 +431,14 @@ def test_decided_by_default_and_backward(tmp_path):
     assert t.decided_by is None and t.backward == BackwardMode.DEQUANTIZED
     assert isinstance(plan.tensors[0].precision.weight.kind, FormatKind)
     assert isinstance(ast.Span, type)
+
+
+def test_hopper_default_with_blackwell_format_points_at_default(tmp_path):
+    e = perr(tmp_path, "    target hopper\n    default nvfp4")
+    assert e.location.endswith(":3:13") and "nvfp4 runs natively only on Blackwell" in e.message
+
+
+def test_directory_as_policy_is_a_clean_error(tmp_path):
+    with pytest.raises(PolicyError) as ei:
+        resolve(tmp_path, hand_arch())
+    assert "cannot read" in ei.value.render()
