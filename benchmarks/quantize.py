@@ -77,9 +77,9 @@ SWEEP = {
     "nvfp4_tensor": [dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=16, block_nb=32, num_warps=4),
                      dict(block_m=16, block_nb=64, num_warps=8), dict(block_m=8, block_nb=64, num_warps=4),
                      dict(block_m=32, block_nb=32, num_warps=8)],
-    "mxfp8_rowcol": [dict(group=1, nkb=2, num_warps=4), dict(group=1, nkb=4, num_warps=4),
-                     dict(group=1, nkb=4, num_warps=8), dict(group=1, nkb=8, num_warps=8),
-                     dict(group=2, nkb=4, num_warps=8)],
+    "mxfp8_rowcol": [dict(group=1, nkb=4, num_warps=4), dict(group=1, nkb=8, num_warps=4),
+                     dict(group=1, nkb=8, num_warps=8), dict(group=1, nkb=16, num_warps=8),
+                     dict(group=2, nkb=8, num_warps=8)],
     "fp8_block_1x128": [dict(block_r=8, block_c=512, num_warps=4), dict(block_r=4, block_c=1024, num_warps=4),
                         dict(block_r=16, block_c=256, num_warps=8), dict(block_r=8, block_c=1024, num_warps=8)],
 }

@@ -85,19 +85,19 @@ def e2m1_code(y):
 
 @triton.jit
 def e8m0_from_amax(amax, FMAX_RCP: tl.constexpr):
-    """TE `float_to_e8m0(amax * RN(1/Fmax))`: round toward +inf to a power of two, saturate finite.
+    """TE `float_to_e8m0(amax * RN(1/Fmax))` for a NaN-free amax >= 0: round toward +inf to a power of two,
+    saturate finite. Returns (E as uint32 0..254, multiplier 2^(127-E) as fp32; E = 254 -> 2^-127 = 0x00400000,
+    E = 0 -> 2^127).
 
-    Returns (E as int32 0..255, multiplier 2^(127-E) as fp32; E = 254 -> 2^-127 = 0x00400000, E = 0 -> 2^127)."""
+    With u = bits(d): E = min((u + 0x7FFFFF) >> 23, 254) is exponent + (mantissa != 0) for normal d (the carry of
+    a non-zero mantissa lands in the exponent), saturates exponent 254 and +inf to 254; subnormal d: E = 1 when
+    d > 2^-127 (u > 0x400000), else 0 (TE's rule: d <= 2^-127 "rounds up" to 2^-127 itself). NaN d cannot occur
+    (amax comes from a NaN-ignoring max with 0)."""
     d = amax * FMAX_RCP
-    bits = d.to(tl.int32, bitcast=True)
-    exp = (bits >> 23) & 0xFF
-    man = bits & 0x7FFFFF
-    e = exp + tl.where(man != 0, 1, 0)
-    e = tl.where(exp == 0, tl.where(man > 0x400000, 1, 0), e)
-    e = tl.where(exp == 254, 254, e)
-    e = tl.where(exp == 255, tl.where(man != 0, 255, 254), e)  # NaN -> 255, +inf -> 254
+    u = d.to(tl.uint32, bitcast=True)
+    e = tl.minimum((u + 0x7FFFFF) >> 23, 254)
+    e = tl.where(u <= 0x400000, 0, e)
     s_bits = tl.where(e == 254, 0x00400000, (254 - e) << 23)
-    s_bits = tl.where(e == 255, 0x7FC00000, s_bits)
     return e, s_bits.to(tl.float32, bitcast=True)
 
 

@@ -60,13 +60,16 @@ def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M,
                              stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program)."""
     pid = tl.program_id(0)
+    stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
+    stride_d = tl.multiple_of(stride_d, 8)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     nb = tl.arange(0, BLOCK_NB)
     pr = tl.arange(0, 8)
     rmask = rows < M
     mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
     r64 = rows.to(tl.int64)
-    offs = r64[:, None, None] * stride_xp + nb[None, :, None] * 8 + pr[None, None, :]
+    # row bases are multiples of 8 pair words (K % 16 == 0); the hint lets Triton use 16-byte loads for any K
+    offs = tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
     u = tl.load(xp_ptr + offs, mask=mask3, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), 0.0)  # [BM, BNB]
@@ -74,7 +77,7 @@ def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M,
     s_enc, s_dec = _global_scales(g)
     sf, enc = _block_scale(amax_b, s_enc[:, None], s_dec[:, None])
     packed = _pack_codes(lo, hi, enc[:, :, None])
-    d_offs = r64[:, None, None] * stride_d + nb[None, :, None] * 8 + pr[None, None, :]
+    d_offs = tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
     tl.store(data_ptr + d_offs, packed, mask=mask3)
     mask2 = rmask[:, None] & (nb < NB)[None, :]
     tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
@@ -105,6 +108,8 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16])."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
+    stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
+    stride_d = tl.multiple_of(stride_d, 8)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
     pr = tl.arange(0, 8)
@@ -112,8 +117,8 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     bmask = nb < NB
     mask3 = rmask[:, None, None] & bmask[None, :, None]
     r64 = rows.to(tl.int64)
-    u = tl.load(xp_ptr + r64[:, None, None] * stride_xp + nb[None, :, None] * 8 + pr[None, None, :], mask=mask3,
-                other=0)
+    u = tl.load(xp_ptr + tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
+                mask=mask3, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
@@ -129,8 +134,8 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
         sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc, s_dec)
         packed = _pack_codes(lo, hi, enc[:, :, None])
         tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-    tl.store(data_ptr + r64[:, None, None] * stride_d + nb[None, :, None] * 8 + pr[None, None, :], packed,
-             mask=mask3)
+    tl.store(data_ptr + tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
+             packed, mask=mask3)
 
 
 @triton.jit
@@ -139,6 +144,8 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
     """Per-row NVFP4, one row per program, the row read twice in CHUNK_NB-block chunks (amax pass, then the
     quantize pass mostly from L2). Variant for rows too long to keep in registers; also a tuning alternative."""
     row = tl.program_id(0).to(tl.int64)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_d = tl.multiple_of(stride_d, 8)
     pr = tl.arange(0, 8)
     cb = tl.arange(0, CHUNK_NB)
     acc = tl.zeros([CHUNK_NB], tl.float32)
