@@ -57,7 +57,7 @@ def emit_artifacts(plan, backends: Optional[list[str]] = None):
     from .common import PLAN_FILE, Artifact
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
-    arts = [Artifact(PLAN_FILE, plan.to_json() + "\n", "the plan (IR) with its content_hash")]
+    arts = [Artifact(PLAN_FILE, plan.to_json(indent=None) + "\n", "the plan (IR) with its content_hash")]
     for name in backends or BACKEND_CHOICES:
         arts.extend(mods[name].emit(plan))
     return arts

@@ -162,7 +162,11 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     """config.json quantization_config and hf_quant_config.json contents (None where not applicable)."""
     from .sglang import rollout_config
 
-    cfg = rollout_config(plan)
+    try:
+        cfg = rollout_config(plan)
+    except UnsupportedByBackend as err:
+        raise UnsupportedByBackend(BACKEND, err.tensor, f"the checkpoint's quantization_config is SGLang's: "
+                                                        f"{err.capability}", err.hint) from None
     return {"quantization_config": cfg.quantization_config, "hf_quant_config": cfg.hf_quant_config}
 
 
@@ -296,7 +300,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
     report.bytes_out = total_size
     (part / INDEX_FILE).write_text(dump_json({"metadata": {"total_size": total_size,
                                                            "policyc_plan": plan.content_hash()},
-                                              "weight_map": dict(sorted(weight_map.items()))}))
+                                              "weight_map": dict(sorted(weight_map.items()))}, compact=True))
     cfg_path = src / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
     if qfiles["quantization_config"] is not None:
@@ -306,7 +310,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
     (part / "config.json").write_text(dump_json(config))
     if qfiles["hf_quant_config"] is not None:
         (part / "hf_quant_config.json").write_text(dump_json(qfiles["hf_quant_config"]))
-    (part / PLAN_FILE).write_text(plan.to_json() + "\n")
+    (part / PLAN_FILE).write_text(plan.to_json(indent=None) + "\n")
     for p in sorted(src.iterdir()):
         if not p.is_file() or p.suffix == ".safetensors" or p.name in _NOT_COPIED or p.name.startswith("."):
             continue
@@ -482,5 +486,5 @@ def emit(plan: Plan) -> list[Artifact]:
                 "quantization_config": qfiles["quantization_config"],
                 "hf_quant_config": qfiles["hf_quant_config"],
                 "tensors": {t.hf_name: [[n, dt, list(sh)] for n, dt, sh in output_specs(t)] for t in plan.tensors}}
-    return [Artifact("converter/manifest.json", dump_json(manifest),
+    return [Artifact("converter/manifest.json", dump_json(manifest, compact=True),
                      "every output tensor (name, dtype, shape) per plan tensor + checkpoint configs")]

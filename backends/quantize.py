@@ -74,10 +74,10 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         if w.block != (128, 128) or w.element != "e4m3":
             raise UnsupportedByBackend(backend, t.hf_name, f"FP8-block checkpoints are e4m3 128x128; plan says "
                                                            f"{w.short()} block {w.block}")
-        if w.scale_dtype not in (None, "fp32"):
+        if w.scale_dtype not in (None, "fp32", "pow2"):
             raise UnsupportedByBackend(backend, t.hf_name, "DeepSeek FP8 checkpoints store fp32 weight_scale_inv; "
-                                                           f"plan asks for '{w.scale_dtype}' scales",
-                                       hint="use fp8_block with fp32 scales for the rollout checkpoint")
+                                                           f"plan asks for '{w.scale_dtype}' scales")
+        # pow2 scales are stored exactly as fp32 weight_scale_inv values (powers of two are fp32-representable).
     else:
         raise UnsupportedByBackend(backend, t.hf_name, f"no checkpoint format for {w.short()} weights "
                                                        "(supported: mxfp8, nvfp4, fp8_block 128x128)")

@@ -139,8 +139,10 @@ def _check_tensor(t: TensorPlan, plan: Plan) -> None:
             raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang block FP8 quantizes activations dynamically "
                                                            f"1x128; plan has activations {a.short()}")
         if a.scale_dtype not in (None, "fp32"):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"activation scales '{a.scale_dtype}': the SGLang "
-                                                           "triton block-FP8 path uses fp32 scales")
+            raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.scale_dtype}' activation scales: SGLang's triton "
+                                                           "block-FP8 path computes fp32 1x128 scales; its UE8M0 "
+                                                           "(DeepGEMM) rounding is not verified equal to TE pow2",
+                                       hint="use fp8_block(scales=fp32) for a Hopper rollout")
     elif w.kind == FormatKind.NVFP4:
         if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
             raise UnsupportedByBackend(

@@ -476,10 +476,11 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
         entry = params.setdefault(key, {"hf": [], "outputs": []})
         entry["hf"].append(t.hf_name)
         entry["outputs"].extend([[n, dt, list(sh)] for n, dt, sh in specs])
-    groups = [sorted(ns) for ns in atomic_groups(plan).values() if len(ns) > 1]
+    atoms = atomic_groups(plan)
+    groups = [sorted(ns) for ns in atoms.values() if len(ns) > 1]
     order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
     buckets, size = 0, 0
-    for ns in sorted(atomic_groups(plan).values(), key=lambda ns: max(order[n] for n in ns)):
+    for ns in sorted(atoms.values(), key=lambda ns: max(order[n] for n in ns)):
         nb = sum(sizes[n] for n in ns)
         if size and size + nb > bucket_bytes:
             buckets, size = buckets + 1, 0
@@ -487,7 +488,7 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     buckets += 1 if size else 0
     manifest = {"policyc": plan_stamp(plan), "bucket_bytes": bucket_bytes, "buckets": buckets,
                 "atomic_groups": sorted(groups), "params": params}
-    return [Artifact("weight_update/manifest.json", dump_json(manifest),
+    return [Artifact("weight_update/manifest.json", dump_json(manifest, compact=True),
                      "Megatron param -> rollout tensors (name, dtype, shape), atomic groups, buckets")]
 
 

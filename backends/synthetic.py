@@ -1,0 +1,59 @@
+"""Random HF safetensors checkpoints for an architecture (tests and benchmarks/convert.py).
+
+`write_synthetic_checkpoint(arch, dst, shards=3)` writes every tensor of `arch` with the catalog's shapes, split
+over `shards` files (+ model.safetensors.index.json, config.json, a tokenizer stand-in). Tensors are assigned to
+shards in catalog order by cumulative size, so gate/up of one expert can straddle a shard boundary (the converter
+must handle that). Deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+
+def write_synthetic_checkpoint(arch, dst: Path, shards: int = 3, seed: int = 0, dtype: str = "bfloat16",
+                               scale: float = 0.05, split_after: Optional[str] = None) -> Path:
+    """Write a random checkpoint for `arch` into `dst`. `split_after`: force a shard boundary right after this
+    tensor name (used to put gate and up of one expert into different shards)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tdt = getattr(torch, dtype)
+    total = sum(t.numel for t in arch.tensors)
+    per = max(total // shards, 1)
+    groups: list[list] = [[]]
+    acc = 0
+    for t in arch.tensors:
+        if (acc >= per * len(groups) and len(groups) < shards) and groups[-1]:
+            groups.append([])
+        groups[-1].append(t)
+        acc += t.numel
+        if split_after is not None and t.hf_name == split_after and len(groups) < shards:
+            groups.append([])
+    groups = [grp for grp in groups if grp]
+    n = len(groups)
+    weight_map = {}
+    for i, grp in enumerate(groups):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = {}
+        for t in grp:
+            if t.role.startswith("norm."):
+                x = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                x = torch.randn(t.shape, generator=g) * scale
+            tensors[t.hf_name] = x.to(tdt).contiguous()
+            weight_map[t.hf_name] = fname
+        save_file(tensors, str(dst / fname), metadata={"format": "pt"})
+        del tensors
+    if n > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                     indent=2))
+    (dst / "config.json").write_text(json.dumps(arch.config, indent=2))
+    (dst / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    (dst / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    return dst
