@@ -179,6 +179,7 @@ def test_fake_quantize_matches_two_step():
     (lambda: mxfp8.quantize(torch.randn(32, 32), element="e2m1"), "element must be"),
     (lambda: mxfp8.quantize(torch.randn(32, 32), axis="diag"), "axis must be"),
     (lambda: mxfp8.quantize([1.0] * 32), "expected a torch.Tensor"),
+    (lambda: mxfp8.fake_quantize(torch.randn(32, 32), axis="cols"), "axis must be"),
 ])
 def test_bad_input_errors(bad, match):
     with pytest.raises(FormatInputError, match=match):

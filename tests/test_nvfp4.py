@@ -208,6 +208,8 @@ def test_fake_quantize_matches_two_step():
     (lambda: nvfp4.quantize(torch.randn(16, 32), global_amax=torch.ones(3)), "global_amax must have 1 element"),
     (lambda: nvfp4.quantize(torch.randn(16, 32).half().to(torch.float8_e4m3fn)), "not supported"),
     (lambda: nvfp4.group_amax([]), "at least one tensor"),
+    (lambda: nvfp4.quantize(torch.randn(16, 32), global_amax=-1.0), "global_amax must be >= 0"),
+    (lambda: nvfp4.fake_quantize(torch.randn(16, 32), axis="rows"), "axis must be"),
 ])
 def test_bad_input_errors(bad, match):
     with pytest.raises(FormatInputError, match=match):

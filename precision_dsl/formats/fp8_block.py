@@ -75,7 +75,7 @@ def scale_from_amax(amax: torch.Tensor, element: str, pow2: bool, value_for_inf:
 def _check(element: str, block, axis: str, what: str) -> tuple[int, int]:
     if element not in FP8_MAX:
         raise FormatInputError(f"{what}: element must be 'e4m3' or 'e5m2', got {element!r}")
-    block = tuple(block)
+    block = tuple(block) if isinstance(block, (tuple, list)) else block
     if block not in BLOCKS:
         raise FormatInputError(f"{what}: block must be (1, 128) or (128, 128), got {block}")
     if axis not in ("row", "col"):
@@ -102,7 +102,8 @@ def _quantize_matrix(m2: torch.Tensor, element: str, block: tuple[int, int], pow
 def quantize(x: torch.Tensor, element: str = "e4m3", block: tuple[int, int] = (1, 128), pow2: bool = True,
              axis: str = "row", fmt: Optional[TensorFormat] = None) -> QuantizedTensor:
     """Quantize `x` with TE Float8BlockScaling (see module docstring). `QuantizedTensor.scale` holds scale_inv."""
-    what = f"fp8_block/{element} {block[0]}x{block[1]} {'pow2' if pow2 else 'fp32'} (axis={axis})"
+    what = f"fp8_block/{element} block={tuple(block) if isinstance(block, (tuple, list)) else block} " \
+           f"{'pow2' if pow2 else 'fp32'} (axis={axis})"
     block = _check(element, block, axis, what)
     x2, shape = as_2d_fp32(x, what)
     m2 = x2 if axis == "row" else x2.t().contiguous()

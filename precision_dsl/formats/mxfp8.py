@@ -77,32 +77,31 @@ def make_format(element: str = "e4m3", tile_2d: bool = False) -> TensorFormat:
 
 
 def e8m0_round_up_satfinite(d: torch.Tensor) -> torch.Tensor:
-    """TE `float_to_e8m0` (== PTX cvt.rp.satfinite.ue8m0x2.f32) for fp32 d >= 0 -> uint8 E8M0 bytes."""
+    """TE `float_to_e8m0` (== PTX cvt.rp.satfinite.ue8m0x2.f32) for fp32 d >= 0 -> uint8 E8M0 bytes.
+
+    Rule (exponent field e, mantissa field m of d): NaN -> 255; +inf -> 254; e == 0 (zero / subnormal) ->
+    1 if m > 0x400000 else 0; e == 254 -> 254; else e + (m != 0).
+    Computed on the bit pattern: adding 0x7FFFFF carries into the exponent field exactly when m != 0 (0x3FFFFF for
+    subnormals, which carries exactly when m > 0x400000); the clamp to 254 covers e == 254 and +inf."""
     bits = f32_bits(d.float())
-    exp = (bits >> 23) & 0xFF
-    man = bits & 0x7FFFFF
-    e = torch.where(exp == 0, (man > 0x400000).to(torch.int32), exp + (man != 0).to(torch.int32))
-    e = torch.where(exp == 254, torch.full_like(e, 254), e)
-    is_nan = torch.isnan(d)
-    e = torch.where(torch.isinf(d), torch.full_like(e, 254), e)  # +inf -> 254 (satfinite)
-    e = torch.where(is_nan, torch.full_like(e, E8M0_NAN), e)
+    bump = torch.where(bits < 0x00800000, 0x3FFFFF, 0x7FFFFF)  # zero/subnormal vs normal/inf
+    e = ((bits + bump) >> 23).clamp_(0, 254)
+    e = e.masked_fill_(torch.isnan(d), E8M0_NAN)
     return e.to(torch.uint8)
 
 
 def e8m0_to_multiplier(e: torch.Tensor) -> torch.Tensor:
     """TE `exp2f_rcp`: fp32 2^(127 - E). E = 255 -> NaN, E = 254 -> 2^-127 (0x00400000), else bits (254-E)<<23."""
     ei = e.to(torch.int32)
-    bits = torch.where(ei == 254, torch.full_like(ei, 0x00400000), (254 - ei).clamp(min=0) << 23)
-    bits = torch.where(ei == 255, torch.full_like(ei, 0x7FC00000), bits)
-    return f32_from_bits(bits)
+    bits = torch.where(ei >= 254, 0x00400000, (254 - ei) << 23)
+    return f32_from_bits(bits.masked_fill_(ei == 255, 0x7FC00000))
 
 
 def e8m0_to_scale(e: torch.Tensor) -> torch.Tensor:
     """Decode scale 2^(E - 127) as fp32 (E = 0 -> 2^-127, subnormal 0x00400000; E = 255 -> NaN)."""
     ei = e.to(torch.int32)
-    bits = torch.where(ei == 0, torch.full_like(ei, 0x00400000), ei << 23)
-    bits = torch.where(ei == 255, torch.full_like(ei, 0x7FC00000), bits)
-    return f32_from_bits(bits)
+    bits = torch.where(ei == 0, 0x00400000, ei << 23)
+    return f32_from_bits(bits.masked_fill_(ei == 255, 0x7FC00000))
 
 
 def scale_from_amax(amax: torch.Tensor, element: str) -> torch.Tensor:
@@ -111,9 +110,11 @@ def scale_from_amax(amax: torch.Tensor, element: str) -> torch.Tensor:
     return e8m0_round_up_satfinite(amax.float() * fmax_rcp)
 
 
-def _check_element(element: str) -> None:
+def _check_args(element: str, axis: str) -> None:
     if element not in FP8_MAX:
         raise FormatInputError(f"mxfp8: element must be 'e4m3' or 'e5m2', got {element!r}")
+    if axis not in ("row", "col"):
+        raise FormatInputError(f"mxfp8: axis must be 'row' or 'col', got {axis!r}")
 
 
 def _blocked_view(x2: torch.Tensor, axis: str, tile_2d: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -153,9 +154,7 @@ def quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", tile_2d:
     """Quantize `x` to MXFP8 exactly as TE does. See the module docstring for layouts and edge cases.
 
     axis="row": 1x32 blocks along K; axis="col": 32x1 blocks along M (data stays [M, K]); tile_2d=True: 32x32."""
-    _check_element(element)
-    if axis not in ("row", "col"):
-        raise FormatInputError(f"mxfp8: axis must be 'row' or 'col', got {axis!r}")
+    _check_args(element, axis)
     what = f"mxfp8/{element} {'32x32' if tile_2d else ('1x32' if axis == 'row' else '32x1')}"
     orig_dtype = x.dtype if isinstance(x, torch.Tensor) else None
     x2, shape = as_2d_fp32(x, what)
@@ -188,7 +187,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
 def fake_quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", tile_2d: bool = False,
                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """dequantize(quantize(x)) in `out_dtype` (default x.dtype), without building the QuantizedTensor (same bits)."""
-    _check_element(element)
+    _check_args(element, axis)
     what = f"mxfp8/{element} fake_quantize"
     x2, shape = as_2d_fp32(x, what)
     m, k = x2.shape

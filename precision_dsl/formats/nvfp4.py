@@ -168,6 +168,9 @@ def _global_amax(m2: torch.Tensor, scope: str, global_amax, what: str) -> torch.
     rows = m2.shape[0]
     if global_amax is not None:
         g = torch.as_tensor(global_amax, dtype=torch.float32).to(m2.device)
+        if bool((torch.isnan(g) | (g < 0)).any()):
+            raise FormatInputError(f"{what}: global_amax must be >= 0 and not NaN (it is a max |x|), got "
+                                   f"{g.flatten()[:4].tolist()}")
         if g.numel() == 1:
             return g.reshape(1)
         if scope == "row" and g.shape == (rows,):
