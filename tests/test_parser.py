@@ -112,7 +112,7 @@ def test_missing_colon_says_what_was_expected():
     e = err('policy "x" {\n    attn.kv_b bf16\n}')
     out = e.render()
     assert out.splitlines()[0].startswith("t.policy:2:15: error: unexpected 'bf16'; expected")
-    assert "':'" in out and "end of line" in out
+    assert "expected '.' or ':'" in out and "add ':'" in e.hint
     assert "    2 |     attn.kv_b bf16" in out or "  2 |     attn.kv_b bf16" in out
     assert out.splitlines()[2].endswith("^^^^") and "hint:" in out
 
@@ -217,3 +217,16 @@ def test_render_never_raises_without_source():
     assert e.render() == "error: boom\nhint: do x"
     e2 = PolicyError("boom", ast.Span(file="f", line=99, col=3, end_line=99, end_col=4), "", "one line")
     assert e2.render().startswith("f:99:3: error: boom")
+
+
+@pytest.mark.parametrize("text,loc,expected_words,hint", [
+    ('policy "x" { attn. : bf16 }', "1:20", "expected 'layers', 'name', '{' or a name", "member set"),
+    ('policy "x" { attn: nvfp4(a=) }', "1:28", "a block shape like 16x16", "argument value is missing"),
+    ('policy "x" { attn: nvfp4(a=b }', "1:30", "expected ')' or ','", "nvfp4(act_scale=per_token"),
+    ('policy "x" { import base }', "1:21", 'expected a quoted string ("...")', 'import "base.policy"'),
+    ('policy "x" { layers[0]: bf16 ', "1:30", "unexpected end of file", "close the policy block"),
+])
+def test_expected_tokens_in_words(text, loc, expected_words, hint):
+    e = err(text)
+    assert e.location == f"t.policy:{loc}" and expected_words in e.message and hint in e.hint, e.render()
+    assert "__ANON" not in e.message and "_NL" not in e.message

@@ -94,16 +94,19 @@ def _words(expected: set[str]) -> str:
 
 
 def _describe_anon(t: str) -> str:
-    # anonymous keyword terminals are named after the keyword in upper case, e.g. POLICY, SHARE_SCALE
-    if t.lower() in _KEYWORDS:
-        return f"'{t.lower()}'"
-    return t
+    # anonymous keyword terminals are named after the keyword in upper case (POLICY, SHARE_SCALE), or __ANON_n
+    # when that name is taken (`name` collides with the NAME terminal): look the literal up in the grammar
+    for term in _lark().terminals:
+        if term.name == t and term.pattern.type == "str":
+            return f"'{term.pattern.value}'"
+    return t.lower()
 
 
 def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PolicyError:
     line = getattr(e, "line", None)
     col = getattr(e, "column", None)
-    if not isinstance(line, int) or line < 1:
+    at_eof = isinstance(e, UnexpectedToken) and e.token.type == "$END"
+    if not isinstance(line, int) or line < 1 or at_eof:
         # EOF: point just past the last character
         lines = text.splitlines() or [""]
         line, col = len(lines), len(lines[-1]) + 1
@@ -121,7 +124,8 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PolicyError:
                            hint, text)
     if isinstance(e, UnexpectedToken):
         tok = e.token
-        expected = set(e.expected or ()) if e.expected else set(getattr(e, "accepts", ()) or ())
+        # `accepts` is what the parser could shift here (lark >= 1.1); `expected` may include lexer-only terminals
+        expected = set(getattr(e, "accepts", None) or e.expected or ())
         if tok.type == "$END":
             found = "end of file"
             width = 1
@@ -143,31 +147,35 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> PolicyError:
 
 def _syntax_hint(tok: Token, expected: set[str]) -> str:
     value = str(tok)
+    end_like = ("_NL", "$END", "RBRACE", "SEMICOLON")
     if "POLICY" in expected:
         return 'a policy file starts with: policy "name" { ... }'
-    if tok.type == "$END" or "RBRACE" in expected and tok.type == "$END":
+    if tok.type == "$END":
         return "close the policy block with '}'"
-    if "COLON" in expected and tok.type in ("_NL", "$END", "RBRACE", "SEMICOLON"):
-        return "a rule is `<selector>: <format>`, e.g. `routed_experts: mxfp8`"
-    if expected == {"LSQB"} or "LSQB" in expected and "COLON" not in expected:
-        return ('`layers` takes a slice, e.g. layers[-15%:]; to match raw HF names use '
-                'name("model.layers.*.mlp.gate.weight")')
+    if {"STRING", "SIGNED_NUMBER"} <= expected:
+        return "an argument value is missing, e.g. act_scale=per_token, weight_block=16x16"
+    if "STRING" in expected:
+        return 'policy names and import paths are quoted: policy "my-policy" { ... }, import "base.policy"'
     if "RSQB" in expected:
         return "layer slices look like layers[0:3], layers[-15%:], layers[0, 5, -1]"
-    if tok.type == "COLON" and "COLON" not in expected:
-        return "only one ':' per rule; a format follows the selector, e.g. `attn.kv_b: bf16`"
-    if "NAME" in expected and tok.type in ("_NL", "$END", "SEMICOLON", "RBRACE"):
+    if expected == {"LSQB"}:
+        return ('`layers` takes a slice, e.g. layers[-15%:]; to match raw HF names use '
+                'name("model.layers.*.mlp.gate.weight")')
+    if "COLON" in expected and tok.type != "COLON":
+        return "a rule is `<selector>: <format>`: add ':' after the selector, e.g. `attn.kv_b: bf16`"
+    if "LBRACE" in expected and "NAME" in expected:
+        return ("after '.' comes a role or member (routed_experts.gate), a member set ({gate, up}), layers[...] "
+                'or name("...")')
+    if "NAME" in expected and tok.type in end_like:
         return "a format is missing, e.g. `bf16`, `mxfp8`, `nvfp4(act_scale=per_token)`"
+    if tok.type == "COLON":
+        return "only one ':' per rule; a format follows the selector, e.g. `attn.kv_b: bf16`"
     if tok.type == "NAME" and ("_NL" in expected or "SEMICOLON" in expected):
         return "put one statement per line (or separate statements with ';')"
-    if tok.type == "LBRACE" and "STRING" in expected:
-        return 'give the policy a quoted name: policy "my-policy" { ... }'
-    if value.lower() in _KEYWORDS:
-        return f"'{value.lower()}' is a reserved word and cannot be used here"
-    if "RSQB" in expected or "COLON" in expected and "SIGNED_NUMBER" in expected:
-        return "layer slices look like layers[0:3], layers[-15%:], layers[0, 5, -1]"
     if "RPAR" in expected:
         return "format arguments look like nvfp4(act_scale=per_token, weight_block=16x16)"
+    if value.lower() in _KEYWORDS:
+        return f"'{value.lower()}' is a reserved word and cannot be used here"
     return "see docs/LANGUAGE.md for the statement forms"
 
 
