@@ -72,7 +72,9 @@ class _Aggregator:
         out = []
         for key, names in self.items.items():
             severity, code, message, hint = self.meta[key]
-            more = f" (and {len(names) - 1} more tensor{'s' if len(names) > 2 else ''} like it)" if len(names) > 1 else ""
+            more = ""
+            if len(names) > 1:
+                more = f" (and {len(names) - 1} more tensor{'s' if len(names) > 2 else ''} like it)"
             out.append(Diagnostic(severity=severity, code=code, message=f"{names[0]}: {message}{more}", hint=hint,
                                   tensor=names[0]))  # type: ignore[arg-type]
         return out
@@ -331,7 +333,8 @@ def check_pipeline(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
     if middle:
         out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(middle[0]),
                               message=f"{names.get(middle[0])}: BF16 layers in the middle of the stack "
-                                      f"({_ranges(middle)}) cannot be expressed by --num-layers-at-{{start,end}}-in-bf16",
+                                      f"({_ranges(middle)}) cannot be expressed by "
+                                      "--num-layers-at-{start,end}-in-bf16",
                               hint=TE_YAML_HINT))
     return out
 

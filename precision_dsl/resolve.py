@@ -35,7 +35,7 @@ from .lang import ast
 from .lang.formats import precision_from_spec
 from .lang.parser import parse_policy as _parse_text
 from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
-from .precision import BLACKWELL_ONLY_KINDS, FormatError, FormatKind, Precision, TensorFormat, hp
+from .precision import BLACKWELL_ONLY_KINDS, FormatError, Precision, TensorFormat
 from .resources import policies_dir
 
 PolicySource = Union[str, Path, ast.Policy]
@@ -415,13 +415,6 @@ def _span_text(src: str, span: ast.Span) -> str:
 def _add_import_note(e: PolicyError, flat: FlatPolicy) -> None:
     if e.span is not None and e.span.file in flat.imported_from:
         e.with_note(f"imported from {flat.imported_from[e.span.file]}")
-
-
-def _group_tensors(arch: Architecture) -> dict[tuple, list[int]]:
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(arch.tensors):
-        groups.setdefault((t.role, t.layer, t.mtp is not None), []).append(i)
-    return groups
 
 
 def _decide(rules: list[_Rule], base: Precision, linear: bool, ckpt_bits: int = 16):

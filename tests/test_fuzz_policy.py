@@ -121,7 +121,8 @@ def statement(draw):
     if kind == 2:
         return f"{opt}share_scale {draw(selector())}"
     if kind == 3:
-        return f'import "{draw(st.sampled_from(["keep-bf16.policy", "bf16.policy", "missing.policy", "__fuzz__.policy"]))}"'
+        path = draw(st.sampled_from(["keep-bf16.policy", "bf16.policy", "missing.policy", "__fuzz__.policy"]))
+        return f'import "{path}"'
     return f"{opt}{draw(selector())}: {draw(spec())}"
 
 

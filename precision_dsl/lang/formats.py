@@ -136,7 +136,8 @@ def operand_formats(call: ast.FormatCall, operand: Optional[str] = None) -> tupl
     if name == "mxfp8":
         elem = args["elem"]
         grad_elem = next((str(a.value) for a in call.args if a.key == "grad_elem"), elem)
-        return (TensorFormat(kind=FormatKind.MXFP8, element=elem, block=_dims(args["weight_block"]), scale_dtype="e8m0"),
+        wblock = _dims(args["weight_block"])
+        return (TensorFormat(kind=FormatKind.MXFP8, element=elem, block=wblock, scale_dtype="e8m0"),
                 TensorFormat(kind=FormatKind.MXFP8, element=elem, block=(1, 32), scale_dtype="e8m0"),
                 TensorFormat(kind=FormatKind.MXFP8, element=grad_elem, block=(1, 32), scale_dtype="e8m0"))
     # nvfp4

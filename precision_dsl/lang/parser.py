@@ -36,7 +36,8 @@ _ROLE_ALIASES = {
 
 # Terminal names -> words for "expected ..." messages.
 _TERMINAL_WORDS = {
-    "NAME": "a name", "STRING": 'a quoted string ("...")', "SIGNED_NUMBER": "a number", "DIMS": "a block shape like 16x16",
+    "NAME": "a name", "STRING": 'a quoted string ("...")', "SIGNED_NUMBER": "a number",
+    "DIMS": "a block shape like 16x16",
     "_NL": "end of line", "SEMICOLON": "';'", "COLON": "':'", "COMMA": "','", "DOT": "'.'", "EQUAL": "'='",
     "LPAR": "'('", "RPAR": "')'", "LSQB": "'['", "RSQB": "']'", "LBRACE": "'{'", "RBRACE": "'}'", "PERCENT": "'%'",
     "$END": "end of file",
@@ -81,7 +82,8 @@ def parse_policy(text: str, filename: str = "<policy>") -> ast.Policy:
 
 # ---- syntax errors -------------------------------------------------------------------------------------------------
 def _span_at(filename: str, line: int, col: int, width: int = 1) -> ast.Span:
-    return ast.Span(file=filename, line=max(line, 1), col=max(col, 1), end_line=max(line, 1), end_col=max(col, 1) + width)
+    line, col = max(line, 1), max(col, 1)
+    return ast.Span(file=filename, line=line, col=col, end_line=line, end_col=col + width)
 
 
 def _words(expected: set[str]) -> str:
@@ -295,7 +297,8 @@ class _Builder:
                                      'write e.g. `layers[0:3].name("*.q_proj.weight")`')
                 name = ast.NameGlob(span=self.span(atom), pattern=self.string(atom.children[0]))
                 if not name.pattern:
-                    raise self.error("empty name pattern", self.span(atom), 'e.g. name("model.layers.*.mlp.gate.weight")')
+                    raise self.error("empty name pattern", self.span(atom),
+                                     'e.g. name("model.layers.*.mlp.gate.weight")')
             elif isinstance(atom, Token) and str(atom) == "mtp" and not role_parts and not mtp:
                 if layers is not None:
                     raise self.error("`layers[...]` and `mtp` cannot be combined", self.span(atom),
