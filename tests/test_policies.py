@@ -31,7 +31,7 @@ def arch(name):
     return load_architecture(name)
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=3)  # a DeepSeek-V3 plan is ~70 MB: keep only the few reused by neighbouring tests
 def plan(policy, model):
     return resolve(policies_dir() / policy, arch(model))
 
