@@ -81,29 +81,33 @@ def rn_div(num: float | torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return torch.div(num_t, den)
 
 
-def abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """max |x| over `dim`, ignoring NaN like the hardware max of TE's kernels (a NaN-only reduction gives 0).
+def abs_amax_nan(x: torch.Tensor, dim=None, keepdim: bool = False) -> tuple[torch.Tensor, bool]:
+    """(max |x| over `dim` ignoring NaN, whether x contained a NaN) - NaN is ignored like the hardware max of TE's
+    kernels; a NaN-only reduction gives 0.
 
-    Cheap in the common case: torch.amax propagates NaN, so NaN is only replaced (one more pass) when the
-    (small) reduced tensor contains a NaN."""
+    Cheap in the common case: torch.amax propagates NaN, so NaN is only replaced (one more pass) when the (small)
+    reduced tensor contains a NaN."""
     a = x.abs()
     r = a.amax(dim=dim, keepdim=keepdim) if dim is not None else a.amax()
-    if torch.isnan(r).any():
-        a = torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
-        r = a.amax(dim=dim, keepdim=keepdim) if dim is not None else a.amax()
-    return r
+    if not bool(torch.isnan(r).any()):
+        return r, False
+    a = a.masked_fill_(torch.isnan(a), 0.0)
+    return (a.amax(dim=dim, keepdim=keepdim) if dim is not None else a.amax()), True
+
+
+def abs_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over `dim`, ignoring NaN (see abs_amax_nan)."""
+    return abs_amax_nan(x, dim, keepdim)[0]
 
 
 def fp8_bytes_satfinite(y: torch.Tensor, element: str, nan_byte: int | None = None) -> torch.Tensor:
     """fp32 -> fp8 (E4M3 / E5M2) bytes as `cvt.rn.satfinite`: RNE, finite overflow and +-inf clamp to +-Fmax,
     NaN stays NaN. `nan_byte` (e.g. 0x7F, TE's choice for every NaN) overrides the NaN byte torch would pick
-    (torch keeps the NaN's sign bit)."""
+    (torch keeps the NaN's sign bit); pass it only when y may hold a NaN (it costs a pass)."""
     fmax = FP8_MAX[element]
     q = y.clamp(-fmax, fmax).to(FP8_DTYPES[element]).view(torch.uint8)
     if nan_byte is not None:
-        nan_mask = torch.isnan(y)
-        if nan_mask.any():
-            q = q.masked_fill(nan_mask, nan_byte)
+        q = q.masked_fill_(torch.isnan(y), nan_byte)
     return q
 
 

@@ -55,7 +55,7 @@ import torch
 from ..precision import FormatKind, TensorFormat
 from ._numerics import (
     FP8_MAX,
-    abs_amax,
+    abs_amax_nan,
     as_2d_fp32,
     f32_bits,
     f32_from_bits,
@@ -139,10 +139,10 @@ def _check_shape(what: str, m: int, k: int, axis: str, tile_2d: bool) -> None:
 def _quantize_2d(x2: torch.Tensor, element: str, axis: str, tile_2d: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(data uint8 [M, K], E8M0 scale bytes) of a validated fp32 matrix."""
     xb, dims = _blocked_view(x2, axis, tile_2d)
-    amax = abs_amax(xb, dim=dims, keepdim=True)
+    amax, has_nan = abs_amax_nan(xb, dim=dims, keepdim=True)
     e = scale_from_amax(amax, element)
     s = e8m0_to_multiplier(e)
-    data = fp8_bytes_satfinite(xb * s, element, nan_byte=NAN_BYTE).reshape(x2.shape)
+    data = fp8_bytes_satfinite(xb * s, element, nan_byte=NAN_BYTE if has_nan else None).reshape(x2.shape)
     scale = e.squeeze(dims[-1])
     if tile_2d:
         scale = scale.squeeze(1)
@@ -193,8 +193,8 @@ def fake_quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row", til
     m, k = x2.shape
     _check_shape(what, m, k, axis, tile_2d)
     xb, dims = _blocked_view(x2, axis, tile_2d)
-    amax = abs_amax(xb, dim=dims, keepdim=True)
+    amax, has_nan = abs_amax_nan(xb, dim=dims, keepdim=True)
     e = scale_from_amax(amax, element)
-    data = fp8_bytes_satfinite(xb * e8m0_to_multiplier(e), element, nan_byte=NAN_BYTE)
+    data = fp8_bytes_satfinite(xb * e8m0_to_multiplier(e), element, nan_byte=NAN_BYTE if has_nan else None)
     out = fp8_bytes_to_f32(data, element) * e8m0_to_scale(e)
     return out.reshape(shape).to(out_dtype or x.dtype)

@@ -164,45 +164,47 @@ def _resolve_scope(scope: str, global_amax) -> str:
     return scope
 
 
-def _global_amax(m2: torch.Tensor, scope: str, global_amax, what: str) -> torch.Tensor:
-    rows = m2.shape[0]
-    if global_amax is not None:
-        g = torch.as_tensor(global_amax, dtype=torch.float32).to(m2.device)
-        if bool((torch.isnan(g) | (g < 0)).any()):
-            raise FormatInputError(f"{what}: global_amax must be >= 0 and not NaN (it is a max |x|), got "
-                                   f"{g.flatten()[:4].tolist()}")
-        if g.numel() == 1:
-            return g.reshape(1)
-        if scope == "row" and g.shape == (rows,):
-            return g.reshape(rows)
-        raise FormatInputError(f"{what}: global_amax must have 1 element (or [rows]={rows} for per-row scope), "
-                               f"got shape {tuple(g.shape)}")
-    if scope == "row":
-        if m2.shape[1] == 0:
-            return torch.zeros(rows, dtype=torch.float32, device=m2.device)
-        return abs_amax(m2, dim=1)
-    if m2.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=m2.device)
-    return abs_amax(m2).reshape(1)
+def _given_global_amax(global_amax, scope: str, rows: int, device, what: str) -> Optional[torch.Tensor]:
+    """Validated fp32 G from the caller ([1], or [rows] for per-row scope), or None."""
+    if global_amax is None:
+        return None
+    g = torch.as_tensor(global_amax, dtype=torch.float32).to(device)
+    if bool((torch.isnan(g) | (g < 0)).any()):
+        raise FormatInputError(f"{what}: global_amax must be >= 0 and not NaN (it is a max |x|), got "
+                               f"{g.flatten()[:4].tolist()}")
+    if g.numel() == 1:
+        return g.reshape(1)
+    if scope == "row" and g.shape == (rows,):
+        return g.reshape(rows)
+    raise FormatInputError(f"{what}: global_amax must have 1 element (or [rows]={rows} for per-row scope), "
+                           f"got shape {tuple(g.shape)}")
 
 
-def _quantize_matrix(m2: torch.Tensor, g: torch.Tensor, tile_2d: bool):
-    """Quantize fp32 [R, C] along C (blocks of 16 or 16x16 tiles).
-    Returns (r, neg, sf, s_dec): E2M1 magnitudes and signs in the blocked view, the E4M3 block scales (fp8 tensor,
-    blocked view) and S_dec ([1] or [R])."""
+def _quantize_matrix(m2: torch.Tensor, scope: str, g: Optional[torch.Tensor], tile_2d: bool):
+    """Quantize fp32 [R, C] along C (blocks of 16 or 16x16 tiles). G is `g` if given, else the max of the block
+    amaxes per row (scope "row") or over the tensor (== max |x|, one pass saved).
+    Returns (r, neg, sf, s_dec, G): E2M1 magnitudes and signs in the blocked view, the E4M3 block scales (fp8
+    tensor, blocked view), S_dec and G ([1] or [R])."""
     r, c = m2.shape
-    s_enc = global_encode_scale(g)
-    s_dec = global_decode_scale(s_enc)
     if tile_2d:
         blocks = m2.view(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
         amax_b = abs_amax(blocks, dim=(1, 3), keepdim=True)  # [R/16, 1, C/16, 1]; per-tensor G only
-        sf, enc = _block_scale_and_enc(amax_b, s_enc, s_dec)
     else:
         blocks = m2.view(r, c // BLOCK, BLOCK)
         amax_b = abs_amax(blocks, dim=2, keepdim=True)  # [R, C/16, 1]
+    if g is None:
+        if scope == "row":
+            g = amax_b.reshape(r, c // BLOCK).amax(dim=1) if r and c else torch.zeros(r, device=m2.device)
+        else:
+            g = amax_b.amax().reshape(1) if amax_b.numel() else torch.zeros(1, device=m2.device)
+    s_enc = global_encode_scale(g)
+    s_dec = global_decode_scale(s_enc)
+    if tile_2d:
+        sf, enc = _block_scale_and_enc(amax_b, s_enc, s_dec)
+    else:
         sf, enc = _block_scale_and_enc(amax_b, s_enc.view(-1, 1, 1), s_dec.view(-1, 1, 1))
     mag, neg = e2m1_round(blocks * enc)
-    return mag, neg, sf, s_dec
+    return mag, neg, sf, s_dec, g
 
 
 def _scale_2d(sf: torch.Tensor, r: int, c: int, tile_2d: bool) -> torch.Tensor:
@@ -225,7 +227,7 @@ def _prepare(x, axis: str, tile_2d: bool, scope: str, global_amax, what: str):
     if tile_2d or axis == "col":
         require_divisible(what, "M (product of leading dims)", m, BLOCK, hint)
     m2 = x2 if axis == "row" else x2.t().contiguous()
-    g = _global_amax(m2, scope, global_amax, what)
+    g = _given_global_amax(global_amax, scope, m2.shape[0], m2.device, what)
     return m2, shape, g, scope
 
 
@@ -238,7 +240,7 @@ def quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", tile_2d:
     via `global_amax`; "group" requires it). global_amax: overrides G (1 element; or [rows] with scope="row")."""
     what = f"nvfp4 {'16x16' if tile_2d else '1x16'} {scope} (axis={axis})"
     m2, shape, g, scope = _prepare(x, axis, tile_2d, scope, global_amax, what)
-    mag, neg, sf, s_dec = _quantize_matrix(m2, g, tile_2d)
+    mag, neg, sf, s_dec, g = _quantize_matrix(m2, scope, g, tile_2d)
     codes = e2m1_codes(mag, neg).reshape(m2.shape)
     return QuantizedTensor(fmt=fmt or make_format(scope, tile_2d), shape=shape, data=_pack(codes),
                            scale=_scale_2d(sf, *m2.shape, tile_2d).view(torch.uint8).contiguous(),
@@ -273,7 +275,7 @@ def fake_quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", til
     """dequantize(quantize(x)) in `out_dtype` (default x.dtype), same bits, without nibble packing."""
     what = f"nvfp4 fake_quantize {'16x16' if tile_2d else '1x16'} {scope} (axis={axis})"
     m2, shape, g, scope = _prepare(x, axis, tile_2d, scope, global_amax, what)
-    mag, neg, sf, s_dec = _quantize_matrix(m2, g, tile_2d)
+    mag, neg, sf, s_dec, _ = _quantize_matrix(m2, scope, g, tile_2d)
     vals = torch.where(neg, -mag, mag).reshape(m2.shape)  # -0.0 for code 8, like the LUT
     out = _decode_matrix(vals, _scale_2d(sf, *m2.shape, tile_2d), s_dec, tile_2d)
     if axis == "col":
