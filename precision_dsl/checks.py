@@ -5,6 +5,7 @@ these checks find what depends on the model's shapes and on how trainer (Megatro
 
   block-divisibility  every quantized dim divides into its blocks, for the whole tensor and for every TP shard
   fused-siblings      q/k/v, gate/up, q_a/kv_a of one instance get one format (serving engines fuse them)
+  share-scale-missing (warning) fused siblings with per-tensor second-level scales that do not share them
   share-scale         members of a share-scale group get one format and carry weight global_scale='group'
   hardware            MXFP8 / NVFP4 only on Blackwell unless the policy says `target hopper emulate`
   etp-mismatch        per-token (row) activation scales on routed experts need trainer.etp == rollout.etp
@@ -190,6 +191,14 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
             by_instance[(t.layer, t.expert, t.mtp, g)].append(t)
     agg = _Aggregator()
     for (layer, expert, mtp, g), members in by_instance.items():
+        w = members[0].weight
+        if len(members) > 1 and w.is_quantized and all(m.weight.global_scale in ("tensor", "expert") for m in members):
+            # engines fuse these into one GEMM with ONE second-level scale and reconcile separate scales with max()
+            # (vLLM #47515, #55073): the plan should say the scale is shared
+            agg.add(("unshared", g, w.kind), members[0].hf_name, "warning", "share-scale-missing",
+                    f"{w.kind.value} weight with a per-tensor second-level scale, but its fused {g} siblings do not "
+                    "share it; serving engines fuse them into one GEMM with one scale",
+                    f"declare `share_scale` over the siblings, e.g. `share_scale {_share_example(g)}`")
         keys = {_fusion_key(m) for m in members}
         if len(keys) > 1:
             a = members[0]
@@ -200,6 +209,12 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
                     f"serving engines run the {g} siblings as one GEMM",
                     "give the siblings one rule, e.g. `routed_experts.{gate, up}: ...` or `attn.{q, k, v}: ...`")
     return agg.diagnostics()
+
+
+def _share_example(group: str) -> str:
+    return {"qkv": "attn.{q, k, v}", "q_a+kv_a": "attn.{q_a, kv_a}", "gate_up": "mlp.{gate, up}",
+            "experts.gate_up": "routed_experts.{gate, up}",
+            "shared_experts.gate_up": "shared_experts.{gate, up}"}.get(group, "<siblings>")
 
 
 def _fused_group_of(plan: Plan) -> dict[str, str]:

@@ -77,7 +77,7 @@ def test_mxfp8_divisibility_whole_tensor(tmp_path):
 
 def test_nvfp4_divisibility_and_16x16(tmp_path):
     arch = moe_arch(hidden=64, inter=40)  # down K=40 not % 16; gate/up N=40 only matters for 16x16
-    plan = plan_for(tmp_path, "    routed_experts: nvfp4", arch)
+    plan = plan_for(tmp_path, "    routed_experts: nvfp4\n    share_scale routed_experts.{gate, up}", arch)
     msgs = [d.message for d in check(plan, arch)]
     assert len(msgs) == 1 and "down_proj" in msgs[0] and "K=40 is not a multiple of 16" in msgs[0]
     plan = plan_for(tmp_path, "    routed_experts.{gate, up}: weight=nvfp4(weight_block=16x16), act=bf16", arch)
@@ -117,8 +117,20 @@ def test_fused_siblings_must_agree(tmp_path):
     assert "fused sibling model.layers.0.self_attn.k_proj.weight" in msgs
     assert "experts.0.gate_proj.weight" in msgs and "experts.0.up_proj.weight" in msgs
     assert all("{gate, up}" in d.hint for d in diags)
-    ok = plan_for(tmp_path, "    attn.{q, k, v}: mxfp8\n    routed_experts: nvfp4", arch)
+    ok = plan_for(tmp_path, "    attn.{q, k, v}: mxfp8\n    routed_experts: nvfp4\n"
+                            "    share_scale routed_experts.{gate, up}", arch)
     assert check_fused_siblings(ok) == []
+
+
+def test_unshared_second_level_scales_on_fused_siblings_warn(tmp_path):
+    arch = moe_arch(hidden=64, inter=64)
+    plan = plan_for(tmp_path, "    routed_experts: nvfp4\n    attn: fp8", arch)
+    diags = check_fused_siblings(plan)
+    assert codes(diags) == ["share-scale-missing", "share-scale-missing"]
+    assert all(d.severity == "warning" for d in diags)
+    hints = sorted(d.hint for d in diags)
+    assert "share_scale attn.{q, k, v}" in hints[0] and "share_scale routed_experts.{gate, up}" in hints[1]
+    assert any("model.layers.0.mlp.experts.0.gate_proj.weight" in d.message for d in diags)
 
 
 def test_share_scale_check_on_a_tampered_plan(tmp_path):
@@ -159,7 +171,8 @@ def test_hardware_check(tmp_path):
 
 def test_etp_must_match_for_per_token_scales(tmp_path):
     arch = moe_arch(hidden=64, inter=64)
-    plan = plan_for(tmp_path, "    routed_experts: nvfp4(act_scale=per_token)", arch)
+    plan = plan_for(tmp_path, "    routed_experts: nvfp4(act_scale=per_token)\n    share_scale routed_experts.{gate, up}",
+                    arch)
     diags = [d for d in check(plan, arch, layout(tetp=2, retp=1)) if d.code == "etp-mismatch"]
     assert len(diags) == 1 and "trainer etp=2 and rollout etp=1" in diags[0].message
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in diags[0].message
@@ -185,7 +198,8 @@ def test_pipeline_bf16_runs(tmp_path):
 
 def test_scale_scope_warning(tmp_path):
     arch = moe_arch(hidden=64, inter=64)
-    plan = plan_for(tmp_path, "    attn: weight=nvfp4(weight_scale=per_expert), act=bf16", arch)
+    plan = plan_for(tmp_path, "    attn: weight=nvfp4(weight_scale=per_expert), act=bf16\n"
+                              "    share_scale attn.{q, k, v}", arch)
     diags = check(plan, arch)
     assert codes(diags) == ["scale-scope"] and diags[0].severity == "warning"
 
