@@ -76,8 +76,9 @@ def test_pow2_scaling_equivariance(x, shift):
     x = torch.where(x.abs() < 2.0 ** -90, torch.zeros(()), x.clamp(-2.0 ** 90, 2.0 ** 90))
     q1 = fp8_block.quantize(x, "e4m3", (1, 128), True)
     q2 = fp8_block.quantize(x * 2.0 ** shift, "e4m3", (1, 128), True)
-    nonzero = q1.data.view(q1.data.shape[0], -1).ne(0).any(1)
     assert torch.equal(q1.data, q2.data)
+    block_amax = torch.nn.functional.pad(x, (0, -x.shape[1] % 128)).view(x.shape[0], -1, 128).abs().amax(-1)
+    nonzero = block_amax > 0  # all-zero blocks keep scale 1 whatever the shift
     ratio = (q2.scale / q1.scale)[nonzero]
     assert bool((ratio == 2.0 ** shift).all())
 
