@@ -37,7 +37,7 @@ def plan(policy, model):
 
 
 def test_all_expected_files_are_shipped():
-    expected = set(SEED_RECIPES) | {"fp8-blockwise-hopper.policy", "nvfp4-weight-only.policy", "miles-nvfp4.policy",
+    expected = set(SEED_RECIPES) | {"fp8-blockwise-hopper.policy", "nvfp4-weight-only.policy", "miles-nvfp4.policy", "language-tour.policy",
                                     "keep-bf16.policy"}
     assert expected <= set(POLICIES)
     assert Path(policies_dir()).name == "policies"
@@ -121,7 +121,7 @@ def test_weight_only_and_tour():
     p = plan("nvfp4-weight-only.policy", "qwen3-30b-a3b")
     q = [t for t in p.tensors if t.weight.is_quantized]
     assert q and all(t.activation.kind == FormatKind.BF16 and t.weight.kind == FormatKind.NVFP4 for t in q)
-    tour = plan("miles-nvfp4.policy", "deepseek-v3")
+    tour = plan("language-tour.policy", "deepseek-v3")
     by = tour.by_name()
     assert by["model.layers.3.mlp.experts.0.down_proj.weight"].weight.block == (16, 16)
     assert by["model.layers.3.mlp.experts.0.gate_proj.weight"].backward == BackwardMode.DEQUANTIZED
