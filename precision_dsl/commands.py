@@ -55,10 +55,13 @@ def _fail(err: Exception) -> "typer.Exit":
     if callable(render):
         con.print(render(), markup=False)
     else:
-        con.print(f"[bold red]error:[/] {err}")
+        from rich.markup import escape
+
+        message = getattr(err, "message", None) or (err.args[0] if err.args else str(err))
+        con.print(f"[bold red]error:[/] {escape(str(message))}")
         hint = getattr(err, "hint", "")
         if hint:
-            con.print(f"[cyan]hint:[/] {hint}")
+            con.print(f"[cyan]hint:[/] {escape(hint)}")
     return typer.Exit(getattr(err, "code", 2) if isinstance(getattr(err, "code", None), int) else 2)
 
 
@@ -265,6 +268,7 @@ def _human(n: float, unit: str = "") -> str:
 
 
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     con = _console()
@@ -280,8 +284,9 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     prev = None
     for r in rows:
         style = "dim" if r.weight in ("bf16", "fp16", "fp32") else None
-        table.add_row(r.layers if r.layers != prev else "", r.tensors, r.shape, r.weight, r.activation, r.grad,
-                      r.backward, r.rule, style=style)
+        cells = (r.layers if r.layers != prev else "", r.tensors, r.shape, r.weight, r.activation, r.grad,
+                 r.backward, r.rule)
+        table.add_row(*map(escape, cells), style=style)
         prev = r.layers
     con.print(table)
     summary = Table(title="summary (weights)", title_justify="left", header_style="bold")
@@ -289,7 +294,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         summary.add_column(col, justify="right" if col != "format" else "left")
     total_p = total_b = total_a = 0
     for fmt, n, pct, b, a in summarize(plan):
-        summary.add_row(fmt, _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
+        summary.add_row(escape(fmt), _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
         total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
     summary.add_row("[bold]total[/]", _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
     con.print(summary)
@@ -299,7 +304,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     for col in ("role", "params", "% of model", "weight formats"):
         by_role.add_column(col, justify="right" if col in ("params", "% of model") else "left")
     for g, n, pct, f in roles:
-        by_role.add_row(g, _human(n), f"{pct:.1f}%", f)
+        by_role.add_row(g, _human(n), f"{pct:.1f}%", escape(f))
     by_role.add_row("[bold]model[/]", _human(main), "100.0%", "")
     if mtp:
         by_role.add_row("MTP modules", _human(mtp), "(apart)", "")
@@ -459,6 +464,37 @@ def register(app: typer.Typer) -> None:
 
         _guard(body)
 
+    @app.command("arch")
+    def arch_cmd(model: str = typer.Argument("tiny-moe", help="bundled name, config.json or checkpoint directory"),
+                 as_json: bool = typer.Option(False, "--json", help="every tensor as JSON lines"),
+                 name: Optional[str] = typer.Option(None, "--name", help="only tensors whose HF name matches")) -> None:
+        """List the checkpoint tensors of a model: HF name, shape, role, Megatron name, SGLang prefix."""
+
+        def body():
+            from rich.markup import escape
+            from rich.table import Table
+
+            arch = load_arch(model)
+            ts = [t for t in arch.tensors if not name or fnmatch.fnmatchcase(t.hf_name, name)]
+            if name and not ts:
+                raise UserError(f"--name '{name}' matches no tensor of {arch.name}")
+            if as_json:
+                for t in ts:
+                    sys.stdout.write(t.model_dump_json() + "\n")
+                return
+            table = Table(title=f"{arch.name} ({arch.model_type}): {len(arch.tensors)} tensors, "
+                                f"{arch.total_params / 1e9:.2f}B parameters", title_justify="left", header_style="bold")
+            for col in ("hf name", "shape", "role", "megatron", "sglang prefix"):
+                table.add_column(col, overflow="fold")
+            for t in ts[:2000]:
+                meg = (t.megatron_name or "") + (f" [{t.megatron_part}]" if t.megatron_part else "")
+                table.add_row(*map(escape, (t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")))
+            _console().print(table)
+            if len(ts) > 2000:
+                _console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
+
+        _guard(body)
+
     @app.command("diff")
     def diff_cmd(policy_a: Path = typer.Argument(..., help="first policy"),
                  policy_b: Path = typer.Argument(..., help="second policy"),
@@ -468,6 +504,7 @@ def register(app: typer.Typer) -> None:
         """Which tensors change format between two policies."""
 
         def body():
+            from rich.markup import escape
             from rich.table import Table
 
             a = build_plan(policy_a, model)
@@ -488,7 +525,7 @@ def register(app: typer.Typer) -> None:
             for (sa, sb), names in by_pair.items():
                 items = [(n, 1) for n in names] if full else _collapse_names(names)
                 for text, n in items:
-                    table.add_row(text, str(n), sa, sb)
+                    table.add_row(escape(text), str(n), escape(sa), escape(sb))
             con.print(table)
 
         _guard(body)

@@ -151,3 +151,13 @@ def test_diff_lists_changed_tensors():
     assert "model.layers.3.mlp.experts.0.gate_proj.weight" not in changed
     same = runner.invoke(app, ["diff", str(a), str(a), "--model", "tiny-moe"])
     assert "no tensor" in same.output
+
+
+def test_arch_command_lists_names_with_megatron_parts():
+    res = runner.invoke(app, ["arch", "tiny-moe", "--name", "model.layers.0.mlp.experts.0.*"])
+    assert res.exit_code == 0, res.output
+    assert "linear_fc1.weight0 [gate]" in res.output  # rich markup is escaped, not swallowed
+    res = runner.invoke(app, ["arch", "tiny-moe", "--json", "--name", "lm_head*"])
+    assert json.loads(res.stdout.splitlines()[0])["role"] == "lm_head"
+    res = runner.invoke(app, ["arch", "no-such-model"])
+    assert res.exit_code == 2 and res.output.count("hint:") == 1
