@@ -216,6 +216,45 @@ def test_fp8_block_random_matches_reference(shape, dtype):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_tuning_config_gives_the_same_bytes(dtype):
+    """The benchmark's sweep picks launch configs; every one of them must give the reference bytes (a config is
+    only a different tiling of the same per-block arithmetic)."""
+    from precision_dsl.formats import mxfp8, nvfp4
+    from precision_dsl.kernels import triton_mxfp8 as kmx
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    x = _rand((256, 1536), dtype, seed=11)
+    ref_row = nvfp4.quantize(x, scope="row")
+    for cfg in (dict(block_m=1, num_warps=4), dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2),
+                dict(loop_chunk=64, num_warps=2), dict(loop_chunk=128, num_warps=4)):
+        d, s, sd, g = knv.row_scaled(x, **cfg)
+        _assert_bytes(f"row_scaled {cfg} data", d, ref_row.data)
+        _assert_bytes(f"row_scaled {cfg} scale", s, ref_row.scale)
+        _assert_bytes(f"row_scaled {cfg} S_dec", sd, ref_row.global_scale)
+    ref_t = nvfp4.quantize(x, scope="tensor")
+    for cfg in (dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=8, block_nb=64, num_warps=4),
+                dict(block_m=4, block_nb=64, num_warps=2), dict(block_m=8, block_nb=16, num_warps=2)):
+        d, s, sd, g = knv.per_tensor(x, **cfg)
+        _assert_bytes(f"per_tensor {cfg} data", d, ref_t.data)
+        _assert_bytes(f"per_tensor {cfg} scale", s, ref_t.scale)
+    ref_2 = nvfp4.quantize(x, scope="tensor", tile_2d=True)
+    for cfg in (dict(block_nb=16, num_warps=4), dict(block_nb=64, num_warps=8)):
+        d, s, sd, g = knv.per_tensor(x, tile_2d=True, **cfg)
+        _assert_bytes(f"2d {cfg} data", d, ref_2.data)
+        _assert_bytes(f"2d {cfg} scale", s, ref_2.scale)
+    r, c = mxfp8.quantize(x, "e4m3", axis="row"), mxfp8.quantize(x, "e4m3", axis="col")
+    for cfg in (dict(split_ro=8, nkb=4, num_warps=2), dict(split_ro=8, nkb=16, num_warps=8),
+                dict(split_ro=4, nkb=8, num_warps=4), dict(split_ro=16, nkb=8, num_warps=4),
+                dict(split_ro=None, group=1, nkb=8, num_warps=4), dict(split_ro=None, group=2, nkb=8, num_warps=8)):
+        rd, rs, cd, cs = kmx.quantize_rowcol(x, "e4m3", True, True, **cfg)
+        _assert_bytes(f"mxfp8 {cfg} row data", rd, r.data)
+        _assert_bytes(f"mxfp8 {cfg} row scale", rs, r.scale)
+        _assert_bytes(f"mxfp8 {cfg} col data", cd, c.data)
+        _assert_bytes(f"mxfp8 {cfg} col scale", cs, c.scale)
+
+
+@needs_gpu
 def test_dispatch_falls_back_for_uncovered_requests():
     """32x32 MXFP8 tiles and CPU tensors are answered by the reference (same result, no error)."""
     from precision_dsl import kernels

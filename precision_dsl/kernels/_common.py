@@ -69,17 +69,20 @@ def e2m1_code(y):
     """E2M1 code (int32 0..15) of fp32 y = RN(x * enc): RNE of min(|y|, 6), sign = (y < 0).
 
     Rounding to the E2M1 grid with one fp32 add: the grid spacing is 0.5 on [0, 2), 1 on [2, 4), 2 on [4, 6];
-    C = 2^(e + 22) with e = max(floor(log2|y|), 0) has ulp(C) = spacing, so RN(|y| + C) - C = k * spacing with k the
-    RNE multiple (ties to even k = ties to the even E2M1 code). The code is then k + 2e:
+    c = 2^(e + 22) with e = max(floor(log2|y|), 0) has ulp(c) = spacing, so RN(|y| + c) = c + k * spacing with k the
+    RNE multiple (ties to even k = ties to the even E2M1 code), and the code is k + 2e:
       e=0: k in {0,1,2,3,4} -> codes 0..4 (0, .5, 1, 1.5, 2);  e=1: k in {2,3,4} -> 4..6 (2, 3, 4);
       e=2: k in {2,3} -> 6, 7 (4, 6); |y| = 5 is a tie -> k = 2 -> 4 (even), > 5 -> 6.
+    Adding C' = c + 2e ulps instead of c (same binade, same spacing, still on the grid) makes
+    bits(RN(|y| + C')) - bits(c) the code directly (one integer subtraction, ~9 SASS instructions per element).
     NaN: min(NaN, 6) = 6 (max.f32 ignores NaN) -> code 7, the reference's choice. -0.0 -> code 0 (y < 0 is false),
     a negative y that rounds to zero -> code 8 (sign kept), as TE's Python reference."""
     a = tl.minimum(tl.abs(y), 6.0)
     e_bits = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
     c_bits = e_bits + (22 << 23)
-    s = a + c_bits.to(tl.float32, bitcast=True)
-    code = s.to(tl.int32, bitcast=True) - c_bits + ((e_bits >> 22) - 254)
+    cp_bits = c_bits + ((e_bits >> 22) - 254)  # c + 2e ulps
+    s = a + cp_bits.to(tl.float32, bitcast=True)
+    code = s.to(tl.int32, bitcast=True) - c_bits
     return code + tl.where(y < 0, 8, 0)
 
 

@@ -77,11 +77,58 @@ def _mxfp8_rowcol_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_s
         tl.store(col_scale_ptr + srow.to(tl.int64) * stride_cs + cols3, e_c.to(tl.uint8), mask=smask)
 
 
-def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, group=1, nkb=8, num_warps=4):
+@triton.jit
+def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K, stride_x,
+                               stride_rd, stride_rs, stride_cd, stride_cs, FMAX_RCP: tl.constexpr,
+                               E5M2: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, RO: tl.constexpr,
+                               NKB: tl.constexpr):
+    """Same result as _mxfp8_rowcol_kernel for one 32-row stripe x 32*NKB columns per program, with the 32 rows
+    split as RO x (32/RO) and held as a 4-D [RO, NKB, 32/RO, 32] block. Threads spread over RO first, so the 32x1
+    column reduction is (32/RO) in-thread steps plus log2(RO) warp shuffles - no shared memory, no barrier - and
+    the warps spread over column blocks only (needs NKB >= 2 * num_warps)."""
+    RI: tl.constexpr = 32 // RO
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    stride_x = tl.multiple_of(stride_x, 32)
+    stride_rd = tl.multiple_of(stride_rd, 32)
+    stride_cd = tl.multiple_of(stride_cd, 32)
+    ro = tl.arange(0, RO)
+    kb = tl.arange(0, NKB)
+    ri = tl.arange(0, RI)
+    c = tl.arange(0, 32)
+    rows = pid_m * 32 + ro[:, None, None, None] * RI + ri[None, None, :, None]  # [RO, 1, RI, 1]
+    kblk = pid_k * NKB + kb
+    cols = kblk[None, :, None, None] * 32 + c[None, None, None, :]  # [1, NKB, 1, 32]
+    mask = (rows < M) & (cols < K)
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    if DO_ROW:
+        amax_r = tl.maximum(tl.max(ax, axis=3), 0.0)  # [RO, NKB, RI]
+        e_r, s_r = e8m0_from_amax(amax_r, FMAX_RCP)
+        q_r = _to_fp8_bytes(x * s_r[:, :, :, None], E5M2)
+        tl.store(row_data_ptr + rows64 * stride_rd + cols, q_r, mask=mask)
+        rows3 = pid_m * 32 + ro[:, None, None] * RI + ri[None, None, :]  # [RO, 1, RI]
+        smask = (rows3 < M) & (kblk[None, :, None] * 32 < K)
+        tl.store(row_scale_ptr + rows3.to(tl.int64) * stride_rs + kblk[None, :, None], e_r.to(tl.uint8),
+                 mask=smask)
+    if DO_COL:
+        amax_c = tl.maximum(tl.max(tl.max(ax, axis=2), axis=0), 0.0)  # [NKB, 32]
+        e_c, s_c = e8m0_from_amax(amax_c, FMAX_RCP)
+        q_c = _to_fp8_bytes(x * s_c[None, :, None, :], E5M2)
+        tl.store(col_data_ptr + rows64 * stride_cd + cols, q_c, mask=mask)
+        cols2 = kblk[:, None] * 32 + c[None, :]  # [NKB, 32]
+        tl.store(col_scale_ptr + pid_m.to(tl.int64) * stride_cs + cols2, e_c.to(tl.uint8),
+                 mask=(cols2 < K) & (pid_m * 32 < M))
+
+
+def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=8, group=1, nkb=8, num_warps=4):
     """MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor, both copies from one read of x.
 
     Needs K % 32 == 0 (rowwise) and M % 32 == 0 (colwise). Returns (row_data, row_scale, col_data, col_scale),
-    None for a copy not asked for. Data are uint8 fp8 bytes [M, K]; scales uint8 E8M0 [M, K/32] / [M/32, K]."""
+    None for a copy not asked for. Data are uint8 fp8 bytes [M, K]; scales uint8 E8M0 [M, K/32] / [M/32, K].
+    split_ro: use _mxfp8_rowcol_split_kernel with the 32 rows split RO x 32/RO (default, tuned on the H200);
+    None: _mxfp8_rowcol_kernel with `group` 32-row stripes per program."""
     import torch
 
     m, k = x2.shape
@@ -96,9 +143,14 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, group=1, 
         dummy = rd if rd is not None else cd
         rd_, rs_ = (rd, rs) if rowwise else (dummy, dummy)
         cd_, cs_ = (cd, cs) if colwise else (dummy, dummy)
-        grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
-        _mxfp8_rowcol_kernel[grid](x2, rd_, rs_, cd_, cs_, m, k, x2.stride(0), rd_.stride(0), rs_.stride(0),
-                                   cd_.stride(0), cs_.stride(0), FMAX_RCP=FMAX_RCP[element],
-                                   E5M2=element == "e5m2", DO_ROW=rowwise, DO_COL=colwise, G=group, NKB=nkb,
-                                   num_warps=num_warps, **LAUNCH_OPTS)
+        args = (x2, rd_, rs_, cd_, cs_, m, k, x2.stride(0), rd_.stride(0), rs_.stride(0), cd_.stride(0),
+                cs_.stride(0))
+        common = dict(FMAX_RCP=FMAX_RCP[element], E5M2=element == "e5m2", DO_ROW=rowwise, DO_COL=colwise, NKB=nkb,
+                      num_warps=num_warps, **LAUNCH_OPTS)
+        if split_ro:
+            grid = (triton.cdiv(m, 32), triton.cdiv(k // 32, nkb))
+            _mxfp8_rowcol_split_kernel[grid](*args, RO=split_ro, **common)
+        else:
+            grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
+            _mxfp8_rowcol_kernel[grid](*args, G=group, **common)
     return rd, rs, cd, cs

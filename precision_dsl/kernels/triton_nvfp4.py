@@ -175,13 +175,13 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
 
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: about 4096 pair words per program."""
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: about 2048 pair words per program, 4 warps (H200
+    sweep: one 7168-wide row per 4-warp program was fastest; larger tiles spill or lose occupancy)."""
     from ._common import next_pow2
 
     bnb = next_pow2(nb)
-    bm = max(1, min(16, 4096 // (bnb * 8)))
-    warps = 4 if bm * bnb * 8 <= 4096 else 8
-    return bm, bnb, warps
+    bm = max(1, min(16, 2048 // (bnb * 8)))
+    return bm, bnb, 4
 
 
 def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None):
@@ -255,8 +255,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        bm = 16 if tile_2d else (block_m or 16)
-        bnb = block_nb or min(64, max(1, 1 << (nb - 1).bit_length()))
+        bm = 16 if tile_2d else (block_m or 8)
+        bnb = block_nb or min(32 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
