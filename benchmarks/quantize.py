@@ -286,12 +286,33 @@ def render(shape, rows):
     return "\n".join(lines)
 
 
+def probe(m, k):
+    """Each kernel (default config) 3 times on one bf16 input, for a profiler such as
+    `ncu --clock-control none --section SpeedOfLight --section Occupancy -k regex:_nvfp4|_mxfp8|_fp8|_amax`."""
+    import torch
+
+    from precision_dsl.kernels import triton_fp8_block as kfb
+    from precision_dsl.kernels import triton_mxfp8 as kmx
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
+    for _ in range(3):
+        knv.row_scaled(x)
+        knv.per_tensor(x)
+        kmx.quantize_rowcol(x, "e4m3", True, True)
+        kfb.quantize(x, "e4m3", False, True, False)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="8192x2048,16384x7168,4096x4096")
+    ap.add_argument("--shapes", default="16384x7168,8192x2048,4096x4096")
     ap.add_argument("--no-sweep", action="store_true", help="use default kernel configs, no tuning sweep")
     ap.add_argument("--json", default=None, help="write raw rows (and the sweep log) to this file")
     ap.add_argument("--log", default=None, help="write the sweep / failure log to this file")
+    ap.add_argument("--probe", action="store_true",
+                    help="launch each of our kernels a few times at the first shape and exit (for `ncu`)")
     args = ap.parse_args(argv)
     import torch
     import triton
@@ -308,6 +329,8 @@ def main(argv=None):
         ao_v = f"not importable ({type(e).__name__})"
     print(f"device: {props.name} (sm_{props.major}{props.minor}, {props.multi_processor_count} SMs), torch "
           f"{torch.__version__}, triton {triton.__version__}, torchao {ao_v}")
+    if args.probe:
+        return probe(*(int(v) for v in args.shapes.split(",")[0].lower().split("x")))
     log, out = [], {}
     for s in args.shapes.split(","):
         m, k = (int(v) for v in s.lower().split("x"))
