@@ -337,17 +337,26 @@ def _fp8_skipped(prefix: str, entries: set[str]) -> bool:
     return _path_match(prefix, entries)
 
 
-def _modelopt_excluded(prefix: str, patterns: list[str]) -> bool:
-    parts = prefix.split(".")
-    for p in patterns:
-        rx = re.compile(fnmatch.translate(p))
-        if rx.match(prefix) or any(rx.match(part) for part in parts):
+class _ModelOptMatcher:
+    """ModelOpt `is_layer_excluded`: glob -> regex full match against the prefix or any single dotted part; a
+    pattern ending in q_a_proj / kv_a_proj_with_mqa also excludes the fused fused_qkv_a_proj_with_mqa.
+    Literal patterns (the common case) are matched through a set, globs through precompiled regexes."""
+
+    def __init__(self, patterns: list[str]):
+        self.literal = {p for p in patterns if not any(c in p for c in "*?[")}
+        self.globs = [re.compile(fnmatch.translate(p)) for p in patterns if p not in self.literal]
+        self.mla_parents = {p.rsplit(".", 1)[0] for p in patterns
+                            if p.rsplit(".", 1)[-1] in ("q_a_proj", "kv_a_proj_with_mqa")}
+
+    def __call__(self, prefix: str) -> bool:
+        parts = prefix.split(".")
+        if prefix in self.literal or any(part in self.literal for part in parts):
             return True
-        tail = p.rsplit(".", 1)[-1]
-        if tail in ("q_a_proj", "kv_a_proj_with_mqa") and prefix.endswith("fused_qkv_a_proj_with_mqa") \
-                and p.rsplit(".", 1)[0] in prefix:
+        if any(rx.match(prefix) or any(rx.match(part) for part in parts) for rx in self.globs):
             return True
-    return False
+        if prefix.endswith("fused_qkv_a_proj_with_mqa"):
+            return any(parent in prefix for parent in self.mla_parents)
+        return False
 
 
 def derive_formats(quant_config: Optional[dict], arch) -> dict[str, str]:
@@ -359,15 +368,17 @@ def derive_formats(quant_config: Optional[dict], arch) -> dict[str, str]:
     method = quant_config.get("quant_method")
     if method == "modelopt":
         kind = {"NVFP4": "nvfp4"}[quant_config["quant_algo"]]
-        pats = list(quant_config.get("ignore") or quant_config.get("exclude_modules") or [])
-        skipped = lambda p: _modelopt_excluded(p, pats)  # noqa: E731
+        skipped = _ModelOptMatcher(list(quant_config.get("ignore") or quant_config.get("exclude_modules") or []))
     else:
         kind = "mxfp8" if method == "mxfp8" else "fp8_block"
         entries = set(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or [])
         skipped = lambda p: _fp8_skipped(p, entries)  # noqa: E731
+    memo: dict[str, bool] = {}  # one answer per SGLang module (all experts of a layer share one prefix)
     for t in arch.tensors:
         if not t.is_linear or t.role in _NEVER_QUANTIZED_ROLES or t.sglang_prefix is None:
             out[t.hf_name] = "bf16"
             continue
-        out[t.hf_name] = "bf16" if skipped(t.sglang_prefix) else kind
+        if t.sglang_prefix not in memo:
+            memo[t.sglang_prefix] = skipped(t.sglang_prefix)
+        out[t.hf_name] = "bf16" if memo[t.sglang_prefix] else kind
     return out
