@@ -1,0 +1,266 @@
+"""backends/converter.py (+ safetensors_io, quantize): HF checkpoint -> quantized checkpoint, verify, resume."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import struct
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from backends import converter
+from backends.common import PLAN_FILE
+from backends.safetensors_io import CheckpointError, read_header
+from backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.arch import load_architecture
+from precision_dsl.formats import dequantize, group_amax, quantize
+from precision_dsl.resolve import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "precision_dsl" / "models" / "tiny-moe"
+SPLIT = "model.layers.1.mlp.experts.5.gate_proj.weight"  # gate in one shard, up in the next
+FP8_BLOCK_POLICY = """
+policy "fp8b" {
+    target hopper
+    default bf16
+    attn: fp8_block(scales=fp32) backward=quantized
+    routed_experts: fp8_block(scales=fp32) backward=quantized
+}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def arch():
+    return load_architecture("tiny-moe")
+
+
+@functools.lru_cache(maxsize=None)
+def seed_plan(name):
+    return resolve(REPO / "policies" / f"{name}.policy", arch(), None)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = tmp_path_factory.mktemp("src")
+    write_synthetic_checkpoint(arch(), d, shards=3, seed=1, split_after=SPLIT)
+    (d / "pytorch_model.bin").write_bytes(b"not read: pickles are never opened")
+    return d
+
+
+def fp8_block_plan(tmp_path):
+    p = tmp_path / "fp8b.policy"
+    p.write_text(textwrap.dedent(FP8_BLOCK_POLICY))
+    return resolve(p, arch(), None)
+
+
+def tree_digest(d: Path) -> dict[str, str]:
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def source_tensor(src: Path, name: str) -> torch.Tensor:
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(src / idx[name]), "pt") as f:
+        return f.get_tensor(name)
+
+
+def test_source_fixture_splits_a_share_scale_group(src):
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    assert idx[SPLIT] != idx[SPLIT.replace("gate_proj", "up_proj")]
+
+
+@pytest.mark.parametrize("policy", ["mxfp8-e2e", "nvfp4-pertoken-hp-backward", "bf16", "fp8_block"])
+def test_convert_verify_and_read_back_to_plan_formats(src, tmp_path, policy):
+    plan = fp8_block_plan(tmp_path) if policy == "fp8_block" else seed_plan(policy)
+    before = tree_digest(src)
+    dst = tmp_path / "out"
+    rep = converter.convert(src, plan, dst)
+    assert tree_digest(src) == before, "the source checkpoint was modified"
+    assert len(rep.shards_written) == 3 and "tokenizer_config.json" in rep.copied_files
+    assert "pytorch_model.bin" in rep.skipped_files and not (dst / "pytorch_model.bin").exists()
+    assert converter.verify(dst, src) == []
+    saved = json.loads((dst / PLAN_FILE).read_text())
+    assert saved["content_hash"] == plan.content_hash()
+
+    # what was written is exactly what the emitted manifest announced
+    manifest = json.loads(converter.emit(plan)[0].content)
+    announced = {n: (dt, tuple(sh)) for specs in manifest["tensors"].values() for n, dt, sh in specs}
+    written = {}
+    for f in dst.glob("*.safetensors"):
+        written.update({n: (i["dtype"], tuple(i["shape"])) for n, i in read_header(f).items()})
+    assert written == announced
+
+    plan_back, tensors = converter.load_converted(dst)
+    assert plan_back.content_hash() == plan.content_hash()
+    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+    for t in plan.tensors:
+        x = source_tensor(src, t.hf_name)
+        got = tensors[t.hf_name]
+        if not (t.is_linear and t.weight.is_quantized):
+            assert torch.equal(got, x.to(torch.bfloat16)), t.hf_name
+            continue
+        assert got.fmt == t.weight, t.hf_name
+        ga = None
+        if t.weight.global_scale == "group":
+            ga = group_amax([source_tensor(src, m) for m in groups[t.hf_name].members])
+        ref = quantize(x, t.weight, axis="row", global_amax=ga)
+        assert torch.equal(dequantize(got), dequantize(ref)), t.hf_name
+
+
+def test_nvfp4_gate_up_share_weight_scale_2_across_shards(src, tmp_path):
+    plan = seed_plan("nvfp4-pertoken-hp-backward")
+    dst = tmp_path / "nv"
+    converter.convert(src, plan, dst)
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    hq = json.loads((dst / "hf_quant_config.json").read_text())
+    assert cfg["quant_algo"] == "NVFP4" and hq["quantization"]["exclude_modules"] == cfg["ignore"]
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    mod_g, mod_u = SPLIT.rsplit(".", 1)[0], SPLIT.replace("gate_proj", "up_proj").rsplit(".", 1)[0]
+    vals = []
+    for mod in (mod_g, mod_u):
+        with safe_open(str(dst / idx[f"{mod}.weight_scale_2"]), "pt") as f:
+            vals.append(f.get_tensor(f"{mod}.weight_scale_2"))
+            assert f.get_tensor(f"{mod}.weight").dtype == torch.uint8
+            assert f.get_tensor(f"{mod}.weight_scale").dtype == torch.float8_e4m3fn
+    g = group_amax([source_tensor(src, SPLIT), source_tensor(src, SPLIT.replace("gate_proj", "up_proj"))])
+    assert vals[0].shape == () and torch.equal(vals[0], vals[1])
+    assert torch.equal(vals[0].reshape(1), quantize(source_tensor(src, SPLIT),
+                                                    plan.by_name()[SPLIT].weight, global_amax=g).global_scale)
+
+
+def test_mxfp8_checkpoint_layout(src, tmp_path):
+    dst = tmp_path / "mx"
+    converter.convert(src, seed_plan("mxfp8-e2e"), dst)
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "mxfp8" and cfg["weight_block_size"] == [1, 32] and cfg["scale_fmt"] == "ue8m0"
+    assert "model.layers.3.mlp.experts" in cfg["modules_to_not_convert"]  # keep-bf16: last 15% of layers
+    idx = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.o_proj"
+    with safe_open(str(dst / idx[f"{name}.weight"]), "pt") as f:
+        assert f.get_tensor(f"{name}.weight").dtype == torch.float8_e4m3fn
+        s = f.get_tensor(f"{name}.weight_scale_inv")
+        assert s.dtype == torch.uint8 and tuple(s.shape) == (128, 128 // 32)
+
+
+def test_resume_after_interruption_is_byte_identical(src, tmp_path):
+    plan = seed_plan("nvfp4-pertoken-dequant-backward")
+    clean = tmp_path / "clean"
+    converter.convert(src, plan, clean)
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_first(shard):
+        raise Interrupted(shard)
+
+    dst = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        converter.convert(src, plan, dst, on_shard_done=stop_after_first)
+    assert not dst.exists() and converter._partial_dir(dst).is_dir()
+    rep = converter.convert(src, plan, dst)
+    assert rep.shards_resumed == ["model-00001-of-00003.safetensors"] and len(rep.shards_written) == 2
+    assert tree_digest(dst) == tree_digest(clean)
+    assert not converter._partial_dir(dst).exists()
+
+
+def test_partial_dir_of_another_plan_is_discarded(src, tmp_path):
+    dst = tmp_path / "o"
+
+    def stop(shard):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        converter.convert(src, seed_plan("mxfp8-e2e"), dst, on_shard_done=stop)
+    rep = converter.convert(src, seed_plan("nvfp4-pertoken-hp-backward"), dst)
+    assert rep.shards_resumed == [] and converter.verify(dst, src) == []
+
+
+def test_refuses_overwrite_without_force(src, tmp_path):
+    dst = tmp_path / "o"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("user data")
+    with pytest.raises(FileExistsError):
+        converter.convert(src, seed_plan("bf16"), dst)
+    assert (dst / "mine.txt").read_text() == "user data"
+    converter.convert(src, seed_plan("bf16"), dst, force=True)
+    assert not (dst / "mine.txt").exists() and converter.verify(dst, src) == []
+
+
+def test_verify_detects_a_flipped_byte_and_plan_mismatch(src, tmp_path):
+    dst = tmp_path / "v"
+    converter.convert(src, seed_plan("mxfp8-e2e"), dst)
+    shard = dst / "model-00002-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01
+    shard.write_bytes(bytes(data))
+    problems = converter.verify(dst, src)
+    assert len(problems) == 1 and "differs" in problems[0]
+    from backends.common import PlanMismatch
+
+    with pytest.raises(PlanMismatch):
+        converter.verify(dst, src, expected_hash=seed_plan("bf16").content_hash())
+
+
+@pytest.mark.parametrize("damage,msg", [
+    (lambda b: b[:20], "header length"),
+    (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "header length"),
+    (lambda b: b[:-10], "outside the file"),
+])
+def test_malformed_headers_rejected_before_allocation(tmp_path, damage, msg):
+    from safetensors.torch import save_file
+
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.zeros(16, 16)}, str(good))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(damage(good.read_bytes()))
+    with pytest.raises(CheckpointError, match=msg):
+        read_header(bad)
+
+
+def test_source_must_match_the_plan(tmp_path):
+    d = tmp_path / "s"
+    write_synthetic_checkpoint(arch(), d, shards=1)
+    from safetensors.torch import load_file, save_file
+
+    w = load_file(str(d / "model.safetensors"))
+    w["model.extra.weight"] = torch.zeros(4)
+    save_file(w, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="does not know"):
+        converter.convert(d, seed_plan("bf16"), tmp_path / "o")
+
+
+def test_cli_convert_verify_and_errors(src, tmp_path):
+    from precision_dsl.cli import app
+
+    runner = CliRunner()
+    pol = str(REPO / "policies" / "mxfp8-hp-backward.policy")
+    dst = tmp_path / "cli"
+    r = runner.invoke(app, ["convert", str(src), "--policy", pol, "--out", str(dst), "--model", "tiny-moe",
+                            "--no-progress"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["verify", str(dst), "--source", str(src)])
+    assert r.exit_code == 0 and "verified" in r.output
+    r = runner.invoke(app, ["convert", str(src), "--policy", pol, "--out", str(dst), "--model", "tiny-moe"])
+    assert r.exit_code == 2 and "--force" in r.output and "Traceback" not in r.output
+    shard = dst / "model-00003-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x40
+    shard.write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", str(dst), "--source", str(src)])
+    assert r.exit_code == 1 and "mismatch" in r.output
+    r = runner.invoke(app, ["convert", str(tmp_path / "nope"), "--policy", pol, "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+@pytest.mark.skipif(not (TINY / "model.safetensors").is_file(), reason="bundled tiny-moe weights not present")
+def test_bundled_tiny_moe_weights_convert_and_verify(tmp_path):
+    plan = seed_plan("nvfp4-pertoken-hp-backward")
+    dst = tmp_path / "tiny"
+    converter.convert(TINY, plan, dst)
+    assert converter.verify(dst, TINY) == []
