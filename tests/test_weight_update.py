@@ -1,0 +1,370 @@
+"""backends/weight_update.py: the live update path produces BYTE-IDENTICAL tensors to the converter (per format,
+HF and Megatron naming, TP/EP shards), keeps atomic groups in one bucket, refuses NaN/Inf and plan mismatches,
+checks equality, and speaks SGLang 0.5.23's HTTP protocol (against a local stub on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import json
+import pickle
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from backends import converter
+from backends.common import PlanMismatch, fused_instance
+from backends.quantize import NonFiniteWeight
+from backends.synthetic import write_synthetic_checkpoint
+from backends.weight_update import (InProcessTransport, RankShard, SGLangHTTPTransport, WeightReceiver, WeightSender,
+                                    WeightUpdateError, WeightUpdateMismatch, gather_megatron_shards)
+from precision_dsl.arch import load_architecture
+from precision_dsl.resolve import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+FP8_BLOCK_POLICY = """
+policy "fp8b" {
+    target hopper
+    default bf16
+    attn: fp8_block(scales=fp32) backward=quantized
+    routed_experts: fp8_block(scales=fp32) backward=quantized
+}
+"""
+FORMATS = ["mxfp8-e2e", "nvfp4-pertoken-hp-backward", "fp8_block", "bf16"]
+
+
+@functools.lru_cache(maxsize=None)
+def arch():
+    return load_architecture("tiny-moe")
+
+
+@functools.lru_cache(maxsize=None)
+def plan_for(name):
+    if name == "fp8_block":
+        import tempfile
+
+        p = Path(tempfile.mkdtemp()) / "fp8b.policy"
+        p.write_text(textwrap.dedent(FP8_BLOCK_POLICY))
+        return resolve(p, arch(), None)
+    return resolve(REPO / "policies" / f"{name}.policy", arch(), None)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wsrc")
+    write_synthetic_checkpoint(arch(), d, shards=1, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def converted(src, tmp_path_factory):
+    """{policy: (dst dir, {name: tensor})} converter outputs."""
+    out = {}
+    for name in FORMATS:
+        dst = tmp_path_factory.mktemp("conv") / name
+        converter.convert(src, plan_for(name), dst)
+        tensors = {}
+        for f in dst.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as h:
+                tensors.update({k: h.get_tensor(k) for k in h.keys()})
+        out[name] = (dst, tensors)
+    return out
+
+
+def hf_weights(src):
+    return load_file(str(src / "model.safetensors"))
+
+
+def same_bytes(a: dict, b: dict) -> list[str]:
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    return [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+            or not torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))]
+
+
+def to_megatron(plan, hf: dict) -> dict:
+    """Megatron-core layout built by hand: fc1 = cat([gate, up]), linear_qkv grouped per KV head."""
+    cfg = arch().config
+    hd, ng = cfg["head_dim"], cfg["num_key_value_heads"]
+    qpg = cfg["num_attention_heads"] // ng
+    by_meg: dict[str, dict] = {}
+    for t in plan.tensors:
+        by_meg.setdefault(t.megatron_name, {})[t.megatron_part] = hf[t.hf_name]
+    out = {}
+    for name, parts in by_meg.items():
+        if set(parts) == {None}:
+            out[name] = parts[None]
+        elif set(parts) == {"gate", "up"}:
+            out[name] = torch.cat([parts["gate"], parts["up"]], 0)
+        elif set(parts) == {"q", "k", "v"}:
+            h = parts["q"].shape[1]
+            q = parts["q"].reshape(ng, qpg, hd, h)
+            k = parts["k"].reshape(ng, 1, hd, h)
+            v = parts["v"].reshape(ng, 1, hd, h)
+            out[name] = torch.cat([q, k, v], 1).reshape(-1, h)
+        else:
+            raise AssertionError(parts.keys())
+    return out
+
+
+def send_in_process(plan, items, **kw):
+    tr = InProcessTransport()
+    rep = WeightSender(plan, tr, **kw).send(items)
+    return rep, WeightReceiver(plan, tr).receive_raw()
+
+
+@pytest.mark.parametrize("policy", FORMATS)
+def test_hf_named_update_is_byte_identical_to_converter(src, converted, policy):
+    rep, raw = send_in_process(plan_for(policy), iter(hf_weights(src).items()), bucket_bytes=1 << 18,
+                               check_equal=True)
+    assert same_bytes(converted[policy][1], raw) == []
+    assert rep.buckets > 1
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-pertoken-dequant-backward", "mxfp8-hp-backward"])
+def test_megatron_named_update_is_byte_identical_to_converter(src, tmp_path, policy):
+    plan = plan_for(policy)
+    dst = tmp_path / "c"
+    converter.convert(src, plan, dst)
+    ref = load_file(str(dst / "model.safetensors"))
+    meg = to_megatron(plan, hf_weights(src))
+    assert "decoder.layers.0.self_attention.linear_qkv.weight" in meg
+    _, raw = send_in_process(plan, reversed(list(meg.items())), arch_config=arch().config)
+    assert same_bytes(ref, raw) == []
+
+
+def split_for_tp_ep(meg: dict, tp: int, ep: int, num_experts: int) -> list[RankShard]:
+    e_local = num_experts // ep
+    shards = []
+    for tr in range(tp):
+        for er in range(ep):
+            st = {}
+            for n, x in meg.items():
+                if ".mlp.experts.linear_fc" in n:
+                    e = int(n.rsplit("weight", 1)[1])
+                    if e // e_local == er:
+                        st[n.rsplit("weight", 1)[0] + f"weight{e % e_local}"] = x
+                elif n.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                    st[n] = x.chunk(tp, 1)[tr]
+                elif n.endswith("linear_fc1.weight"):
+                    g, u = x.chunk(2, 0)
+                    st[n] = torch.cat([g.chunk(tp, 0)[tr], u.chunk(tp, 0)[tr]], 0)
+                elif n.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+                    st[n] = x.chunk(tp, 0)[tr]
+                else:
+                    st[n] = x
+            shards.append(RankShard(tp_rank=tr, ep_rank=er, state=st))
+    return shards
+
+
+def test_tp_ep_shards_gather_to_the_full_megatron_weights(src):
+    plan = plan_for("nvfp4-pertoken-hp-backward")
+    meg = to_megatron(plan, hf_weights(src))
+    shards = split_for_tp_ep(meg, tp=2, ep=2, num_experts=arch().config["num_experts"])
+    assert any("weight3" in n for n in shards[-1].state) and not any("weight7" in n for n in shards[-1].state)
+    full = gather_megatron_shards(shards, tp=2, ep=2, etp=1)
+    assert same_bytes(meg, full) == []
+
+
+def test_buckets_keep_atomic_groups_together(src):
+    plan = plan_for("nvfp4-pertoken-hp-backward")
+    rep, raw = send_in_process(plan, iter(hf_weights(src).items()), bucket_bytes=40_000)
+    by = plan.by_name()
+    home: dict = {}
+    for i, names in enumerate(rep.bucket_names):
+        for n in names:
+            t = by.get(n) or by.get(n.rsplit(".", 1)[0] + ".weight")
+            key = fused_instance(t) if fused_instance(t) else ("one", t.hf_name)
+            assert home.setdefault(key, i) == i, f"{key} split across buckets"
+    sizes = [sum(raw[n].numel() * raw[n].element_size() for n in names) for names in rep.bucket_names]
+    # a bucket exceeds the limit only when it holds a single atomic unit
+    for names, size in zip(rep.bucket_names, sizes):
+        if size > 40_000:
+            units = {fused_instance(by.get(n) or by[n.rsplit(".", 1)[0] + ".weight"]) or n for n in names}
+            assert len(units) == 1
+    assert any(len({n.rsplit(".", 2)[0] for n in names}) > 1 for names in rep.bucket_names)
+
+
+def test_nan_is_detected_before_anything_is_sent(src):
+    w = hf_weights(src)
+    w["model.layers.2.mlp.experts.4.down_proj.weight"][3, 7] = float("nan")
+    tr = InProcessTransport()
+    with pytest.raises(NonFiniteWeight, match="experts.4.down_proj"):
+        WeightSender(plan_for("mxfp8-e2e"), tr).send(iter(w.items()))
+    assert tr._q.empty()
+
+
+def test_receiver_refuses_another_plan(src):
+    tr = InProcessTransport()
+    WeightSender(plan_for("mxfp8-e2e"), tr).send(iter(hf_weights(src).items()))
+    with pytest.raises(PlanMismatch):
+        WeightReceiver(plan_for("mxfp8-hp-backward"), tr).receive()
+
+
+def test_equality_check_catches_corruption_in_transit(src):
+    class Corrupting(InProcessTransport):
+        def send_bucket(self, meta, tensors, buf):
+            buf = buf.clone()
+            buf[-1] ^= 1
+            super().send_bucket(meta, tensors, buf)
+
+    tr = Corrupting()
+    WeightSender(plan_for("mxfp8-e2e"), tr, check_equal=True).send(iter(hf_weights(src).items()))
+    with pytest.raises(WeightUpdateMismatch, match="differ"):
+        WeightReceiver(plan_for("mxfp8-e2e"), tr).receive()
+
+
+def test_receive_returns_plan_formats(src, converted):
+    plan = plan_for("nvfp4-pertoken-hp-backward")
+    tr = InProcessTransport()
+    WeightSender(plan, tr).send(iter(hf_weights(src).items()))
+    got = WeightReceiver(plan, tr).receive()
+    _, conv = converter.load_converted(converted["nvfp4-pertoken-hp-backward"][0])
+    for n, q in got.items():
+        if hasattr(q, "fmt"):
+            assert q.fmt == plan.by_name()[n].weight and torch.equal(q.data, conv[n].data)
+
+
+def test_incomplete_atomic_group_and_unknown_names(src):
+    w = hf_weights(src)
+    w.pop("model.layers.0.self_attn.k_proj.weight")
+    with pytest.raises(WeightUpdateError, match="never arrived"):
+        WeightSender(plan_for("mxfp8-e2e"), InProcessTransport()).send(iter(w.items()))
+    with pytest.raises(WeightUpdateError, match="neither an HF nor a Megatron name"):
+        WeightSender(plan_for("mxfp8-e2e"), InProcessTransport()).send(iter([("foo.weight", torch.zeros(2))]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.distributed (gloo, 2 processes)
+# ---------------------------------------------------------------------------------------------------------------
+def _gloo_worker(rank, port, src_dir, out_file, policy_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        from backends.weight_update import TorchDistributedTransport
+
+        plan = resolve(Path(policy_path), load_architecture("tiny-moe"), None)
+        tr = TorchDistributedTransport()
+        if rank == 0:
+            WeightSender(plan, tr, bucket_bytes=1 << 17, check_equal=True).send(
+                iter(load_file(str(Path(src_dir) / "model.safetensors")).items()))
+        else:
+            raw = WeightReceiver(plan, tr).receive_raw()
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in raw.items()}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torch_distributed_gloo_broadcast_two_processes(src, converted, tmp_path):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "recv.safetensors"
+    mp.spawn(_gloo_worker, args=(_free_port(), str(src), str(out),
+                                 str(REPO / "policies" / "nvfp4-pertoken-hp-backward.policy")), nprocs=2, join=True)
+    assert same_bytes(converted["nvfp4-pertoken-hp-backward"][1], load_file(str(out))) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang HTTP client against a stub server on 127.0.0.1
+# ---------------------------------------------------------------------------------------------------------------
+class _Stub:
+    def __init__(self, model_path):
+        self.calls, self.model_path = [], str(model_path)
+        stub = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _reply(self, obj):
+                body = json.dumps(obj).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                stub.calls.append((self.path, None))
+                self._reply({"model_path": stub.model_path})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                stub.calls.append((self.path, body))
+                self._reply({"success": True, "message": "ok"})
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_sglang_http_update_from_tensor_protocol(src, converted):
+    dst, ref = converted["mxfp8-e2e"]
+    stub = _Stub(dst)
+    try:
+        tr = SGLangHTTPTransport(stub.url, mode="tensor", tp_size=2)
+        WeightSender(plan_for("mxfp8-e2e"), tr, bucket_bytes=1 << 18).send(iter(hf_weights(src).items()),
+                                                                           weight_version="v7")
+    finally:
+        stub.close()
+    paths = [p for p, _ in stub.calls]
+    assert paths[0] == "/get_model_info" and paths[1] == "/begin_weight_update" and paths[-1] == "/end_weight_update"
+    updates = [b for p, b in stub.calls if p == "/update_weights_from_tensor"]
+    assert len(updates) == paths.count("/update_weights_from_tensor") > 1
+    got = {}
+    for body in updates:
+        assert len(body["serialized_named_tensors"]) == 2 and body["weight_version"] == "v7"
+        assert body["load_format"] is None and body["flush_cache"] is False
+        # test-only decode of OUR OWN payload (SGLang's MultiprocessingSerializer format)
+        got.update(dict(pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))))
+    assert same_bytes(ref, got) == []
+    assert stub.calls[1][1] == {"selector": "target"}
+
+
+def test_sglang_http_update_from_distributed_protocol(src, converted):
+    dst, ref = converted["nvfp4-pertoken-hp-backward"]
+    sent = []
+    stub = _Stub(dst)
+    try:
+        tr = SGLangHTTPTransport(stub.url, mode="distributed", broadcast_fn=lambda t: sent.append(t.clone()))
+        WeightSender(plan_for("nvfp4-pertoken-hp-backward"), tr).send(iter(hf_weights(src).items()))
+    finally:
+        stub.close()
+    bodies = [b for p, b in stub.calls if p == "/update_weights_from_distributed"]
+    names = [n for b in bodies for n in b["names"]]
+    assert [t.shape for t in sent] == [torch.Size(s) for b in bodies for s in b["shapes"]]
+    assert {d for b in bodies for d in b["dtypes"]} <= {"bfloat16", "uint8", "float8_e4m3fn", "float32"}
+    assert same_bytes(ref, dict(zip(names, sent))) == []
+    assert bodies[0]["group_name"] == "weight_update_group"
+
+
+def test_sglang_http_refuses_a_server_with_another_plan(src, converted):
+    dst, _ = converted["mxfp8-e2e"]
+    stub = _Stub(dst)
+    try:
+        tr = SGLangHTTPTransport(stub.url)
+        with pytest.raises(PlanMismatch):
+            WeightSender(plan_for("nvfp4-pertoken-hp-backward"), tr).send(iter(hf_weights(src).items()))
+    finally:
+        stub.close()
+    assert [p for p, _ in stub.calls] == ["/get_model_info"]  # nothing begun, nothing sent
