@@ -92,8 +92,8 @@ def _torchao():
 
 SWEEP = {
     "nvfp4_row": [dict(block_m=1, num_warps=4), dict(block_m=1, num_warps=8), dict(block_m=2, num_warps=4),
-                  dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2), dict(loop_chunk=64, num_warps=2),
-                  dict(loop_chunk=128, num_warps=4)],
+                  dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2), dict(loop_chunk=128, num_warps=4),
+                  dict(chunk=64, num_warps=2), dict(chunk=128, num_warps=4), dict(chunk=32, num_warps=1)],
     "nvfp4_tensor": [dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=16, block_nb=32, num_warps=4),
                      dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=8, block_nb=64, num_warps=4),
                      dict(block_m=4, block_nb=64, num_warps=2), dict(block_m=8, block_nb=16, num_warps=2)],

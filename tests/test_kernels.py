@@ -227,7 +227,8 @@ def test_every_tuning_config_gives_the_same_bytes(dtype):
     x = _rand((256, 1536), dtype, seed=11)
     ref_row = nvfp4.quantize(x, scope="row")
     for cfg in (dict(block_m=1, num_warps=4), dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2),
-                dict(loop_chunk=64, num_warps=2), dict(loop_chunk=128, num_warps=4)):
+                dict(loop_chunk=64, num_warps=2), dict(loop_chunk=128, num_warps=4), dict(chunk=64, num_warps=2),
+                dict(chunk=128, num_warps=4), dict(chunk=32, num_warps=1), dict(chunk=16, num_warps=1)):
         d, s, sd, g = knv.row_scaled(x, **cfg)
         _assert_bytes(f"row_scaled {cfg} data", d, ref_row.data)
         _assert_bytes(f"row_scaled {cfg} scale", s, ref_row.scale)

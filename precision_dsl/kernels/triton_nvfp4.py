@@ -171,6 +171,83 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
     tl.store(amax_ptr + row, g)
 
 
+@triton.jit
+def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr):
+    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH])."""
+    nb = C * CH + tl.arange(0, CH)
+    pr = tl.arange(0, 8)
+    u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    return lo, hi, tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), 0.0)
+
+
+@triton.jit
+def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s_dec, C: tl.constexpr,
+                 CH: tl.constexpr):
+    nb = C * CH + tl.arange(0, CH)
+    pr = tl.arange(0, 8)
+    sf, enc = _block_scale(amax_b, s_enc, s_dec)
+    packed = _pack_codes(lo, hi, enc[:, None])
+    bm = nb < NB
+    tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
+    tl.store(scale_ptr + s_off + nb, sf, mask=bm)
+
+
+@triton.jit
+def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
+                                     stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr):
+    """Per-row NVFP4, one row per program, the row held in registers as NCH (<= 8) chunks of CH blocks.
+
+    For rows whose block count is not a power of two (K = 7168 -> 448 blocks = 7 x 64) the whole-row kernel pads
+    to 512 blocks and wastes 1/8 of its instructions on masked lanes; here only ceil(NB/CH)*CH blocks are touched.
+    Chunks are separate register tensors (unrolled with constexpr ifs), so nothing is re-read."""
+    row = tl.program_id(0).to(tl.int64)
+    x_off = tl.multiple_of(row * stride_xp, 8)
+    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE)
+    g = tl.max(a0, axis=0)
+    if NCH > 1:
+        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a1, axis=0))
+    if NCH > 2:
+        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a2, axis=0))
+    if NCH > 3:
+        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a3, axis=0))
+    if NCH > 4:
+        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a4, axis=0))
+    if NCH > 5:
+        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a5, axis=0))
+    if NCH > 6:
+        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a6, axis=0))
+    if NCH > 7:
+        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE)
+        g = tl.maximum(g, tl.max(a7, axis=0))
+    s_enc, s_dec = _global_scales(g)
+    d_off = tl.multiple_of(row * stride_d, 8)
+    s_off = row * stride_s
+    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH)
+    if NCH > 1:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH)
+    if NCH > 2:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH)
+    if NCH > 3:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH)
+    if NCH > 4:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH)
+    if NCH > 5:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH)
+    if NCH > 6:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH)
+    if NCH > 7:
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH)
+    tl.store(sdec_ptr + row, s_dec)
+    tl.store(amax_ptr + row, g)
+
+
 # ----------------------------------------------------------------------------------------------- host wrappers
 
 
@@ -184,7 +261,7 @@ def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
     return bm, bnb, 4
 
 
-def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None):
+def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None):
     """Per-row NVFP4 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 16 == 0).
     Returns (data uint8 [M, K/2], scale uint8 [M, K/16], S_dec fp32 [M], G fp32 [M])."""
     import torch
@@ -205,6 +282,11 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None):
     xp = pair_view(x2)
     code = in_dtype_code(x2.dtype)
     bm, bnb, warps = _launch_cfg_rows(nb)
+    if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
+        _nvfp4_row_scaled_chunked_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
+                                               scale.stride(0), IN_DTYPE=code, NCH=-(-nb // chunk), CH=chunk,
+                                               num_warps=num_warps or 2, **LAUNCH_OPTS)
+        return data, scale, sdec, amax
     if loop_chunk is None and bnb * 8 > 16384:
         loop_chunk = 256
     if loop_chunk:
