@@ -4,8 +4,11 @@ run on Hopper (torchao prototype.mx_formats; plain PyTorch per-token NVFP4 under
 
     python benchmarks/quantize.py [--shapes 8192x2048,16384x7168,4096x4096] [--no-sweep] [--json OUT.json]
 
-Timing: triton.testing.do_bench (CUDA events, median), which zeroes a 256 MB buffer before every timed call, so
-every call starts with an L2 that holds none of its input (L2-cold). "bytes" = bytes the op must move at least:
+Timing (as perf_baseline.md): one CUDA graph runs the op over 2-8 distinct copies of the input (together >= 3x the
+60 MB L2, so every call starts L2-cold), replayed 12 times, median per call; no host/launch overhead in the numbers.
+Ops that synchronise with the host (our eager references) cannot be captured and use triton's do_bench instead
+(marked [do_bench]: CUDA events, 256 MB L2 flush before every call, launch overhead included). The SM clock is
+brought up with a short GEMM loop before measuring after idle periods. "bytes" = bytes the op must move at least:
 the bf16 input read once + every output written once. GB/s = bytes / time; "% copy" = GB/s / GB/s of the copy
 (copy bytes = 2 x input bytes, read + write). Peer ratios: peer time / our time (> 1 = we are faster).
 torchao: carry a wheel and `pip install --no-deps` it; peers that fail to import/run are reported as such.
@@ -42,15 +45,58 @@ def _warm_gpu(seconds=0.3):
         torch.cuda.synchronize()
 
 
-def _bench(fn, rep_ms=60):
+def _graph_time(fn, xs, reps=12):
+    """Median us per call of a CUDA graph that runs fn over every input in xs (distinct buffers, together larger
+    than the 60 MB L2, so no call finds its input in L2); no host overhead in the timing (perf_baseline.md's
+    method)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs:
+            fn(x)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x in xs:
+            fn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(xs))
+    del graph
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _bench(fn, xs, use_graph=True, rep_ms=60):
+    """(us per call, method). CUDA graph over the L2-cold input set; ops that synchronise with the host (our eager
+    references check for NaN with .any()) cannot be captured and fall back to triton's do_bench (CUDA events, 256 MB
+    L2 flush before every call), which includes their launch overhead - fair for eager code, which pays it too."""
+    import torch
     from triton.testing import do_bench
 
-    fn()  # compile / autotune outside the timing
+    fn(xs[0])  # compile / autotune outside the timing
     if time.time() - _LAST[0] > 0.5:
         _warm_gpu()
-    t = do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3  # microseconds
+    t = None
+    if use_graph:
+        try:
+            t, method = _graph_time(fn, xs), "graph"
+        except Exception:
+            torch.cuda.synchronize()
+    if t is None:
+        t, method = do_bench(lambda: fn(xs[0]), warmup=10, rep=rep_ms, return_mode="median") * 1e3, "do_bench"
     _LAST[0] = time.time()
-    return t
+    return t, method
 
 
 # ------------------------------------------------------------------------------------------------------- peers
@@ -106,11 +152,11 @@ SWEEP = {
 }
 
 
-def _best(name, make_fn, configs, log):
+def _best(name, make_fn, configs, log, xs):
     best = None
     for cfg in configs:
         try:
-            t = _bench(make_fn(cfg))
+            t, _ = _bench(make_fn(cfg), xs)
         except Exception as e:  # a config that does not compile (e.g. too many registers) is skipped
             log.append(f"{name} {cfg}: failed {type(e).__name__}: {str(e)[:200]}")
             continue
@@ -132,56 +178,60 @@ def run_shape(m, k, sweep, log):
     x = (torch.randn(m, k, device="cuda") * 3).to(torch.bfloat16)
     n = m * k
     in_b = 2 * n
+    # distinct copies of the input, together >= 3x the 60 MB L2, cycled through inside one CUDA graph
+    xs = [x] + [x.clone() for _ in range(min(7, max(1, -(-180_000_000 // in_b) - 1)))]
     rows = []  # (group, label, us, bytes, kind) kind: copy | ours | ref | peer
 
     def add(group, label, fn, nbytes, kind):
         try:
-            t = _bench(fn)
-            rows.append((group, label, t, nbytes, kind))
+            t, method = _bench(fn, xs, use_graph=kind not in ("ref",) and "eager" not in label)
+            rows.append((group, label + ("" if method == "graph" else " [do_bench]"), t, nbytes, kind))
         except Exception as e:
             rows.append((group, label, None, nbytes, kind))
             log.append(f"{group} / {label}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
 
     dst = torch.empty_like(x)
-    add("copy", "device-to-device copy (x.copy_)", lambda: dst.copy_(x), 2 * in_b, "copy")
+    add("copy", "device-to-device copy (x.copy_)", lambda t: dst.copy_(t), 2 * in_b, "copy")
 
     # ---- NVFP4 per token
     b_tok = in_b + n // 2 + n // 16 + 8 * m
     cfg = {}
     if sweep:
-        best = _best("nvfp4_row", lambda c: (lambda: knv.row_scaled(x, **c)), SWEEP["nvfp4_row"], log)
+        best = _best("nvfp4_row", lambda c: (lambda t: knv.row_scaled(t, **c)), SWEEP["nvfp4_row"], log, xs)
         cfg = best[1] if best else {}
-    add("nvfp4 per-token", f"ours (Triton, one pass) {cfg}", lambda: knv.row_scaled(x, **cfg), b_tok, "ours")
+    add("nvfp4 per-token", f"ours (Triton, one pass) {cfg}", lambda t: knv.row_scaled(t, **cfg), b_tok, "ours")
     add("nvfp4 per-token", "ours, default config (precision_dsl.kernels.nvfp4_quantize)",
-        lambda: knv.row_scaled(x), b_tok, "ours")
-    add("nvfp4 per-token", "our eager reference", lambda: nvfp4.quantize(x, scope="row"), b_tok, "ref")
-    add("nvfp4 per-token", "plain PyTorch, eager", lambda: torch_per_token_nvfp4(x), b_tok, "peer")
+        lambda t: knv.row_scaled(t), b_tok, "ours")
+    add("nvfp4 per-token", "our eager reference", lambda t: nvfp4.quantize(t, scope="row"), b_tok, "ref")
+    add("nvfp4 per-token", "plain PyTorch, eager", lambda t: torch_per_token_nvfp4(t), b_tok, "peer")
     tok_c = torch.compile(torch_per_token_nvfp4, dynamic=False)
-    add("nvfp4 per-token", "plain PyTorch, torch.compile", lambda: tok_c(x), b_tok, "peer")
+    add("nvfp4 per-token", "plain PyTorch, torch.compile", lambda t: tok_c(t), b_tok, "peer")
 
     # ---- NVFP4 per tensor (amax pass + quantize), and with a given amax
     b_ten = in_b + n // 2 + n // 16 + 8
     g = knv.tensor_amax(x)
     cfg_t = {}
     if sweep:  # tuned on the quantize kernel alone (amax given)
-        best = _best("nvfp4_tensor", lambda c: (lambda: knv.per_tensor(x, g, **c)), SWEEP["nvfp4_tensor"], log)
+        best = _best("nvfp4_tensor", lambda c: (lambda t: knv.per_tensor(t, g, **c)), SWEEP["nvfp4_tensor"], log,
+                     xs)
         cfg_t = best[1] if best else {}
     add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) {cfg_t}",
-        lambda: knv.per_tensor(x, **cfg_t), b_ten, "ours")
-    add("nvfp4 per-tensor incl. amax", "our eager reference", lambda: nvfp4.quantize(x, scope="tensor"), b_ten,
+        lambda t: knv.per_tensor(t, **cfg_t), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "our eager reference", lambda t: nvfp4.quantize(t, scope="tensor"), b_ten,
         "ref")
-    add("nvfp4 per-tensor, amax given", f"ours (one pass) {cfg_t}", lambda: knv.per_tensor(x, g, **cfg_t), b_ten,
+    add("nvfp4 per-tensor, amax given", f"ours (one pass) {cfg_t}", lambda t: knv.per_tensor(t, g, **cfg_t), b_ten,
         "ours")
     cfg_2 = {}
     if sweep:
-        best = _best("nvfp4_2d", lambda c: (lambda: knv.per_tensor(x, g, tile_2d=True, **c)), SWEEP["nvfp4_2d"], log)
+        best = _best("nvfp4_2d", lambda c: (lambda t: knv.per_tensor(t, g, tile_2d=True, **c)), SWEEP["nvfp4_2d"],
+                     log, xs)
         cfg_2 = best[1] if best else {}
-    add("nvfp4 16x16 weight tiles incl. amax", f"ours {cfg_2}", lambda: knv.per_tensor(x, tile_2d=True, **cfg_2),
+    add("nvfp4 16x16 weight tiles incl. amax", f"ours {cfg_2}", lambda t: knv.per_tensor(t, tile_2d=True, **cfg_2),
         in_b + n // 2 + n // 256 + 8, "ours")
     add("nvfp4 16x16 weight tiles, amax given", f"ours {cfg_2}",
-        lambda: knv.per_tensor(x, g, tile_2d=True, **cfg_2), in_b + n // 2 + n // 256 + 8, "ours")
+        lambda t: knv.per_tensor(t, g, tile_2d=True, **cfg_2), in_b + n // 2 + n // 256 + 8, "ours")
     add("nvfp4 16x16 weight tiles incl. amax", "our eager reference",
-        lambda: nvfp4.quantize(x, scope="tensor", tile_2d=True), in_b + n // 2 + n // 256 + 8, "ref")
+        lambda t: nvfp4.quantize(t, scope="tensor", tile_2d=True), in_b + n // 2 + n // 256 + 8, "ref")
     try:
         to_mx, SCM, nvfp4_quantize, per_tensor_amax_to_scale = _torchao()
         have_ao = True
@@ -198,32 +248,32 @@ def run_shape(m, k, sweep, log):
         ao_amax_c = torch.compile(ao_nvfp4_amax, dynamic=False)
         ao_given_c = torch.compile(ao_nvfp4_given, dynamic=False)
         pts = per_tensor_amax_to_scale(torch.max(torch.abs(x)))
-        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, eager", lambda: ao_nvfp4_amax(x), b_ten,
+        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, eager", lambda t: ao_nvfp4_amax(t), b_ten,
             "peer")
-        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, torch.compile", lambda: ao_amax_c(x),
+        add("nvfp4 per-tensor incl. amax", "torchao nvfp4_quantize + amax, torch.compile", lambda t: ao_amax_c(t),
             b_ten, "peer")
         add("nvfp4 per-tensor, amax given", "torchao nvfp4_quantize (scale given), torch.compile",
-            lambda: ao_given_c(x, pts), b_ten, "peer")
+            lambda t: ao_given_c(t, pts), b_ten, "peer")
 
     # ---- MXFP8
     b_row = in_b + n + n // 32
     b_rc = in_b + 2 * n + 2 * (n // 32)
     cfg_m = {}
     if sweep:
-        best = _best("mxfp8_rowcol", lambda c: (lambda: kmx.quantize_rowcol(x, "e4m3", True, True, **c)),
-                     SWEEP["mxfp8_rowcol"], log)
+        best = _best("mxfp8_rowcol", lambda c: (lambda t: kmx.quantize_rowcol(t, "e4m3", True, True, **c)),
+                     SWEEP["mxfp8_rowcol"], log, xs)
         cfg_m = best[1] if best else {}
     add("mxfp8 e4m3 rowwise+columnwise", f"ours (one read, both copies) {cfg_m}",
-        lambda: kmx.quantize_rowcol(x, "e4m3", True, True, **cfg_m), b_rc, "ours")
+        lambda t: kmx.quantize_rowcol(t, "e4m3", True, True, **cfg_m), b_rc, "ours")
     add("mxfp8 e4m3 rowwise+columnwise", "ours, default config (kernels.mxfp8_quantize_rowcol)",
-        lambda: kmx.quantize_rowcol(x, "e4m3", True, True), b_rc, "ours")
+        lambda t: kmx.quantize_rowcol(t, "e4m3", True, True), b_rc, "ours")
     add("mxfp8 e4m3 rowwise+columnwise", "our eager reference (row + col)",
-        lambda: (mxfp8.quantize(x, "e4m3", axis="row"), mxfp8.quantize(x, "e4m3", axis="col")), b_rc, "ref")
-    add("mxfp8 e4m3 rowwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e4m3", True, False, **cfg_m), b_row,
+        lambda t: (mxfp8.quantize(t, "e4m3", axis="row"), mxfp8.quantize(t, "e4m3", axis="col")), b_rc, "ref")
+    add("mxfp8 e4m3 rowwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e4m3", True, False, **cfg_m), b_row,
         "ours")
-    add("mxfp8 e4m3 columnwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e4m3", False, True, **cfg_m),
+    add("mxfp8 e4m3 columnwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e4m3", False, True, **cfg_m),
         b_row, "ours")
-    add("mxfp8 e5m2 rowwise+columnwise", f"ours {cfg_m}", lambda: kmx.quantize_rowcol(x, "e5m2", True, True,
+    add("mxfp8 e5m2 rowwise+columnwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e5m2", True, True,
                                                                                      **cfg_m), b_rc, "ours")
     if have_ao:
         def ao_row(t):
@@ -234,32 +284,32 @@ def run_shape(m, k, sweep, log):
 
         ao_row_c = torch.compile(ao_row, dynamic=False)
         ao_col_c = torch.compile(ao_col, dynamic=False)
-        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, eager", lambda: ao_row(x), b_row, "peer")
-        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, torch.compile", lambda: ao_row_c(x), b_row, "peer")
-        add("mxfp8 e4m3 columnwise", "torchao to_mx RCEIL of x.t(), torch.compile", lambda: ao_col_c(x), b_row,
+        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, eager", lambda t: ao_row(t), b_row, "peer")
+        add("mxfp8 e4m3 rowwise", "torchao to_mx RCEIL, torch.compile", lambda t: ao_row_c(t), b_row, "peer")
+        add("mxfp8 e4m3 columnwise", "torchao to_mx RCEIL of x.t(), torch.compile", lambda t: ao_col_c(t), b_row,
             "peer")
         add("mxfp8 e4m3 rowwise+columnwise", "torchao to_mx RCEIL row + col (two passes), eager",
-            lambda: (ao_row(x), ao_col(x)), b_rc, "peer")
+            lambda t: (ao_row(t), ao_col(t)), b_rc, "peer")
         add("mxfp8 e4m3 rowwise+columnwise", "torchao to_mx RCEIL row + col (two passes), torch.compile",
-            lambda: (ao_row_c(x), ao_col_c(x)), b_rc, "peer")
+            lambda t: (ao_row_c(t), ao_col_c(t)), b_rc, "peer")
 
     # ---- FP8 block
     b_fb = in_b + n + 4 * math.ceil(k / 128) * m
     cfg_f = {}
     if sweep:
-        best = _best("fp8_block_1x128", lambda c: (lambda: kfb.quantize(x, "e4m3", False, True, False, **c)),
-                     SWEEP["fp8_block_1x128"], log)
+        best = _best("fp8_block_1x128", lambda c: (lambda t: kfb.quantize(t, "e4m3", False, True, False, **c)),
+                     SWEEP["fp8_block_1x128"], log, xs)
         cfg_f = best[1] if best else {}
-    add("fp8-block 1x128 pow2", f"ours {cfg_f}", lambda: kfb.quantize(x, "e4m3", False, True, False, **cfg_f), b_fb,
+    add("fp8-block 1x128 pow2", f"ours {cfg_f}", lambda t: kfb.quantize(t, "e4m3", False, True, False, **cfg_f), b_fb,
         "ours")
-    add("fp8-block 1x128 pow2", "our eager reference", lambda: fp8_block.quantize(x, "e4m3", (1, 128), True), b_fb,
+    add("fp8-block 1x128 pow2", "our eager reference", lambda t: fp8_block.quantize(t, "e4m3", (1, 128), True), b_fb,
         "ref")
     b_sq = in_b + n + 4 * math.ceil(k / 128) * math.ceil(m / 128)
-    add("fp8-block 128x128 fp32 scale", "ours", lambda: kfb.quantize(x, "e4m3", True, False, False), b_sq, "ours")
+    add("fp8-block 128x128 fp32 scale", "ours", lambda t: kfb.quantize(t, "e4m3", True, False, False), b_sq, "ours")
     add("fp8-block 128x128 fp32 scale", "our eager reference",
-        lambda: fp8_block.quantize(x, "e4m3", (128, 128), False), b_sq, "ref")
+        lambda t: fp8_block.quantize(t, "e4m3", (128, 128), False), b_sq, "ref")
     add("fp8-block 1x128 pow2, x.T (colwise)", "ours (transposed store)",
-        lambda: kfb.quantize(x, "e4m3", False, True, True), b_fb, "ours")
+        lambda t: kfb.quantize(t, "e4m3", False, True, True), b_fb, "ours")
     return rows
 
 

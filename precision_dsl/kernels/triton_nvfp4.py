@@ -337,12 +337,15 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        bm = 16 if tile_2d else (block_m or 8)
-        bnb = block_nb or min(32 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
+        # defaults from the H200 sweep at 16384x7168 (benchmarks/RESULTS.md): 1x16 4x64 blocks / 2 warps,
+        # 16x16 one 16-row stripe x 16 tiles / 4 warps
+        bm = 16 if tile_2d else (block_m or 4)
+        bnb = block_nb or min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
+        warps = num_warps or (4 if tile_2d else 2)
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   num_warps=num_warps or 4, **LAUNCH_OPTS)
+                                   num_warps=warps, **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
