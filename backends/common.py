@@ -68,20 +68,27 @@ class Artifact:
         return self.content.encode() if isinstance(self.content, str) else self.content
 
 
-_HASHES: dict[int, str] = {}
+_MEMO: dict[int, dict] = {}
 
 
-def plan_hash(plan: Plan) -> str:
-    """plan.content_hash(), computed once per Plan object (it is ~0.5 s on a 48-layer MoE and every backend
-    stamps it). Plans are frozen, so the cache is exact; entries die with the plan (weakref.finalize)."""
+def per_plan(plan: Plan, what: str, compute):
+    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash is ~0.5 s on a 48-layer MoE and
+    every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
+    with the plan (weakref.finalize), so this is a cache, not state."""
     import weakref
 
     key = id(plan)
-    h = _HASHES.get(key)
-    if h is None:
-        h = _HASHES[key] = plan.content_hash()
-        weakref.finalize(plan, _HASHES.pop, key, None)
-    return h
+    slot = _MEMO.get(key)
+    if slot is None:
+        slot = _MEMO[key] = {}
+        weakref.finalize(plan, _MEMO.pop, key, None)
+    if what not in slot:
+        slot[what] = compute(plan)
+    return slot[what]
+
+
+def plan_hash(plan: Plan) -> str:
+    return per_plan(plan, "content_hash", lambda p: p.content_hash())
 
 
 def plan_stamp(plan: Plan) -> dict:

@@ -214,6 +214,13 @@ def _exclusions(plan: Plan, modelopt: bool) -> list[str]:
 
 
 def rollout_config(plan: Plan) -> RolloutConfig:
+    """Validated SGLang configuration of `plan` (memoized per plan object; raises UnsupportedByBackend)."""
+    from .common import per_plan
+
+    return per_plan(plan, "sglang.rollout_config", _rollout_config)
+
+
+def _rollout_config(plan: Plan) -> RolloutConfig:
     for t in plan.tensors:
         _check_tensor(t, plan)
     _check_fused(plan)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import queue
 import re
 import threading
@@ -471,7 +472,7 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     sizes: dict[str, int] = {}
     for t in plan.tensors:
         specs = output_specs(t)
-        sizes[t.hf_name] = sum(DTYPE_SIZES[dt] * int(torch.Size(sh).numel()) for _, dt, sh in specs)
+        sizes[t.hf_name] = sum(DTYPE_SIZES[dt] * math.prod(sh) for _, dt, sh in specs)
         key = t.megatron_name or t.hf_name
         entry = params.setdefault(key, {"hf": [], "outputs": []})
         entry["hf"].append(t.hf_name)

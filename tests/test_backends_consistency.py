@@ -1,0 +1,121 @@
+"""The four consumers agree: for every shipped seed policy and bundled architecture, `policyc emit` writes artifacts
+from which the set of quantized tensors (and their format) is derived back INDEPENDENTLY per backend -
+
+  megatron       flags + TE precision YAML(s), resolved through megatron-core's own loader/matcher
+  sglang         the checkpoint quantization_config, matched with SGLang's exemption rules
+  converter      the announced output tensors (X.weight_scale_inv U8 -> mxfp8, X.weight_scale_2 -> nvfp4, ...)
+  weight_update  the per-Megatron-parameter rollout tensors of the update manifest
+
+- and all four sets are equal to each other and to the plan. Every artifact carries the plan's content hash."""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from backends import converter, megatron, sglang
+from backends.cli import emit_artifacts
+from backends.common import PLAN_FILE, write_tree_atomic
+from precision_dsl.arch import load_architecture
+from precision_dsl.resolve import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+SEEDS = ["bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
+         "nvfp4-pertoken-dequant-backward"]
+MODELS = ["tiny-moe", "qwen3-30b-a3b", pytest.param("deepseek-v3", marks=pytest.mark.slow)]
+
+
+@functools.lru_cache(maxsize=None)
+def arch_of(name):
+    return load_architecture(name)
+
+
+def quantized(kinds: dict[str, str]) -> dict[str, str]:
+    return {n: k for n, k in kinds.items() if k not in ("bf16", "fp16", "fp32")}
+
+
+def derive_all(out: Path, arch) -> dict[str, dict[str, str]]:
+    names = [t.hf_name for t in arch.tensors]
+    mflags = json.loads((out / "megatron/flags.json").read_text())
+    yamls = {p.name: yaml.safe_load(p.read_text()) for p in (out / "megatron").glob("*.yaml")}
+    pp = int(mflags["flags"][mflags["flags"].index("--pipeline-model-parallel-size") + 1]) \
+        if "--pipeline-model-parallel-size" in mflags["flags"] else 1
+    qcfg = json.loads((out / "sglang/quantization_config.json").read_text())["quantization_config"]
+    conv = json.loads((out / "converter/manifest.json").read_text())
+    conv_specs = {n: dt for specs in conv["tensors"].values() for n, dt, _ in specs}
+    wu = json.loads((out / "weight_update/manifest.json").read_text())
+    wu_specs = {n: dt for p in wu["params"].values() for n, dt, _ in p["outputs"]}
+    return {
+        "megatron": megatron.derive_formats(mflags["flags"], yamls, arch, pp=pp, use_megatron=True),
+        "sglang": sglang.derive_formats(qcfg, arch),
+        "converter": converter.derive_formats_from_specs(conv_specs, names),
+        "weight_update": converter.derive_formats_from_specs(wu_specs, names),
+    }
+
+
+def hashes_in(out: Path) -> set[str]:
+    """Every plan hash mentioned by any artifact; each artifact file must mention at least one."""
+    found = set()
+    for p in out.rglob("*"):
+        if p.is_file() and p.suffix in (".json", ".yaml", ".sh", ".txt"):
+            hs = set(re.findall(r"sha256:[0-9a-f]{64}", p.read_text()))
+            if p.suffix != ".txt" and p.name != "hf_quant_config.json":
+                assert hs, f"{p} carries no plan hash"
+            found |= hs
+    return found
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_all_backends_agree_on_every_seed_policy(model, tmp_path):
+    arch = arch_of(model)
+    for seed in SEEDS:
+        plan = resolve(REPO / "policies" / f"{seed}.policy", arch, None)
+        out = tmp_path / seed
+        write_tree_atomic(out, emit_artifacts(plan))
+        want = quantized({t.hf_name: t.weight.kind.value for t in plan.tensors if t.is_linear})
+        derived = {b: quantized(k) for b, k in derive_all(out, arch).items()}
+        for backend, got in derived.items():
+            assert got == want, (f"{seed} on {model}: {backend} disagrees with the plan on "
+                                 f"{sorted(set(got.items()) ^ set(want.items()))[:4]}")
+        assert (seed == "bf16") == (not want)
+        assert hashes_in(out) == {plan.content_hash()}, f"{seed}: an artifact lacks or has another plan hash"
+        assert json.loads((out / PLAN_FILE).read_text())["content_hash"] == plan.content_hash()
+
+
+def test_emit_cli_writes_all_backends_with_parallel_layout(tmp_path):
+    from precision_dsl.cli import app
+
+    out = tmp_path / "emit"
+    pol = str(REPO / "policies" / "nvfp4-pertoken-hp-backward.policy")
+    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel",
+                                 "trainer:tp=2,etp=1,ep=2,pp=2 rollout:tp=2,ep=2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    derived = {b: quantized(k) for b, k in derive_all(out, arch_of("tiny-moe")).items()}
+    assert len({tuple(sorted(d.items())) for d in derived.values()}) == 1
+    args = (out / "megatron/args.txt").read_text().split()
+    assert args[args.index("--pipeline-model-parallel-size") + 1] == "2"
+    sg = json.loads((out / "sglang/server_args.json").read_text())["server_args"]
+    assert sg[sg.index("--ep-size") + 1] == "2"
+    # existing output is refused without --force; one backend only with --backend
+    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out)])
+    assert r.exit_code == 2 and "--force" in r.output
+    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out), "--force", "-b", "sglang"])
+    assert r.exit_code == 0 and not (out / "megatron").exists() and (out / "sglang").is_dir()
+
+
+def test_emit_cli_unsupported_is_exit_1_without_traceback(tmp_path):
+    from precision_dsl.cli import app
+
+    pol = str(REPO / "policies" / "nvfp4-pertoken-hp-backward.policy")
+    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel", "trainer:etp=2,ep=2",
+                                 "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "cannot express" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()  # nothing half-written
+    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(tmp_path / "o"), "-b", "nope"])
+    assert r.exit_code == 2 and "unknown backend" in r.output
