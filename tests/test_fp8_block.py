@@ -84,7 +84,9 @@ def test_pow2_scaling_equivariance(x, shift):
 
 
 def test_scale_monotone_in_amax():
-    amax = torch.sort(torch.rand(5000) * 10.0 ** torch.randint(-40, 38, (5000,))).values
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(20000, generator=g) * 10.0 ** torch.randint(-40, 38, (20000,), generator=g)
+    amax = torch.sort(amax[amax > 0]).values  # amax == 0 is the special case scale = 1 (checked below)
     for pow2 in (True, False):
         s = fp8_block.scale_from_amax(amax, "e4m3", pow2, torch.finfo(torch.float32).max)
         assert bool((s[1:] <= s[:-1]).all())
