@@ -4,6 +4,8 @@
     dequantize(q, dtype=torch.float32) -> Tensor
     fake_quantize(x, fmt, *, axis="row", global_amax=None, out_dtype=None) -> Tensor   # identity for bf16/fp16/fp32
     nbytes_of(fmt, shape, *, axis="row") -> int                                      # == quantize(x).nbytes
+    group_amax(tensors) -> fp32 [1]                       # shared G of an NVFP4 share-scale group
+    emulated_linear(x, weight_q, act_fmt, bias=None, out_dtype=None)   # gemm.py: quant->dequant GEMM emulation
 
 Format -> reference module (each module's docstring is the executable spec of its rounding and edge cases):
     FP8       (per-tensor current scaling)  -> fp8_tensor   element e4m3|e5m2
@@ -25,11 +27,12 @@ import torch
 from ..precision import FormatKind, TensorFormat
 from . import fp8_block, fp8_tensor, mxfp8, nvfp4, swizzle
 from .base import FormatInputError, QuantizedTensor
+from .gemm import emulated_linear
 from .nvfp4 import group_amax
 
 __all__ = [
     "FormatInputError", "QuantizedTensor", "quantize", "dequantize", "fake_quantize", "nbytes_of", "group_amax",
-    "mxfp8", "nvfp4", "fp8_block", "fp8_tensor", "swizzle",
+    "emulated_linear", "mxfp8", "nvfp4", "fp8_block", "fp8_tensor", "swizzle",
 ]
 
 _HP_DTYPES = {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}
