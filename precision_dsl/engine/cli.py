@@ -13,6 +13,8 @@ EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (quantize -> dequantize -> 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from ..arch import ArchitectureError
+    from ..commands import UserError
+    from ..parallel import ParallelSpecError
     from .loop import ContractViolation
     from .model import ModelLoadError
     from .numerics import EngineFormatError
@@ -21,7 +23,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from .weight_path import PlanHashMismatch
 
     errs: list[type[BaseException]] = [ArchitectureError, ContractViolation, ModelLoadError, EngineFormatError,
-                                       PlanLoadError, TaskError, PlanHashMismatch]
+                                       PlanLoadError, TaskError, PlanHashMismatch, UserError, ParallelSpecError]
+    try:
+        from backends.common import PlanMismatch, UnsupportedByBackend
+
+        errs += [PlanMismatch, UnsupportedByBackend]
+    except ImportError:  # pragma: no cover
+        pass
     try:
         from ..diagnostics import PolicyError
 
@@ -85,10 +93,12 @@ def _live_run(cfg, title: str):
             avg = sum(window[-10:]) / len(window[-10:])
             ident = "" if m.quantized_weights_identical is None else \
                 (" bytes=identical" if m.quantized_weights_identical else f" bytes≠({m.quantized_weights_differing})")
-            prog.update(task_id, advance=1, info=(
-                f"reward {m.reward_mean:.2f} (avg10 {avg:.2f})  |Δlogp| {m.mismatch_abs_logp:.1e}  "
-                f"KLref {m.kl_ref_k3:.1e}  gnorm {m.grad_norm:.2f}{' SPIKE' if m.grad_spike else ''}  "
-                f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}"))
+            info = (f"reward {m.reward_mean:.2f} (avg10 {avg:.2f})  |Δlogp| {m.mismatch_abs_logp:.1e}  "
+                    f"KLref {m.kl_ref_k3:.1e}  gnorm {m.grad_norm:.2f}{' SPIKE' if m.grad_spike else ''}  "
+                    f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}")
+            prog.update(task_id, advance=1, info=info)
+            if not con.is_terminal and (m.step % 10 == 0 or m.step == cfg.steps):  # logs / CI: a line per 10 steps
+                con.print(f"step {m.step}/{cfg.steps}  {info}")
 
         return run(cfg, on_step=on_step)
 

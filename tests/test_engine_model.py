@@ -1,0 +1,136 @@
+"""engine/model.py: HF names + shapes, safetensors loading with clear errors, HF transformers parity, KV cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from precision_dsl.engine.model import (ModelLoadError, Qwen3MoeConfig, Qwen3MoeForCausalLM, bundled_model_dir,
+                                        load_model, save_model)
+from precision_dsl.engine.sampling import sample, sequence_logprobs
+
+TINY = bundled_model_dir("tiny-moe")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(TINY)
+
+
+def test_names_and_shapes_match_the_architecture_catalog(tiny):
+    from precision_dsl.arch import load_architecture
+
+    arch = load_architecture("tiny-moe")
+    params = dict(tiny.named_parameters())
+    assert set(params) == {t.hf_name for t in arch.tensors}
+    for t in arch.tensors:
+        assert tuple(params[t.hf_name].shape) == tuple(t.shape), t.hf_name
+    assert "model.layers.3.mlp.experts.7.gate_proj.weight" in params
+    assert "model.layers.0.self_attn.q_norm.weight" in params
+    assert sorted(tiny.linear_names()) == sorted(t.hf_name for t in arch.tensors if t.is_linear)
+
+
+def test_forward_shapes(tiny):
+    ids = torch.randint(3, 32, (3, 9))
+    with torch.no_grad():
+        logits = tiny(ids)
+    assert logits.shape == (3, 9, 32)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.slow  # importing transformers dominates (~10-30 s on 2 cores)
+def test_matches_hf_transformers_qwen3_moe(tiny):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(TINY), dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 6, 14, 7, 8, 18], [1, 9, 9, 14, 4, 4, 18]])
+    with torch.no_grad():
+        ours, theirs = tiny(ids), hf(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4
+
+
+def test_kv_cache_sampling_equals_full_forward(tiny):
+    prompts = [[1, 5, 6, 14, 7, 18], [1, 7, 18], [1, 8, 9, 14, 11, 12, 18], [1, 4, 14, 4, 18]]
+    batch = sample(tiny, prompts, max_new_tokens=6, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = sequence_logprobs(tiny, batch)
+    assert batch.num_response_tokens > len(prompts)
+    assert (full - batch.logprobs).abs().max() < 1e-4
+    # every response stops at its first EOS and nothing after it is counted
+    for row in batch.responses():
+        assert 2 not in row[:-1]
+
+
+def test_sampling_is_seeded(tiny):
+    prompts = [[1, 5, 14, 6, 18]] * 8
+    a = sample(tiny, prompts, max_new_tokens=5, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(1))
+    b = sample(tiny, prompts, max_new_tokens=5, eos_id=2, pad_id=0, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def _copy_model_dir(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(TINY / "config.json", d / "config.json")
+    return d
+
+
+def test_save_load_roundtrip_bf16(tmp_path, tiny):
+    d = _copy_model_dir(tmp_path)
+    save_model(tiny, d / "model.safetensors")
+    back = load_model(d)
+    for (n, p), (_, q) in zip(tiny.named_parameters(), back.named_parameters()):
+        assert torch.equal(p.detach().to(torch.bfloat16).float(), q.detach()), n
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    d = _copy_model_dir(tmp_path)
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_file(d / "config.json"))
+    sd = {n: p.detach().clone() for n, p in m.named_parameters()}
+    sd["model.layers.1.self_attn.k_proj.weight"] = torch.zeros(32, 128)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight has shape \[32, 128\]"):
+        load_model(d)
+
+
+def test_missing_and_unknown_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    d = _copy_model_dir(tmp_path)
+    m = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_file(d / "config.json"))
+    sd = {n: p.detach().clone() for n, p in m.named_parameters()}
+    del sd["lm_head.weight"]
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lacks lm_head.weight"):
+        load_model(d)
+    sd["lm_head.weight"] = torch.zeros(32, 128)
+    sd["model.layers.0.mlp.experts.9.up_proj.weight"] = torch.zeros(128, 128)
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="unexpected tensor"):
+        load_model(d)
+
+
+def test_pickle_only_and_bad_config_are_refused(tmp_path):
+    d = _copy_model_dir(tmp_path)
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(ModelLoadError, match="safetensors only"):
+        load_model(d)
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="qwen3_moe only"):
+        load_model(d)
+    (d / "config.json").write_text("{ not json")
+    with pytest.raises(ModelLoadError, match=r"config.json:1:3: invalid JSON"):
+        load_model(d)
+
+
+def test_corrupt_safetensors(tmp_path):
+    d = _copy_model_dir(tmp_path)
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match="not a readable safetensors"):
+        load_model(d)
