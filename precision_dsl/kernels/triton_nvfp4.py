@@ -252,13 +252,14 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: about 2048 pair words per program, 4 warps (H200
-    sweep: one 7168-wide row per 4-warp program was fastest; larger tiles spill or lose occupancy)."""
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: one row per 2-warp program (at least 512 pair
+    words per program for short rows). The H200 sweep (benchmarks/RESULTS.md) found 1 row / 2 warps fastest or tied
+    at K = 2048, 4096 and 7168; larger tiles spill or lose occupancy."""
     from ._common import next_pow2
 
     bnb = next_pow2(nb)
-    bm = max(1, min(16, 2048 // (bnb * 8)))
-    return bm, bnb, 4
+    bm = max(1, min(16, 512 // (bnb * 8)))
+    return bm, bnb, 2
 
 
 def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None):
