@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from precision_dsl.plan import Plan
-from precision_dsl.precision import FormatKind
 
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_stamp,
                      replace_dir)
@@ -192,22 +191,45 @@ def _sha256(path: Path) -> str:
 
 
 class _Reader:
-    """Lazily opened safe_open handles over the source shards (mmap; tensors are copied out one at a time)."""
+    """Reads one tensor at a time with plain positioned reads at the offsets of the VALIDATED header (no mmap: a
+    mapped shard's touched pages count towards RSS for as long as it stays mapped, which would make peak memory
+    grow with the checkpoint instead of the largest tensor). Safetensors format only; nothing is unpickled."""
+
+    _DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
     def __init__(self, srcc: SourceCheckpoint):
         self.srcc = srcc
-        self._handles: dict = {}
+        self._headers: dict[str, tuple[int, dict]] = {}
+
+    def _header(self, shard: str) -> tuple[int, dict]:
+        if shard not in self._headers:
+            path = self.srcc.root / shard
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+            self._headers[shard] = (8 + n, read_header(path))
+        return self._headers[shard]
 
     def get(self, name: str):
-        from safetensors import safe_open
+        import torch
 
         shard = self.srcc.where[name]
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.srcc.root / shard), framework="pt", device="cpu")
-        return self._handles[shard].get_tensor(name)
+        base, header = self._header(shard)
+        info = header[name]
+        b, e = info["data_offsets"]
+        buf = torch.empty(e - b, dtype=torch.uint8)
+        with open(self.srcc.root / shard, "rb", buffering=0) as f:
+            f.seek(base + b)
+            view = memoryview(buf.numpy())
+            got = 0
+            while got < e - b:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
+                got += k
+        return buf.view(getattr(torch, self._DT[info["dtype"]])).reshape(info["shape"])
 
     def close(self) -> None:
-        self._handles.clear()
+        self._headers.clear()
 
 
 def _partial_dir(dst: Path) -> Path:
@@ -395,23 +417,15 @@ def derive_formats_from_specs(specs: dict[str, str], plan_names: list[str]) -> d
 
 def load_converted(dst: Path, names: Optional[list[str]] = None):
     """(plan, {hf_name: QuantizedTensor | Tensor}) read back from a converted checkpoint (safetensors only)."""
-    from safetensors import safe_open
-
     from .quantize import output_specs, read_quantized
 
     plan = read_plan(dst)
-    where = _dst_tensors(dst)
-    handles: dict = {}
+    reader = _Reader(open_source(Path(dst)))
     out = {}
     for t in plan.tensors:
         if names is not None and t.hf_name not in names:
             continue
-        raw = {}
-        for name, _dt, _shape in output_specs(t):
-            shard = where[name][0]
-            if shard not in handles:
-                handles[shard] = safe_open(str(Path(dst) / shard), framework="pt", device="cpu")
-            raw[name] = handles[shard].get_tensor(name)
+        raw = {name: reader.get(name) for name, _dt, _shape in output_specs(t)}
         out[t.hf_name] = read_quantized(t, raw)
     return plan, out
 
@@ -419,7 +433,6 @@ def load_converted(dst: Path, names: Optional[list[str]] = None):
 def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: bool = False) -> list[str]:
     """Re-derive every output byte from the source and compare. Returns a list of problems ([] = verified)."""
     import torch
-    from safetensors import safe_open
 
     from .quantize import checkpoint_tensors
 
@@ -448,7 +461,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
             problems.append("hf_quant_config.json differs from the plan's")
     by = plan.by_name()
     reader = _Reader(srcc)
-    handles: dict = {}
+    out_reader = _Reader(open_source(dst))
     prog = _progress(progress, len(plan.tensors))
     try:
         for shard, units in layout.items():
@@ -460,9 +473,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
                     s = have[name][0]
                     if s != shard:
                         problems.append(f"tensor '{name}' is in {s}, expected {shard}")
-                    if s not in handles:
-                        handles[s] = safe_open(str(dst / s), framework="pt", device="cpu")
-                    got = handles[s].get_tensor(name)
+                    got = out_reader.get(name)
                     if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(
                             got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
                         problems.append(f"tensor '{name}' differs from the re-derived bytes")

@@ -139,7 +139,7 @@ def _module_tensors(plan: Plan) -> dict[str, list[TensorPlan]]:
     for t in plan.tensors:
         if not t.is_linear:
             continue
-        if t.megatron_name is None or not (t.megatron_name.startswith("decoder.") or t.megatron_name.startswith("mtp.")):
+        if t.megatron_name is None or not t.megatron_name.startswith(("decoder.", "mtp.")):
             if t.precision.is_quantized:
                 raise UnsupportedByBackend(
                     BACKEND, t.hf_name,

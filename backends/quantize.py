@@ -7,7 +7,7 @@ TransformerEngine); this module only decides names, dtypes and layouts of what a
   format        tensors written for a quantized Linear `X` (HF module path)            engine / source
   ------------  -----------------------------------------------------------------      -------------------------------
   mxfp8         X.weight float8_e4m3fn [N,K], X.weight_scale_inv uint8 (E8M0) [N,K/32]  SGLang 0.5.23 `Fp8Config`
-                                                                                       (use_mxfp8), Miles convert_hf_to_mxfp8
+                                                                                (use_mxfp8), Miles convert_hf_to_mxfp8
   nvfp4         X.weight uint8 [N,K/2] (element 2j low nibble), X.weight_scale            ModelOpt 0.47 export /
                 float8_e4m3fn [N,K/16], X.weight_scale_2 fp32 scalar (= S_dec =          SGLang `ModelOptFp4Config`
                 G/2688), X.input_scale fp32 scalar 1.0 (unused with per-token activations)

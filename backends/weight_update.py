@@ -155,7 +155,8 @@ _COLUMN_PARALLEL_RE = re.compile(r"\.(linear_qkv|linear_fc1|linear_q_proj|linear
 _EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
-def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1, etp: int = 1) -> dict[str, torch.Tensor]:
+def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1,
+                           etp: int = 1) -> dict[str, torch.Tensor]:
     """Full Megatron weights (global expert indices) from per-rank TP/EP shards.
 
     * column-parallel (linear_qkv, linear_fc1, q/kv up-projections, embeddings, output_layer): concat on dim 0;
@@ -343,7 +344,8 @@ class SGLangHTTPTransport:
         if mode not in ("tensor", "distributed"):
             raise ValueError("mode must be 'tensor' or 'distributed'")
         if mode == "distributed" and broadcast_fn is None:
-            raise ValueError("mode='distributed' needs broadcast_fn(tensor) (a torch.distributed broadcast from rank 0)")
+            raise ValueError("mode='distributed' needs broadcast_fn(tensor) "
+                             "(a torch.distributed broadcast from rank 0)")
         self.base_url = base_url.rstrip("/")
         self.mode, self.tp_size, self.selector, self.group_name = mode, tp_size, selector, group_name
         self.broadcast_fn, self.allow_unverified, self.timeout = broadcast_fn, allow_unverified, timeout
@@ -502,7 +504,8 @@ class WeightSender:
         self._groups = {m: g for g in plan.share_scale_groups for m in g.members}
         self._order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
 
-    def _atomic_units(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[TensorPlan, torch.Tensor]]]:
+    def _atomic_units(self, items: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[list[tuple[TensorPlan, torch.Tensor]]]:
         """Yield complete atomic units (fused siblings + share-scale groups) as soon as all members arrived."""
         by = self.plan.by_name()
         members = atomic_groups(self.plan)
@@ -596,7 +599,8 @@ class WeightReceiver:
                 break
             self.raw.update(unpack_bucket(meta, buf))
         if self.summary.get("tensors") != len(self.raw):
-            raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, the sender sent {self.summary.get('tensors')}")
+            raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
+                                       f"the sender sent {self.summary.get('tensors')}")
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)

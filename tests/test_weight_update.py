@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import functools
 import http.server
-import io
 import json
 import pickle
 import textwrap
