@@ -33,17 +33,30 @@ def _device_ok(index: int) -> bool:
     return (major, minor) >= (8, 9)  # cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32 needs sm_89+
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    """Triton importable AND able to switch libdevice's flush-to-zero off (`enable_reflect_ftz`, triton 3.x with the
+    NVIDIA backend; tested with 3.6.0): without it `div_rn` flushes subnormal quotients and the kernels would not be
+    byte-exact, so they are not used."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:
+        return False
+    fields = CUDAOptions.__dataclass_fields__
+    return "enable_reflect_ftz" in fields and "enable_fp_fusion" in fields
+
+
 def available() -> bool:
-    """True when the Triton kernels can run here: CUDA device of compute capability >= 8.9 and Triton importable."""
+    """True when the Triton kernels can run here: a CUDA device of compute capability >= 8.9 and a Triton that can
+    compile them exactly (see _triton_ok)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False
-        import triton  # noqa: F401
     except Exception:
         return False
-    return _device_ok(torch.cuda.current_device())
+    return _triton_ok() and _device_ok(torch.cuda.current_device())
 
 
 def _usable(x) -> bool:
