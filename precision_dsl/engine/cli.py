@@ -20,14 +20,13 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from .numerics import EngineFormatError
     from .plans import PlanLoadError
     from .task import TaskError
-    from .weight_path import PlanHashMismatch
-
     errs: list[type[BaseException]] = [ArchitectureError, ContractViolation, ModelLoadError, EngineFormatError,
-                                       PlanLoadError, TaskError, PlanHashMismatch, UserError, ParallelSpecError]
+                                       PlanLoadError, TaskError, UserError, ParallelSpecError]
     try:
         from backends.common import PlanMismatch, UnsupportedByBackend
+        from backends.weight_update import NonFiniteWeight, WeightUpdateError
 
-        errs += [PlanMismatch, UnsupportedByBackend]
+        errs += [PlanMismatch, UnsupportedByBackend, WeightUpdateError, NonFiniteWeight]
     except ImportError:  # pragma: no cover
         pass
     try:

@@ -67,6 +67,8 @@ def _bf16_plan(plan):
 
 def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
     """Number of quantized tensors whose stored bytes differ between trainer and rollout."""
+    from .weight_path import same_bytes
+
     differing = 0
     for name, q in trainer_q.items():
         r = rollout_q.get(name)
@@ -74,7 +76,7 @@ def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
             differing += 1
             continue
         a, b = q.tensors(), r.tensors()
-        if a.keys() != b.keys() or any(not torch.equal(a[k].cpu(), b[k].cpu()) for k in a):
+        if a.keys() != b.keys() or any(not same_bytes(a[k], b[k]) for k in a):
             differing += 1
     return differing
 
@@ -88,7 +90,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     from .rollout import RolloutEngine
     from .sampling import sequence_logprobs
     from .task import load_tokenizer, make_task
-    from .weight_path import InProcessSender
+    from .weight_path import LiveUpdateChannel
 
     t_start = time.perf_counter()
     device = cfg.device
@@ -113,7 +115,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     rollout = RolloutEngine(trainer.config, rollout_plan, device=device)
     # With a broken contract the exporter is configured from the rollout side (as Miles' exporter reads the rollout
     # checkpoint's quantization_config), so the hash check on the channel passes while trainer != rollout.
-    sender = InProcessSender(rollout_plan)
+    channel = LiveUpdateChannel(rollout_plan)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
@@ -124,7 +126,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
 
     def weight_update() -> tuple[float, int, Optional[bool], int]:
         t0 = time.perf_counter()
-        payload = sender.pack({n: p.detach().cpu() for n, p in trainer.named_parameters()})
+        payload = channel.send(dict(trainer.named_parameters()))
         rollout.update_weights(payload)
         identical, differing = None, 0
         if cfg.check_weight_bytes:

@@ -1,6 +1,7 @@
 """The rollout engine: a SEPARATE model instance that only ever sees weights from the weight-update path.
 
-Like an SGLang server it (1) receives packed quantized bytes + the plan hash, refuses a mismatching plan, (2)
+Like an SGLang server it (1) receives bucketed quantized bytes (backends.weight_update) after a plan-hash
+handshake that refuses a mismatching plan, (2)
 dequantizes them into its own buffers (its parameters start as NaN, so a missed update cannot go unnoticed), and
 (3) samples with a KV cache, quantizing GEMM inputs exactly as its plan says (per-token NVFP4, MXFP8 1x32, ...).
 The received QuantizedTensors are kept (`received`) so tests can assert byte equality with the trainer's.
@@ -16,7 +17,7 @@ from ..plan import Plan
 from . import numerics
 from .model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .sampling import SampleBatch, sample
-from .weight_path import InProcessReceiver, Payload
+from .weight_path import Payload, receive
 
 
 class RolloutExecutor:
@@ -40,14 +41,13 @@ class RolloutEngine:
             for p in self.model.parameters():
                 p.fill_(float("nan"))
         self.model.linear_executor = RolloutExecutor(plan, self.model)
-        self.receiver = InProcessReceiver(plan)
         self.received: dict[str, object] = {}
         self.version = 0
         self.device = device
 
     @torch.no_grad()
     def update_weights(self, payload: Payload) -> None:
-        tensors = self.receiver.unpack(payload)  # plan hash checked here, before any buffer is written
+        tensors = receive(payload, self.plan)  # plan hash checked in the handshake, before any tensor is read
         params = dict(self.model.named_parameters())
         unknown = set(tensors) - set(params)
         if unknown:
