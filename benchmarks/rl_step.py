@@ -7,6 +7,10 @@ Each config runs `--steps` GRPO steps of the embedded engine (tiny-moe, arithmet
 median per-phase time is reported. MXFP8/NVFP4 are EMULATED (quantize -> dequantize -> FP32 GEMM) on Hopper and
 CPU, so the ratios measure the emulation overhead of each contract, NOT Blackwell tensor-core speed-ups.
 Writes a JSON report (--out) and prints a table.
+
+`--curves-steps N --curves-seeds S --curves-dir DIR` additionally runs the seed ablation (6 policies + one NVFP4 run
+with a broken per-tensor contract) and writes one metrics JSONL per config/seed under DIR, without rich/matplotlib
+(the device image may lack them); plot them anywhere with `precision_dsl.engine.plots.plot_ablation`.
 """
 
 from __future__ import annotations
@@ -52,6 +56,10 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES))
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
+    ap.add_argument("--curves-steps", type=int, default=0)
+    ap.add_argument("--curves-seeds", type=int, default=2)
+    ap.add_argument("--curves-prompts", type=int, default=16)
+    ap.add_argument("--curves-dir", type=Path, default=Path("rl_curves"))
     a = ap.parse_args()
     import torch
 
@@ -80,6 +88,24 @@ def main() -> None:
               f"{r['mismatch_abs_logp']:9.2e} {r['weights_identical']}")
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")
+    if a.curves_steps:
+        curves(a)
+
+
+def curves(a) -> None:
+    from precision_dsl.engine.loop import RunConfig, run
+
+    configs = [(p, None) for p in a.policies] + [("nvfp4-pertoken-dequant-backward", "per_tensor")]
+    a.curves_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    for policy, broken in configs:
+        for seed in range(a.curves_seeds):
+            res = run(RunConfig(policy=policy, steps=a.curves_steps, seed=seed, device=a.device,
+                                prompts_per_step=a.curves_prompts, broken_contract=broken))
+            name = f"{policy}{'__broken-' + broken if broken else ''}__s{seed}.jsonl"
+            (a.curves_dir / name).write_text("".join(m.model_dump_json() + "\n" for m in res.steps))
+            print(f"  curves {name}: reward {res.steps[0].reward_mean:.2f}->{res.steps[-1].reward_mean:.2f} "
+                  f"({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
