@@ -5,7 +5,7 @@ Every format module (`mxfp8`, `nvfp4`, `fp8_block`, `fp8_tensor`) implements
     quantize(x, ...) -> QuantizedTensor          # packed bytes + scales, bit-exact to TransformerEngine
     dequantize(q, dtype=torch.float32) -> Tensor
 
-and this module dispatches on a `TensorFormat` (the plan IR's vocabulary):
+and `precision_dsl.formats` (the package's `__init__`) dispatches on a `TensorFormat` (the plan IR's vocabulary):
 
     quantize(x, fmt, *, axis="row", global_amax=None) -> QuantizedTensor
     dequantize(q, dtype=torch.float32) -> Tensor
