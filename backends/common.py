@@ -183,3 +183,22 @@ def hp_torch_dtype_name(fmt: TensorFormat) -> str:
 
 def quantized_kinds(plan: Plan) -> set[FormatKind]:
     return {t.precision.weight.kind for t in plan.quantized()}
+
+
+def check_artifacts(out_dir: Path, plan: Plan) -> list[str]:
+    """Consumer-side contract check: every plan hash found in the emitted artifacts under `out_dir` must be this
+    plan's. Returns the artifact paths checked; raises PlanMismatch naming the first file that disagrees."""
+    import re
+
+    want = plan_hash(plan)
+    checked = []
+    for p in sorted(Path(out_dir).rglob("*")):
+        if not p.is_file() or p.suffix not in (".json", ".yaml", ".sh"):
+            continue
+        found = set(re.findall(r"sha256:[0-9a-f]{64}", p.read_text(errors="replace")))
+        other = sorted(found - {want})
+        if other:
+            raise PlanMismatch(str(p), want, other[0])
+        if found:
+            checked.append(str(p.relative_to(out_dir)))
+    return checked

@@ -303,7 +303,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
                 tmp_path.unlink(missing_ok=True)
                 raise
             tmp_path.replace(out_path)
-            marker.write_text(json.dumps({"sha256": _sha256(out_path), "size": out_path.stat().st_size}))
+            marker.write_text(json.dumps({"sha256": writer.hexdigest(), "size": writer.size}))
             report.shards_written.append(shard)
             if on_shard_done is not None:
                 on_shard_done(shard)

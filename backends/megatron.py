@@ -324,6 +324,10 @@ def trainer_config(plan: Plan) -> TrainerConfig:
                                                  "for an even pipeline split only")
     quant = {m: r for m, r in recipes.items() if r.name != BF16_CONFIG}
     flags: list[str] = ["--transformer-impl", "transformer_engine", "--bf16"]
+    if any(".mlp.experts." in m for m in recipes):
+        # The TE YAML names routed experts as one TEGroupedLinear (`mlp.experts.linear_fc1`); without grouped GEMM
+        # Megatron builds SequentialMLP (`mlp.experts.local_experts.K.linear_fc1`) and the globs would not match.
+        flags.append("--moe-grouped-gemm")
     notes: list[str] = []
     if not quant:
         return TrainerConfig(flags=flags, env=env, module_recipes=recipes, yamls={}, per_stage=False,

@@ -110,11 +110,20 @@ class StreamingWriter:
     """Write a safetensors file whose tensors are known up front by (name, dtype, shape), data appended in order."""
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: Optional[dict] = None):
+        import hashlib
+
         self.path = Path(path)
         self.specs = specs
         self._next = 0
         self._f = open(self.path, "wb")
-        self._f.write(header_bytes(specs, metadata))
+        self._sha = hashlib.sha256()  # of the whole file, computed while writing (no re-read for the marker)
+        self.size = 0
+        self._put(header_bytes(specs, metadata))
+
+    def _put(self, data) -> None:
+        self._f.write(data)
+        self._sha.update(data)
+        self.size += len(data) if isinstance(data, bytes) else data.nbytes
 
     def write(self, name: str, tensor) -> None:
         import torch
@@ -124,8 +133,11 @@ class StreamingWriter:
             raise AssertionError(f"streaming writer: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected "
                                  f"{want_name} {shape} {dt}")
         flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-        self._f.write(memoryview(flat.numpy()))
+        self._put(memoryview(flat.numpy()))
         self._next += 1
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
 
     def close(self) -> None:
         if self._next != len(self.specs):

@@ -85,7 +85,16 @@ def _step_verify(args) -> dict:
     return {"seconds": time.perf_counter() - t, "problems": len(problems)}
 
 
-STEPS = {"floor": _step_floor, "plain": _step_plain, "convert": _step_convert, "verify": _step_verify}
+def _step_make(args) -> dict:
+    from backends.synthetic import write_synthetic_checkpoint
+    from precision_dsl.arch import load_architecture
+
+    src = Path(args["src"])
+    write_synthetic_checkpoint(load_architecture(str(src)), src, shards=args["shards"], seed=0)
+    return {}
+
+
+STEPS = {"make": _step_make, "floor": _step_floor, "plain": _step_plain, "convert": _step_convert, "verify": _step_verify}
 
 
 def _child(step: str, payload: str) -> None:
@@ -118,7 +127,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--policies", default="mxfp8-e2e,nvfp4-pertoken-hp-backward")
+    ap.add_argument("--policies", default="bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward")
     ap.add_argument("--workdir", default="/tmp/policyc-bench-convert")
     ap.add_argument("--results", default=None, help="markdown file whose converter section is (re)written")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -127,23 +136,21 @@ def main() -> None:
         _child(*a.child)
         return
 
-    sys.path.insert(0, str(REPO))
+    # The parent never imports torch: Linux keeps ru_maxrss across fork+exec, so a big parent would put a floor
+    # under every child's peak RSS. The checkpoint is made in a subprocess too.
     import shutil
-
-    from backends.synthetic import write_synthetic_checkpoint
-    from precision_dsl.arch import load_architecture
 
     work = Path(a.workdir)
     shutil.rmtree(work, ignore_errors=True)
     src = work / "src"
     src.mkdir(parents=True)
     (src / "config.json").write_text(json.dumps(arch_config(a.layers)))
-    arch = load_architecture(str(src))
-    write_synthetic_checkpoint(arch, src, shards=a.shards, seed=0)
+    run_step("make", src=str(src), shards=a.shards)
     shard_sizes = [f.stat().st_size for f in sorted(src.glob("*.safetensors"))]
     total = sum(shard_sizes)
     warm(src)
 
+    load_before = os.getloadavg()[0]
     floor = run_step("floor")
     plain = run_step("plain", src=str(src), scratch=str(work / "plain"))
     rows = []
@@ -158,7 +165,8 @@ def main() -> None:
     plain_mbs = total / plain["seconds"] / mb
     lines = [SECTION, "",
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on this CPU machine "
-             f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end), `python "
+             f"({os.cpu_count()} cores, shared with other jobs: load average {load_before:.1f} before / "
+             f"{os.getloadavg()[0]:.1f} after), `python "
              f"benchmarks/convert.py --layers {a.layers} --shards {a.shards}`. Synthetic BF16 Qwen3-MoE checkpoint: "
              f"{total / mb:.0f} MB in {len(shard_sizes)} shards (largest {max(shard_sizes) / mb:.0f} MB). "
              "Every step runs in its own subprocess (peak RSS = its ru_maxrss); page cache warm for all steps.", "",

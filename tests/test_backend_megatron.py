@@ -39,7 +39,7 @@ FLAG_FIELDS = {  # Megatron-LM CLI flag -> TransformerConfig field (backends.md 
     "--expert-tensor-parallel-size": "expert_tensor_parallel_size",
 }
 BOOL_FLAGS = {"--bf16": "bf16", "--first-last-layers-bf16": "first_last_layers_bf16", "--fp8-param-gather": "fp8_param",
-              "--fp4-param-gather": "fp4_param"}
+              "--fp4-param-gather": "fp4_param", "--moe-grouped-gemm": "moe_grouped_gemm"}
 NOT_CONFIG_FIELDS = {"--transformer-impl", "--te-precision-config-file"}  # megatron.training args
 
 
@@ -168,6 +168,7 @@ def test_seed_policies_validate_in_megatron_core(seed, model, tmp_path, monkeypa
     arts, flags = check_plan_against_megatron(plan, arch_of(model), tmp_path, monkeypatch)
     env = arts["megatron/env.sh"].content
     assert plan.content_hash() in env and plan.content_hash() in arts["megatron/flags.json"].content
+    assert "--moe-grouped-gemm" in flags  # the YAML globs name TEGroupedLinear modules
     if seed == "bf16":
         assert "--fp8-format" not in flags and "--fp4-format" not in flags
     if seed.startswith("mxfp8"):

@@ -119,3 +119,17 @@ def test_emit_cli_unsupported_is_exit_1_without_traceback(tmp_path):
     assert not (tmp_path / "o").exists()  # nothing half-written
     r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(tmp_path / "o"), "-b", "nope"])
     assert r.exit_code == 2 and "unknown backend" in r.output
+
+
+def test_consumers_refuse_artifacts_of_another_plan(tmp_path):
+    from backends.common import PlanMismatch, check_artifacts
+
+    arch = arch_of("tiny-moe")
+    a = resolve(REPO / "policies" / "mxfp8-e2e.policy", arch, None)
+    b = resolve(REPO / "policies" / "mxfp8-hp-backward.policy", arch, None)
+    write_tree_atomic(tmp_path / "a", emit_artifacts(a))
+    checked = check_artifacts(tmp_path / "a", a)
+    assert {"megatron/flags.json", "megatron/env.sh", "sglang/server_args.json", "converter/manifest.json",
+            "weight_update/manifest.json", PLAN_FILE} <= set(checked)
+    with pytest.raises(PlanMismatch):
+        check_artifacts(tmp_path / "a", b)
