@@ -79,7 +79,7 @@ def register(app: typer.Typer) -> None:
         def body():
             from precision_dsl.commands import UserError, _console, build_plan
 
-            from .common import write_tree_atomic
+            from .common import plan_hash, write_tree_atomic
 
             bad = [b for b in backend or [] if b not in BACKEND_CHOICES]
             if bad:
@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
             arts = emit_artifacts(plan, list(backend) if backend else None)
             write_tree_atomic(out, arts, force=force)
             con = _console()
-            con.print(f"wrote {len(arts)} files to {out} (plan {plan.content_hash()[:19]}...)")
+            con.print(f"wrote {len(arts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
             for a in arts:
                 con.print(f"  {a.path:<42} {a.description}", markup=False)
 
@@ -102,21 +102,31 @@ def register(app: typer.Typer) -> None:
                                                         help="architecture (default: SRC/config.json)"),
                     parallel: Optional[str] = typer.Option(None, "--parallel", "-p", help="parallel layout"),
                     force: bool = typer.Option(False, "--force", help="replace an existing output directory"),
-                    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar")):
+                    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+                    device: str = typer.Option("cpu", "--device",
+                                               help="cpu | cuda (quantize with the fused Triton kernels)")):
         """Convert an HF checkpoint into the quantized checkpoint SGLang/vLLM load (resumable, atomic)."""
 
         def body():
             from precision_dsl.commands import UserError, _console, build_plan
 
             from . import converter
+            from .common import plan_hash
 
             if not Path(src).is_dir():
                 raise UserError(f"source checkpoint '{src}' is not a directory")
             plan = build_plan(policy, model or str(src), parallel)
-            rep = converter.convert(src, plan, out, force=force, progress=progress)
+            if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+                raise UserError(f"unknown --device '{device}'", "use cpu or cuda")
+            if device != "cpu":
+                import torch
+
+                if not torch.cuda.is_available():
+                    raise UserError("--device cuda but no CUDA device is visible", "use --device cpu")
+            rep = converter.convert(src, plan, out, force=force, progress=progress, device=device)
             _console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
                              f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
-                             f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan.content_hash()[:19]}...")
+                             f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan_hash(plan)[:19]}...")
             if rep.skipped_files:
                 _console().print(f"not copied (pickle files are never read): {', '.join(rep.skipped_files)}")
 
@@ -135,10 +145,11 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.commands import _console, build_plan
 
             from . import converter
+            from .common import plan_hash
 
             expected = None
             if policy is not None:
-                expected = build_plan(policy, model or str(source), parallel).content_hash()
+                expected = plan_hash(build_plan(policy, model or str(source), parallel))
             problems = converter.verify(dst, source, expected_hash=expected)
             con = _console()
             if problems:
@@ -147,6 +158,7 @@ def register(app: typer.Typer) -> None:
                 if len(problems) > 50:
                     con.print(f"... and {len(problems) - 50} more")
                 raise typer.Exit(1)
-            con.print(f"verified: {dst} matches {source} under plan {converter.read_plan(dst).content_hash()[:19]}...")
+            con.print(f"verified: {dst} matches {source} under plan "
+                      f"{plan_hash(converter.read_plan(dst))[:19]}...")
 
         _run(body)

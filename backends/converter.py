@@ -39,8 +39,8 @@ from typing import Callable, Optional
 
 from precision_dsl.plan import Plan
 
-from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_stamp,
-                     replace_dir)
+from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
+                     plan_stamp, replace_dir)
 from .safetensors_io import SOURCE_DTYPES, CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
@@ -237,9 +237,10 @@ def _partial_dir(dst: Path) -> Path:
 
 
 def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: bool = False,
-            on_shard_done: Optional[Callable[[str], None]] = None) -> ConvertReport:
+            on_shard_done: Optional[Callable[[str], None]] = None, device: str = "cpu") -> ConvertReport:
     """Convert `src` to `dst` under `plan` (see module docstring). `on_shard_done(shard)` is called after each
-    finished shard (tests use it to simulate an interruption)."""
+    finished shard (tests use it to simulate an interruption). `device="cuda"` quantizes on the GPU with the
+    fused Triton kernels (byte-identical to the CPU references); reading and writing stay streaming on the host."""
     from .quantize import checkpoint_tensors
 
     src, dst = Path(src).resolve(), Path(dst).resolve()
@@ -258,7 +259,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
     by = plan.by_name()
 
     part = _partial_dir(dst)
-    state = {"plan_hash": plan.content_hash(), "source": str(src), "fingerprint": srcc.fingerprint()}
+    state = {"plan_hash": plan_hash(plan), "source": str(src), "fingerprint": srcc.fingerprint()}
     if part.exists():
         try:
             old = json.loads((part / _STATE_FILE).read_text())
@@ -286,10 +287,10 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
             marker.unlink(missing_ok=True)
             specs = [s for u in units for s in _specs_for_unit(plan, u)]
             tmp_path = part / f"{shard}.writing"
-            writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan.content_hash()})
+            writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
                 for unit in units:
-                    members = [(by[n], reader.get(n)) for n in unit]
+                    members = [(by[n], reader.get(n).to(device)) for n in unit]
                     for t, _ in members:
                         report.bytes_in += t.bytes_before
                     out = checkpoint_tensors(members, BACKEND)
@@ -321,7 +322,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         total_size += (part / shard).stat().st_size
     report.bytes_out = total_size
     (part / INDEX_FILE).write_text(dump_json({"metadata": {"total_size": total_size,
-                                                           "policyc_plan": plan.content_hash()},
+                                                           "policyc_plan": plan_hash(plan)},
                                               "weight_map": dict(sorted(weight_map.items()))}, compact=True))
     cfg_path = src / "config.json"
     config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -439,8 +440,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     dst = Path(dst)
     plan = read_plan(dst)
     problems: list[str] = []
-    if expected_hash is not None and expected_hash != plan.content_hash():
-        raise PlanMismatch(f"{dst / PLAN_FILE}", expected_hash, plan.content_hash())
+    if expected_hash is not None and expected_hash != plan_hash(plan):
+        raise PlanMismatch(f"{dst / PLAN_FILE}", expected_hash, plan_hash(plan))
     srcc = open_source(Path(src))
     _check_source_against_plan(srcc, plan)
     layout = output_layout(plan, srcc)

@@ -111,6 +111,27 @@ def _fmt_for_quantizer(w: TensorFormat) -> TensorFormat:
     return w
 
 
+def _quantize(x: torch.Tensor, w: TensorFormat, global_amax):
+    """Rowwise quantization of a weight. CUDA tensors go through precision_dsl.kernels (fused Triton kernels, byte
+    for byte equal to the references - tests/test_kernels.py; they fall back to the reference themselves whenever
+    they cannot run); CPU tensors go straight to the readable reference in precision_dsl.formats."""
+    from precision_dsl.formats import quantize
+
+    if not x.is_cuda:
+        return quantize(x, w, axis="row", global_amax=global_amax)
+    from precision_dsl import kernels
+
+    if w.kind == FormatKind.MXFP8:
+        return kernels.mxfp8_quantize(x, element=w.element, axis="row", tile_2d=w.block == (32, 32), fmt=w)
+    if w.kind == FormatKind.NVFP4:
+        return kernels.nvfp4_quantize(x, axis="row", scope=w.global_scale or "tensor", tile_2d=w.block == (16, 16),
+                                      global_amax=global_amax, fmt=w)
+    if w.kind == FormatKind.FP8_BLOCK:
+        return kernels.fp8_block_quantize(x, element=w.element, block=w.block, pow2=w.scale_dtype == "pow2",
+                                          axis="row", fmt=w)
+    return quantize(x, w, axis="row", global_amax=global_amax)
+
+
 def _assert_finite(name: str, x: torch.Tensor) -> None:
     # aminmax is one vectorised pass without a temporary and propagates NaN (and +-inf shows up as min/max), so a
     # finite (min, max) proves the tensor finite; only then-suspect tensors pay for the exact count. (~40x faster
@@ -128,8 +149,6 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
                        check_finite: bool = True) -> dict[str, torch.Tensor]:
     """Checkpoint tensors (full names -> tensors, exact dtypes) for one unit of work: a single tensor, or ALL the
     members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
-    from precision_dsl.formats import quantize
-
     if check_finite:
         for t, x in members:
             _assert_finite(t.hf_name, x)
@@ -154,7 +173,7 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
         ga = group_amax if (w.kind == FormatKind.NVFP4 and w.global_scale == "group") else None
         if w.kind == FormatKind.NVFP4 and w.global_scale == "group" and t.share_scale_group is None:
             raise UnsupportedByBackend(backend, t.hf_name, "NVFP4 'group' weight scale without a share-scale group")
-        q = quantize(x, _fmt_for_quantizer(w), axis="row", global_amax=ga)
+        q = _quantize(x, _fmt_for_quantizer(w), ga)
         n, k = t.shape
         if w.kind == FormatKind.MXFP8:
             out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)

@@ -132,7 +132,7 @@ class StreamingWriter:
         if name != want_name or tuple(tensor.shape) != tuple(shape) or str(tensor.dtype) != f"torch.{_TORCH_DT[dt]}":
             raise AssertionError(f"streaming writer: got {name} {tuple(tensor.shape)} {tensor.dtype}, expected "
                                  f"{want_name} {shape} {dt}")
-        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
         self._put(memoryview(flat.numpy()))
         self._next += 1
 

@@ -52,6 +52,7 @@ import torch
 from precision_dsl.plan import Plan, TensorPlan
 
 from .common import PLAN_FILE, PlanMismatch, fused_instance
+from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
@@ -219,7 +220,7 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
@@ -544,7 +545,7 @@ class WeightSender:
     def send(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None) -> SendReport:
         """Quantize everything first (so NaN/Inf or a missing tensor aborts before anything is sent), then bucket
         and send. Memory: the quantized model (<= the BF16 size) is held once."""
-        plan_hash = self.plan.content_hash()
+        plan_hash = _plan_hash(self.plan)
         units = list(self.quantize_all(items))
         report = SendReport(plan_hash=plan_hash)
         if hasattr(self.transport, "weight_version"):
@@ -590,7 +591,7 @@ class WeightReceiver:
 
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
-        self.transport.handshake(self.plan.content_hash())
+        self.transport.handshake(_plan_hash(self.plan))
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()

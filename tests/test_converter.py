@@ -264,3 +264,13 @@ def test_bundled_tiny_moe_weights_convert_and_verify(tmp_path):
     dst = tmp_path / "tiny"
     converter.convert(TINY, plan, dst)
     assert converter.verify(dst, TINY) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["mxfp8-e2e", "nvfp4-pertoken-hp-backward", "fp8_block"])
+def test_cuda_conversion_is_byte_identical_to_cpu(src, tmp_path, policy):
+    plan = fp8_block_plan(tmp_path) if policy == "fp8_block" else seed_plan(policy)
+    converter.convert(src, plan, tmp_path / "cpu")
+    converter.convert(src, plan, tmp_path / "gpu", device="cuda")
+    assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "gpu")
