@@ -74,30 +74,43 @@ def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> P
     return out
 
 
+def _step_info(m, window: list[float]) -> str:
+    window.append(m.reward_mean)
+    avg = sum(window[-10:]) / len(window[-10:])
+    ident = "" if m.quantized_weights_identical is None else \
+        (" bytes=identical" if m.quantized_weights_identical else f" bytes≠({m.quantized_weights_differing})")
+    return (f"reward {m.reward_mean:.2f} (avg10 {avg:.2f})  |Δlogp| {m.mismatch_abs_logp:.1e}  "
+            f"KLref {m.kl_ref_k3:.1e}  gnorm {m.grad_norm:.2f}{' SPIKE' if m.grad_spike else ''}  "
+            f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}")
+
+
 def _live_run(cfg, title: str):
-    """Run the loop with a rich progress bar + a compact live metrics line; returns RunResult."""
+    """Run the loop with a rich progress bar + live metrics on a terminal; one plain line per 10 steps otherwise
+    (logs, CI). Returns RunResult."""
+    import time
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .loop import run
 
     con = Console(stderr=True, highlight=False)
+    window: list[float] = []
+    if not con.is_terminal:
+        t0 = time.perf_counter()
+
+        def on_plain_step(m):
+            info = _step_info(m, window)
+            if m.step % 10 == 0 or m.step in (1, cfg.steps):
+                con.print(f"step {m.step}/{cfg.steps} [{time.perf_counter() - t0:.0f}s]  {info}", soft_wrap=True)
+
+        return run(cfg, on_step=on_plain_step)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=con, transient=False) as prog:
         task_id = prog.add_task(title, total=cfg.steps, info="starting")
-        window: list[float] = []
 
         def on_step(m):
-            window.append(m.reward_mean)
-            avg = sum(window[-10:]) / len(window[-10:])
-            ident = "" if m.quantized_weights_identical is None else \
-                (" bytes=identical" if m.quantized_weights_identical else f" bytes≠({m.quantized_weights_differing})")
-            info = (f"reward {m.reward_mean:.2f} (avg10 {avg:.2f})  |Δlogp| {m.mismatch_abs_logp:.1e}  "
-                    f"KLref {m.kl_ref_k3:.1e}  gnorm {m.grad_norm:.2f}{' SPIKE' if m.grad_spike else ''}  "
-                    f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}")
-            prog.update(task_id, advance=1, info=info)
-            if not con.is_terminal and (m.step % 10 == 0 or m.step == cfg.steps):  # logs / CI: a line per 10 steps
-                con.print(f"step {m.step}/{cfg.steps}  {info}")
+            prog.update(task_id, advance=1, info=_step_info(m, window))
 
         return run(cfg, on_step=on_step)
 
