@@ -23,7 +23,6 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     from .cli import EMULATED_NOTE, _write_run, run_summary
     from .loop import RunConfig, run
     from .metrics import read_jsonl, write_json_atomic
-    from .plans import broken_rollout_plan  # noqa: F401  (validates the kind early through RunConfig)
     from .plots import plot_ablation
 
     con = Console(stderr=True, highlight=False, quiet=quiet)

@@ -8,8 +8,6 @@ dequantize -> FP32 GEMM (no MXFP8/NVFP4 tensor cores on CPU / Hopper).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..precision import FormatKind, TensorFormat
@@ -26,10 +24,6 @@ def _hp_dtype(fmt: TensorFormat) -> torch.dtype:
 def round_hp(x: torch.Tensor, fmt: TensorFormat) -> torch.Tensor:
     """Round to a high-precision storage format (bf16/fp16/fp32) and back to fp32."""
     return x.to(_hp_dtype(fmt)).to(torch.float32)
-
-
-def _scope(fmt: TensorFormat) -> str:
-    return fmt.global_scale or "tensor"
 
 
 def _pad_rows(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:

@@ -48,6 +48,12 @@ class RolloutEngine:
     @torch.no_grad()
     def update_weights(self, payload: Payload) -> None:
         tensors = receive(payload, self.plan)  # plan hash checked in the handshake, before any tensor is read
+        self.load_received(tensors, payload.version)
+
+    @torch.no_grad()
+    def load_received(self, tensors: dict, version: int) -> None:
+        """Dequantize received {hf_name: QuantizedTensor | Tensor} into this engine's buffers (also used by the
+        out-of-process rollout in remote.py, whose tensors arrive over torch.distributed)."""
         params = dict(self.model.named_parameters())
         unknown = set(tensors) - set(params)
         if unknown:
@@ -58,7 +64,7 @@ class RolloutEngine:
             else:
                 params[name].copy_(numerics.dequantize(v, torch.float32))
                 self.received[name] = v
-        self.version = payload.version
+        self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
