@@ -15,7 +15,7 @@ Properties:
     validated before anything is allocated (safetensors_io.read_header); no pickle.
   * atomic: everything is written into `.<dst>.policyc-partial/` next to DST and renamed at the end; an existing
     DST is replaced only with force; the source directory is only read.
-  * resumable: every finished output shard gets a `<shard>.done` marker (sha256 + size) in the partial dir; a
+  * resumable: every finished output shard gets a `<shard>.done` marker (CRC32 + size) in the partial dir; a
     re-run with the same plan and source skips finished shards and produces a byte-identical result.
   * cross-shard share-scale groups (gate in shard 1, up in shard 2) are quantized together and written in the
     shard of their last member.
@@ -30,7 +30,6 @@ Public API:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -182,12 +181,15 @@ def _specs_for_unit(plan: Plan, unit: list[str], srcc: Optional[SourceCheckpoint
 # ---------------------------------------------------------------------------------------------------------------
 # convert
 # ---------------------------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_checksum(path: Path) -> str:
+    """Same checksum StreamingWriter computes while writing (CRC32 of the whole file)."""
+    import zlib
+
+    crc = 0
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
+            crc = zlib.crc32(chunk, crc)
+    return f"crc32:{crc:08x}"
 
 
 class _Reader:
@@ -280,7 +282,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
             marker = part / f"{shard}.done"
             if marker.exists() and out_path.exists():
                 info = json.loads(marker.read_text())
-                if info.get("size") == out_path.stat().st_size and info.get("sha256") == _sha256(out_path):
+                if info.get("size") == out_path.stat().st_size and info.get("checksum") == file_checksum(out_path):
                     report.shards_resumed.append(shard)
                     prog.advance(sum(len(u) for u in units))
                     continue
@@ -304,7 +306,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
                 tmp_path.unlink(missing_ok=True)
                 raise
             tmp_path.replace(out_path)
-            marker.write_text(json.dumps({"sha256": writer.hexdigest(), "size": writer.size}))
+            marker.write_text(json.dumps({"checksum": writer.checksum(), "size": writer.size}))
             report.shards_written.append(shard)
             if on_shard_done is not None:
                 on_shard_done(shard)

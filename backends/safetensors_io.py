@@ -110,19 +110,21 @@ class StreamingWriter:
     """Write a safetensors file whose tensors are known up front by (name, dtype, shape), data appended in order."""
 
     def __init__(self, path: Path, specs: list[tuple[str, str, tuple[int, ...]]], metadata: Optional[dict] = None):
-        import hashlib
-
         self.path = Path(path)
         self.specs = specs
         self._next = 0
         self._f = open(self.path, "wb")
-        self._sha = hashlib.sha256()  # of the whole file, computed while writing (no re-read for the marker)
+        # CRC32 of the whole file, computed while writing (no re-read): the resume marker's integrity check against
+        # a truncated/corrupted partial shard. (sha256 cost ~0.3 s per 400 MB here; CRC32 is ~10x cheaper.)
+        self._crc = 0
         self.size = 0
         self._put(header_bytes(specs, metadata))
 
     def _put(self, data) -> None:
+        import zlib
+
         self._f.write(data)
-        self._sha.update(data)
+        self._crc = zlib.crc32(data, self._crc)
         self.size += len(data) if isinstance(data, bytes) else data.nbytes
 
     def write(self, name: str, tensor) -> None:
@@ -136,8 +138,8 @@ class StreamingWriter:
         self._put(memoryview(flat.numpy()))
         self._next += 1
 
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+    def checksum(self) -> str:
+        return f"crc32:{self._crc:08x}"
 
     def close(self) -> None:
         if self._next != len(self.specs):
