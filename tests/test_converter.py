@@ -259,11 +259,21 @@ def test_cli_convert_verify_and_errors(src, tmp_path):
 
 
 @pytest.mark.skipif(not (TINY / "model.safetensors").is_file(), reason="bundled tiny-moe weights not present")
-def test_bundled_tiny_moe_weights_convert_and_verify(tmp_path):
-    plan = seed_plan("nvfp4-pertoken-hp-backward")
+@pytest.mark.parametrize("policy", ["nvfp4-pertoken-hp-backward", "mxfp8-e2e"])
+def test_bundled_tiny_moe_weights_convert_verify_and_dequantize(tmp_path, policy):
+    from safetensors.torch import load_file
+
+    plan = seed_plan(policy)
     dst = tmp_path / "tiny"
     converter.convert(TINY, plan, dst)
     assert converter.verify(dst, TINY) == []
+    src = load_file(str(TINY / "model.safetensors"))
+    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+    _, back = converter.load_converted(dst)
+    for t in plan.quantized():
+        ga = group_amax([src[m] for m in groups[t.hf_name].members]) if t.weight.global_scale == "group" else None
+        assert back[t.hf_name].fmt == t.weight
+        assert torch.equal(dequantize(back[t.hf_name]), dequantize(quantize(src[t.hf_name], t.weight, global_amax=ga)))
 
 
 @pytest.mark.gpu
