@@ -19,9 +19,10 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from .model import ModelLoadError
     from .numerics import EngineFormatError
     from .plans import PlanLoadError
+    from .remote import RemoteRolloutError
     from .task import TaskError
     errs: list[type[BaseException]] = [ArchitectureError, ContractViolation, ModelLoadError, EngineFormatError,
-                                       PlanLoadError, TaskError, UserError, ParallelSpecError]
+                                       PlanLoadError, TaskError, UserError, ParallelSpecError, RemoteRolloutError]
     try:
         from backends.common import PlanMismatch, UnsupportedByBackend
         from backends.weight_update import NonFiniteWeight, WeightUpdateError
@@ -161,6 +162,9 @@ def register(app: typer.Typer) -> None:
         steps: int = typer.Option(150, "--steps", min=1),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+        rollout_device: Optional[str] = typer.Option(
+            None, "--rollout-device", help="run the rollout engine as a separate process on this device, e.g. "
+                                           "cuda:1 (weights over NCCL) or cpu (gloo)"),
         out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<policy>-s<seed>)"),
         broken_contract: Optional[str] = typer.Option(None, "--broken-contract",
                                                       help="per_tensor | unshared: make the rollout disagree"),
@@ -207,9 +211,11 @@ def register(app: typer.Typer) -> None:
                                                                 else ""), overwrite)
             cfg = RunConfig(policy=policy, model=model, task=task, steps=steps, seed=seed, device=device,
                             prompts_per_step=prompts, samples_per_prompt=samples, lr=lr, kl_coef=kl_coef,
-                            digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir)
+                            digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir,
+                            rollout_device=rollout_device)
             con.print(f"[bold]policyc run[/] {name} on {model} · task {task} · {steps} steps · seed {seed} · "
-                      f"{device}\n{EMULATED_NOTE}")
+                      f"{device}" + (f" · rollout process on {rollout_device}" if rollout_device else "")
+                      + f"\n{EMULATED_NOTE}")
             result = _live_run(cfg, name)
             s = _write_run(result, out_dir)
             con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else

@@ -31,6 +31,9 @@ class RunConfig(BaseModel):
     steps: int = 60
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
+    # weights then travel through torch.distributed (NCCL between GPUs). None: in-process rollout.
+    rollout_device: Optional[str] = None
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     lr: float = 1e-3
@@ -112,10 +115,16 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     executor = TrainerExecutor(plan, trainer).install()
     reference = load_model(model_dir).to(device).requires_grad_(False).eval()
     TrainerExecutor(_bf16_plan(plan), reference).install()
-    rollout = RolloutEngine(trainer.config, rollout_plan, device=device)
+    if cfg.rollout_device:
+        from .remote import RemoteRollout
+
+        rollout = RemoteRollout(model_dir, rollout_plan, trainer_device="cuda:0" if device == "cuda" else device,
+                                rollout_device=cfg.rollout_device)
+    else:
+        rollout = RolloutEngine(trainer.config, rollout_plan, device=device)
     # With a broken contract the exporter is configured from the rollout side (as Miles' exporter reads the rollout
     # checkpoint's quantization_config), so the hash check on the channel passes while trainer != rollout.
-    channel = LiveUpdateChannel(rollout_plan)
+    channel = rollout.channel if cfg.rollout_device else LiveUpdateChannel(rollout_plan)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
@@ -200,5 +209,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         result.steps.append(m)
         if on_step:
             on_step(m)
+    if cfg.rollout_device:
+        rollout.close()
     result.wall_s = time.perf_counter() - t_start
     return result
