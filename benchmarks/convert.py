@@ -96,7 +96,8 @@ def _step_make(args) -> dict:
     return {}
 
 
-STEPS = {"make": _step_make, "floor": _step_floor, "plain": _step_plain, "convert": _step_convert, "verify": _step_verify}
+STEPS = {"make": _step_make, "floor": _step_floor, "plain": _step_plain, "convert": _step_convert,
+         "verify": _step_verify}
 
 
 def _child(step: str, payload: str) -> None:
