@@ -330,7 +330,8 @@ class SGLangHTTPTransport:
     mode="tensor": POST /update_weights_from_tensor {serialized_named_tensors: [base64] * tp_size, load_format:
     null, flush_cache: false, weight_version}. The payload is SGLang's own `MultiprocessingSerializer` format
     (base64 of a torch ForkingPickler dump of [(name, tensor), ...]); SGLang defines this protocol (it is pickle on
-    the server side - only point this at a server you run). mode="distributed": POST
+    the server side - only point this at a server you run). The tensors travel as torch multiprocessing handles
+    (CUDA IPC for GPU tensors), so this mode is for a server colocated on the same host, as in Miles/slime. mode="distributed": POST
     /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache: false, weight_version} while
     this process broadcasts each tensor from rank 0 of the update group (`broadcast_fn(tensor)`; the group is set
     up with /init_weights_update_group by the caller).
