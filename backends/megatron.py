@@ -319,9 +319,6 @@ def trainer_config(plan: Plan) -> TrainerConfig:
     side = plan.parallel.trainer if plan.parallel else None
     pp = side.pp if side else 1
     L = plan.num_layers
-    if L % pp:
-        raise UnsupportedByBackend(BACKEND, "-", f"{L} layers over pp={pp}: policyc emits stage-local TE configs "
-                                                 "for an even pipeline split only")
     quant = {m: r for m, r in recipes.items() if r.name != BF16_CONFIG}
     flags: list[str] = ["--transformer-impl", "transformer_engine", "--bf16"]
     if any(".mlp.experts." in m for m in recipes):
@@ -364,6 +361,12 @@ def trainer_config(plan: Plan) -> TrainerConfig:
         if layer is not None and layer in active:
             kinds[kind].add(r)
     per_stage = any(len(v) > 1 for v in kinds.values())
+    if per_stage and L % pp:
+        odd = next(k for k, v in kinds.items() if len(v) > 1)
+        raise UnsupportedByBackend(BACKEND, f"decoder.layers.*.{odd}",
+                                   f"layer-specific precision needs stage-local TE configs, and {L} layers do not "
+                                   f"split evenly over pp={pp} (the stage boundaries are not known to policyc)",
+                                   hint="use a pp that divides the layer count, or make the rule layer-agnostic")
     yamls: dict[str, dict] = {}
     if not per_stage:
         configs, matchers = _matchers_for(recipes, 0, active, global_recipe, layer_specific=False)

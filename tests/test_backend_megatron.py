@@ -279,3 +279,15 @@ def test_resolver_without_megatron_agrees_with_megatron_loader():
     a = mg.resolve_modules(cfg.flags, cfg.yamls, mods, plan.num_layers, 1, use_megatron=True)
     b = mg.resolve_modules(cfg.flags, cfg.yamls, mods, plan.num_layers, 1, use_megatron=False)
     assert a == b
+
+
+def test_uneven_pipeline_split_only_matters_for_layer_specific_plans(tmp_path, monkeypatch):
+    # layer-agnostic YAML: any pp works (first/last counts are global indices)
+    plan = plan_of("mxfp8-hp-backward", "tiny-moe", "trainer:pp=3")
+    arts = {a.path for a in mg.emit(plan)}
+    assert "megatron/te_precision.yaml" in arts
+    # layer-specific: stage-local indices need known stage boundaries
+    pol = _write_policy(tmp_path, LAYER_SPECIFIC)
+    with pytest.raises(UnsupportedByBackend) as ei:
+        mg.emit(resolve(pol, arch_of("tiny-moe"), parse_parallel("trainer:pp=3")))
+    assert "pp=3" in ei.value.capability and ei.value.tensor.startswith("decoder.layers.*.")
