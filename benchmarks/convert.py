@@ -73,7 +73,12 @@ def _step_convert(args) -> dict:
     src, dst = Path(args["src"]), Path(args["dst"])
     plan = resolve(REPO / "policies" / f"{args['policy']}.policy", load_architecture(str(src)), None)
     t = time.perf_counter()
-    rep = converter.convert(src, plan, dst, force=True)
+    device = args.get("device", "cpu")
+    if device.startswith("cuda"):  # warm the CUDA context and Triton kernels outside the clock
+        import torch
+
+        torch.zeros(1, device=device)
+    rep = converter.convert(src, plan, dst, force=True, device=device)
     secs = time.perf_counter() - t
     return {"seconds": secs, "bytes_out": rep.bytes_out, "quantized_tensors": len(plan.quantized())}
 
@@ -142,6 +147,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/policyc-bench-convert")
     ap.add_argument("--results", default=None, help="markdown file whose converter section is (re)written")
     ap.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest is reported")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where the converter quantizes (cuda = Triton kernels)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -169,7 +175,7 @@ def main() -> None:
     for pol in a.policies.split(","):
         dst = work / f"out-{pol}"
         warm(src)
-        conv = best_of(a.repeat, "convert", src=str(src), dst=str(dst), policy=pol)
+        conv = best_of(a.repeat, "convert", src=str(src), dst=str(dst), policy=pol, device=a.device)
         ver = best_of(a.repeat, "verify", src=str(src), dst=str(dst))
         rows.append((pol, conv, ver))
 
@@ -179,7 +185,7 @@ def main() -> None:
              f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on this CPU machine "
              f"({os.cpu_count()} cores, shared with other jobs: load average {load_before:.1f} before / "
              f"{os.getloadavg()[0]:.1f} after), `python "
-             f"benchmarks/convert.py --layers {a.layers} --shards {a.shards}`. Synthetic BF16 Qwen3-MoE checkpoint: "
+             f"benchmarks/convert.py --layers {a.layers} --shards {a.shards} --device {a.device}`. Synthetic BF16 Qwen3-MoE checkpoint: "
              f"{total / mb:.0f} MB in {len(shard_sizes)} shards (largest {max(shard_sizes) / mb:.0f} MB). "
              f"Every step runs in its own subprocess (peak RSS = its ru_maxrss), fastest of {a.repeat} runs; imports "
              "happen before the clock starts; page cache warm for all steps.", "",
