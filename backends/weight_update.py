@@ -227,6 +227,11 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     """(meta {names, dtypes, shapes}, one flat uint8 buffer) for a bucket: what a broadcast transport moves."""
     names = list(tensors)
     flats = [tensors[n].contiguous().reshape(-1).view(torch.uint8) for n in names]
+    # A unit may mix devices (quantized data on the GPU, a constant such as NVFP4 input_scale made on the CPU):
+    # the bucket lives where its bulk is.
+    dev = next((f.device for f in flats if f.device.type != "cpu"), None)
+    if dev is not None:
+        flats = [f.to(dev) for f in flats]
     meta = {"names": names, "dtypes": [str(tensors[n].dtype).replace("torch.", "") for n in names],
             "shapes": [list(tensors[n].shape) for n in names], "nbytes": [f.numel() for f in flats]}
     buf = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)

@@ -5,7 +5,6 @@
 # Here (once):  pip download pydantic lark torchao==0.18.0 --python-version 3.12 --only-binary=:all: \
 #                   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .wheels
 # On the device: source benchmarks/device_setup.sh   (run tool: carry [".wheels"])
-set -e
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep NVLink multicast off
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ -d .wheels ]; then
