@@ -12,7 +12,7 @@ def _label(policy: str, broken: Optional[str]) -> str:
     from .plans import policy_path
 
     name = policy_path(policy).stem
-    return f"{name} [broken:{broken}]" if broken else name
+    return f"{name} (broken {broken})" if broken else name
 
 
 def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken_contract: Optional[str] = None,
@@ -28,7 +28,10 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     con = Console(stderr=True, highlight=False, quiet=quiet)
     configs: list[tuple[str, Optional[str]]] = [(p, None) for p in policies]
     if broken_contract:
-        target = next((p for p in policies if "nvfp4" in p), policies[-1])
+        from .plans import DEFAULT_POLICY
+
+        nvfp4 = [p for p in policies if "nvfp4" in p]
+        target = next((p for p in nvfp4 if DEFAULT_POLICY in p), nvfp4[0] if nvfp4 else policies[-1])
         configs.append((target, broken_contract))
     runs: dict[str, list[list[dict]]] = {}
     summaries: dict[str, list[dict]] = {}
@@ -37,10 +40,9 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
         for seed in range(seeds):
             cfg = RunConfig(policy=policy, steps=steps, seed=seed, device=device, prompts_per_step=prompts, lr=lr,
                             broken_contract=broken)
-            con.print(f"[bold]{label}[/] seed {seed}: {steps} steps")
+            con.print(f"{label} seed {seed}: {steps} steps", markup=False)
             res = run(cfg)
-            run_dir = out / (label.replace(" ", "_").replace("[", "").replace("]", "").replace(":", "-")
-                             + f"-s{seed}")
+            run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
             run_dir.mkdir(parents=True, exist_ok=True)
             _write_run(res, run_dir)
             runs.setdefault(label, []).append(read_jsonl(run_dir / "metrics.jsonl"))
@@ -71,7 +73,10 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
         table.add_row(label, f"{row['reward_start']:.3f}", f"{row['reward_end_mean']:.3f}±{row['reward_end_std']:.3f}",
                       f"{row['mismatch_abs_logp']:.2e}", f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
                       str(row["grad_spikes"]), f"{row['s_per_step']:.2f}")
-    Console(highlight=False, quiet=quiet).print(table)
+    out_con = Console(highlight=False, quiet=quiet)
+    if not out_con.is_terminal:
+        out_con.width = 160  # logs: do not squeeze the table to 80 columns
+    out_con.print(table)
     con.print(EMULATED_NOTE)
     result = {"seeds": seeds, "steps": steps, "rows": rows, "figure": str(fig)}
     write_json_atomic(out / "ablation.json", result)
