@@ -326,7 +326,7 @@ class TorchDistributedTransport:
             return kind, meta, None
         buf = torch.empty(sum(meta["nbytes"]), dtype=torch.uint8, device=self.device)
         self._dist().broadcast(buf, src=self.src, group=self.group)
-        return kind, meta, buf.cpu()
+        return kind, meta, buf  # stays on the receiver's device (a GPU rollout loads it without a host round trip)
 
 
 class SGLangHTTPTransport:

@@ -203,7 +203,10 @@ class RemoteRollout:
         _bcast(("generate", [list(p) for p in prompts], kwargs, generator.get_state()), src=0)
         batch, state = self._reply()
         generator.set_state(state)
-        return batch
+        dev = torch.device(self.trainer_device)
+        return SampleBatch(tokens=batch.tokens.to(dev), attention_mask=batch.attention_mask.to(dev),
+                           response_mask=batch.response_mask.to(dev), logprobs=batch.logprobs.to(dev),
+                           prompt_len=batch.prompt_len)
 
     def close(self) -> None:
         import torch.distributed as dist
