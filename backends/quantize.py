@@ -115,10 +115,9 @@ def _quantize(x: torch.Tensor, w: TensorFormat, global_amax):
     """Rowwise quantization of a weight. CUDA tensors go through precision_dsl.kernels (fused Triton kernels, byte
     for byte equal to the references - tests/test_kernels.py; they fall back to the reference themselves whenever
     they cannot run); CPU tensors go straight to the readable reference in precision_dsl.formats."""
-    from precision_dsl.formats import quantize
+    from precision_dsl import kernels
 
-    if not x.is_cuda:
-        return quantize(x, w, axis="row", global_amax=global_amax)
+    return kernels.quantize(x, w, axis="row", global_amax=global_amax)
     from precision_dsl import kernels
 
     if w.kind == FormatKind.MXFP8:

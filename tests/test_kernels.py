@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from precision_dsl.precision import TensorFormat
+
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = Path(os.environ.get("POLICYC_GOLDEN_DIR", REPO.parent / "shared" / "golden" / "quantizers"))
 if not GOLDEN_DIR.is_absolute():
@@ -293,3 +295,22 @@ def test_cpu_tensors_are_answered_by_the_reference():
 
     with pytest.raises(FormatInputError, match="divisible"):
         kernels.nvfp4_quantize(bad)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", [
+    TensorFormat(kind="nvfp4", element="e2m1", block=(1, 16), scale_dtype="e4m3", global_scale="row"),
+    TensorFormat(kind="nvfp4", element="e2m1", block=(16, 16), scale_dtype="e4m3", global_scale="tensor"),
+    TensorFormat(kind="mxfp8", element="e4m3", block=(1, 32), scale_dtype="e8m0"),
+    TensorFormat(kind="fp8_block", element="e4m3", block=(128, 128), scale_dtype="fp32"),
+    TensorFormat(kind="fp8_block", element="e4m3", block=(1, 128), scale_dtype="pow2"),
+])
+@pytest.mark.parametrize("axis", ["row", "col"])
+def test_format_generic_entry_point_matches_reference(fmt, axis):
+    """kernels.quantize(x, fmt) (used by the engine and the converter on CUDA) == formats.quantize(x, fmt)."""
+    from precision_dsl import formats, kernels
+
+    x = (torch.randn(256, 512, device="cuda") * 3).to(torch.bfloat16)
+    a, b = kernels.quantize(x, fmt, axis=axis), formats.quantize(x.cpu(), fmt, axis=axis)
+    for name, t in b.tensors().items():
+        assert torch.equal(a.tensors()[name].cpu().view(torch.uint8), t.view(torch.uint8)), name

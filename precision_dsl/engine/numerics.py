@@ -52,6 +52,10 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", global_am
     from .. import formats
 
     try:
+        if x.is_cuda:  # fused Triton kernels on the GPU (same bytes as the reference; reference fallback inside)
+            from .. import kernels
+
+            return kernels.quantize(x, fmt, axis=axis, global_amax=global_amax)
         return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
     except formats.FormatInputError as e:
         raise EngineFormatError(f"{what or 'tensor'}: {e}") from None
@@ -76,7 +80,12 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", glob
     x2 = x.reshape(-1, shape[-1]).float()
     x2, m = _pad_rows(x2, _block_rows(fmt, axis))
     try:
-        out = formats.fake_quantize(x2, fmt, axis=axis, global_amax=global_amax, out_dtype=torch.float32)
+        if x2.is_cuda:  # fused quantize kernel + dequantize: bitwise the same values as formats.fake_quantize
+            from .. import kernels
+
+            out = formats.dequantize(kernels.quantize(x2, fmt, axis=axis, global_amax=global_amax), torch.float32)
+        else:
+            out = formats.fake_quantize(x2, fmt, axis=axis, global_amax=global_amax, out_dtype=torch.float32)
     except formats.FormatInputError as e:
         raise EngineFormatError(f"{what or 'tensor'}: {e}") from None
     return out[:m].reshape(shape)

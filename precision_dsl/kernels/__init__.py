@@ -171,3 +171,25 @@ def fp8_block_quantize(x, element: str = "e4m3", block=(1, 128), pow2: bool = Tr
         data, sinv = kern.quantize(x2, element, square=block == (128, 128), pow2=pow2, transpose=axis == "col")
     return QuantizedTensor(fmt=fmt or ref.make_format(element, block, pow2), shape=tuple(x.shape), data=data,
                                scale=sinv, axis=axis, orig_dtype=x.dtype)
+
+
+def quantize(x, fmt, *, axis: str = "row", global_amax=None):
+    """Format-generic entry point with the contract of `precision_dsl.formats.quantize(x, fmt, ...)`: the fused
+    Triton kernel for `fmt` when `x` is on a capable GPU (byte-identical to the reference, tests/test_kernels.py),
+    otherwise the reference itself (CPU, FP8 per-tensor, shapes or options the kernels do not take)."""
+    from .. import formats
+    from ..precision import FormatKind
+
+    if not _usable(x):
+        return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
+    block = tuple(fmt.block) if fmt.block else None
+    if fmt.kind == FormatKind.NVFP4:
+        return nvfp4_quantize(x, axis=axis, scope=fmt.global_scale or "tensor", tile_2d=block == (16, 16),
+                              global_amax=global_amax, fmt=fmt)
+    if fmt.kind == FormatKind.MXFP8:
+        return mxfp8_quantize(x, element=fmt.element, axis="col" if block == (32, 1) else axis,
+                              tile_2d=block == (32, 32), fmt=fmt)
+    if fmt.kind == FormatKind.FP8_BLOCK:
+        return fp8_block_quantize(x, element=fmt.element, block=block or (1, 128), pow2=fmt.scale_dtype != "fp32",
+                                  axis=axis, fmt=fmt)
+    return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
