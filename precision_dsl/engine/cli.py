@@ -165,6 +165,11 @@ def register(app: typer.Typer) -> None:
         rollout_device: Optional[str] = typer.Option(
             None, "--rollout-device", help="run the rollout engine as a separate process on this device, e.g. "
                                            "cuda:1 (weights over NCCL) or cpu (gloo)"),
+        trainer_etp: int = typer.Option(1, "--trainer-etp", min=1, help="expert-TP ranks of the trainer (per-token "
+                                        "activation scales are computed per partition)"),
+        rollout_etp: int = typer.Option(1, "--rollout-etp", min=1, help="expert-TP ranks of the rollout"),
+        force_layout: bool = typer.Option(False, "--force-layout", help="run a layout `policyc check` refuses "
+                                          "(e.g. unequal ETP) to measure the mismatch it causes"),
         out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/<policy>-s<seed>)"),
         broken_contract: Optional[str] = typer.Option(None, "--broken-contract",
                                                       help="per_tensor | unshared: make the rollout disagree"),
@@ -212,7 +217,8 @@ def register(app: typer.Typer) -> None:
             cfg = RunConfig(policy=policy, model=model, task=task, steps=steps, seed=seed, device=device,
                             prompts_per_step=prompts, samples_per_prompt=samples, lr=lr, kl_coef=kl_coef,
                             digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir,
-                            rollout_device=rollout_device)
+                            rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
+                            force_layout=force_layout)
             con.print(f"[bold]policyc run[/] {name} on {model} · task {task} · {steps} steps · seed {seed} · "
                       f"{device}" + (f" · rollout process on {rollout_device}" if rollout_device else "")
                       + f"\n{EMULATED_NOTE}")

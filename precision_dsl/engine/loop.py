@@ -34,6 +34,12 @@ class RunConfig(BaseModel):
     # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
     # weights then travel through torch.distributed (NCCL between GPUs). None: in-process rollout.
     rollout_device: Optional[str] = None
+    # Expert tensor parallelism as seen by the activation quantizers: routed-expert down_proj inputs are split along
+    # K over `etp` ranks and per-token scales are computed inside each partition. Unequal values break the
+    # per-token contract: refused (policyc check's etp-mismatch) unless force_layout.
+    trainer_etp: int = Field(1, ge=1)
+    rollout_etp: int = Field(1, ge=1)
+    force_layout: bool = False
     prompts_per_step: int = 16
     samples_per_prompt: int = 8
     lr: float = 1e-3
@@ -84,6 +90,22 @@ def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
     return differing
 
 
+def _check_layout(cfg: RunConfig, plan, arch) -> None:
+    """The same static checks `policyc check --parallel` runs, for the expert-TP layout of this run."""
+    if cfg.trainer_etp == 1 and cfg.rollout_etp == 1:
+        return
+    from ..checks import check
+    from ..plan import ParallelLayout, ParallelSide
+
+    layout = ParallelLayout(trainer=ParallelSide(etp=cfg.trainer_etp), rollout=ParallelSide(etp=cfg.rollout_etp))
+    errors = [d for d in check(plan, arch, layout) if d.severity == "error"]
+    if errors and not cfg.force_layout:
+        first = errors[0]
+        raise ContractViolation(f"layout refused before launch: [{first.code}] {first.message}"
+                                + (f" (hint: {first.hint})" if first.hint else "")
+                                + " — pass --force-layout to run it anyway and measure the mismatch")
+
+
 def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         on_start: Optional[Callable[[RunResult], None]] = None) -> RunResult:
     from ..arch import load_architecture
@@ -111,17 +133,18 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     tok = load_tokenizer(model_dir)
     task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators)
 
+    _check_layout(cfg, plan, arch)
     trainer = load_model(model_dir).to(device).train()
-    executor = TrainerExecutor(plan, trainer).install()
+    executor = TrainerExecutor(plan, trainer, etp=cfg.trainer_etp).install()
     reference = load_model(model_dir).to(device).requires_grad_(False).eval()
     TrainerExecutor(_bf16_plan(plan), reference).install()
     if cfg.rollout_device:
         from .remote import RemoteRollout
 
         rollout = RemoteRollout(model_dir, rollout_plan, trainer_device="cuda:0" if device == "cuda" else device,
-                                rollout_device=cfg.rollout_device)
+                                rollout_device=cfg.rollout_device, etp=cfg.rollout_etp)
     else:
-        rollout = RolloutEngine(trainer.config, rollout_plan, device=device)
+        rollout = RolloutEngine(trainer.config, rollout_plan, device=device, etp=cfg.rollout_etp)
     # With a broken contract the exporter is configured from the rollout side (as Miles' exporter reads the rollout
     # checkpoint's quantization_config), so the hash check on the channel passes while trainer != rollout.
     channel = rollout.channel if cfg.rollout_device else LiveUpdateChannel(rollout_plan)

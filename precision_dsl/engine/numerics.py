@@ -91,6 +91,20 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", glob
     return out[:m].reshape(shape)
 
 
+def fake_quantize_partitioned(x: torch.Tensor, fmt: TensorFormat, parts: int, *, what: str = "") -> torch.Tensor:
+    """Activation fake-quant as `parts` expert-TP ranks do it for a row-parallel GEMM: the input is split along K and
+    each rank quantizes its own slice, so a per-token (row) scale is computed inside each partition (TE / FlashInfer
+    behaviour). For parts == 1, or scopes that do not depend on the split, this is plain `fake_quantize`."""
+    if parts <= 1 or not fmt.is_quantized or fmt.global_scale != "row":
+        return fake_quantize(x, fmt, what=what) if fmt.is_quantized else round_hp(x, fmt)
+    k = x.shape[-1]
+    if k % parts:
+        raise EngineFormatError(f"{what or 'tensor'}: K={k} does not split into {parts} expert-TP partitions")
+    chunks = x.split(k // parts, dim=-1)
+    return torch.cat([fake_quantize(c.contiguous(), fmt, what=f"{what} (ETP shard {i})")
+                      for i, c in enumerate(chunks)], dim=-1)
+
+
 def group_amax(tensors) -> torch.Tensor:
     from .. import formats
 

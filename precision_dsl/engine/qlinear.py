@@ -40,10 +40,13 @@ class LinearSpec:
     grad: TensorFormat
     backward: BackwardMode
     group: Optional[str] = None
+    act_partitions: int = 1  # expert-TP ranks splitting this GEMM's input along K (row-parallel expert down_proj)
 
 
-def linear_specs(plan: Plan) -> dict[str, LinearSpec]:
-    """One LinearSpec per GEMM weight of the plan; validates what the engine can execute."""
+def linear_specs(plan: Plan, etp: int = 1) -> dict[str, LinearSpec]:
+    """One LinearSpec per GEMM weight of the plan; validates what the engine can execute. `etp` emulates expert
+    tensor parallelism for activation scales: routed-expert down_proj is row-parallel, so its input is split along K
+    over `etp` ranks (gate/up are column-parallel: their input is whole on every rank)."""
     out = {}
     for t in plan.tensors:
         if not t.is_linear:
@@ -53,7 +56,8 @@ def linear_specs(plan: Plan) -> dict[str, LinearSpec]:
             raise numerics.EngineFormatError(
                 f"{t.hf_name}: backward=quantized with {p.grad.short()} gradients is not supported (quantized "
                 "backward is fp8 / fp8_block / mxfp8 only; hint: use backward=dequantized or high_precision)")
-        out[t.hf_name] = LinearSpec(t.hf_name, p.weight, p.activation, p.grad, p.backward, t.share_scale_group)
+        parts = etp if t.role == "routed_experts.down" else 1
+        out[t.hf_name] = LinearSpec(t.hf_name, p.weight, p.activation, p.grad, p.backward, t.share_scale_group, parts)
     return out
 
 
@@ -103,8 +107,7 @@ class QLinearFunction(torch.autograd.Function):
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec):
         """x2 [M, K] fp32, w [N, K] master (fp32), w_fwd [N, K] = the dequantized forward weight (no grad)."""
         x_hp = _bf16(x2)  # the original BF16 operand (activations are BF16 in the trainer)
-        x_q = numerics.fake_quantize(x_hp, spec.activation, what=spec.hf_name) if spec.activation.is_quantized \
-            else numerics.round_hp(x_hp, spec.activation)
+        x_q = numerics.fake_quantize_partitioned(x_hp, spec.activation, spec.act_partitions, what=spec.hf_name)
         y = x_q @ w_fwd.t()
         ctx.spec = spec
         if spec.backward == BackwardMode.DEQUANTIZED:
@@ -148,9 +151,9 @@ class TrainerExecutor:
     """The trainer's linear executor: plan-driven QLinearFunction with per-step cached weight quantization.
     Call `invalidate()` after every optimizer step (the loop does)."""
 
-    def __init__(self, plan: Plan, model):
+    def __init__(self, plan: Plan, model, etp: int = 1):
         self.plan = plan
-        self.specs = linear_specs(plan)
+        self.specs = linear_specs(plan, etp)
         self.model = model
         self._params = dict(model.named_parameters())
         self.quantized: dict[str, object] = {}  # hf_name -> QuantizedTensor of the current step (for checks)

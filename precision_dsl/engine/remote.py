@@ -94,7 +94,7 @@ def _q_to_cpu(v):
     return v
 
 
-def rollout_worker(model_dir: str, plan_json: str, device: str, port: int) -> None:
+def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: int = 1) -> None:
     """Rank 1: a RolloutEngine that only ever receives weights from the process group."""
     import torch.distributed as dist
 
@@ -106,7 +106,7 @@ def rollout_worker(model_dir: str, plan_json: str, device: str, port: int) -> No
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _init_group(1, port, device)
     plan = Plan.from_json(plan_json)
-    engine = RolloutEngine(Qwen3MoeConfig.from_file(Path(model_dir) / "config.json"), plan, device=device)
+    engine = RolloutEngine(Qwen3MoeConfig.from_file(Path(model_dir) / "config.json"), plan, device=device, etp=etp)
     generator = torch.Generator()
     try:
         while True:
@@ -157,7 +157,7 @@ class RemoteRollout:
     """Rank-0 proxy of a RolloutEngine running in a spawned process on `rollout_device`."""
 
     def __init__(self, model_dir: Path, plan: Plan, *, trainer_device: str, rollout_device: str,
-                 bucket_bytes: int = 64 << 20):
+                 bucket_bytes: int = 64 << 20, etp: int = 1):
         if _backend_for(trainer_device) != _backend_for(rollout_device):
             raise RemoteRolloutError(f"trainer on {trainer_device} and rollout on {rollout_device}: both must be "
                                      "CUDA devices (NCCL) or both CPU (gloo)")
@@ -174,7 +174,7 @@ class RemoteRollout:
         self.plan, self.trainer_device, self.rollout_device = plan, trainer_device, rollout_device
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.proc = ctx.Process(target=rollout_worker, args=(str(model_dir), plan.to_json(), rollout_device, port),
+        self.proc = ctx.Process(target=rollout_worker, args=(str(model_dir), plan.to_json(), rollout_device, port, etp),
                                 daemon=True)
         self.proc.start()
         _init_group(0, port, trainer_device)

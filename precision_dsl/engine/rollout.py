@@ -23,24 +23,26 @@ from .weight_path import Payload, receive
 class RolloutExecutor:
     """GEMM with the received (already dequantized) weight and plan-quantized activations. No autograd."""
 
-    def __init__(self, plan: Plan, model: Qwen3MoeForCausalLM):
+    def __init__(self, plan: Plan, model: Qwen3MoeForCausalLM, etp: int = 1):
         by = plan.by_name()
         self.act = {n: by[n].precision.activation for n in model.linear_names()}
+        # expert-TP emulation of activation scales (see qlinear.linear_specs): row-parallel expert down_proj
+        self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in model.linear_names()}
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        fmt = self.act[hf_name]
-        xq = numerics.fake_quantize(x.to(torch.bfloat16).float(), fmt, what=hf_name)
+        xq = numerics.fake_quantize_partitioned(x.to(torch.bfloat16).float(), self.act[hf_name], self.parts[hf_name],
+                                                what=hf_name)
         return xq @ w.t()
 
 
 class RolloutEngine:
-    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu"):
+    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1):
         self.plan = plan
         self.model = Qwen3MoeForCausalLM(cfg).to(device).requires_grad_(False).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))
-        self.model.linear_executor = RolloutExecutor(plan, self.model)
+        self.model.linear_executor = RolloutExecutor(plan, self.model, etp)
         self.received: dict[str, object] = {}
         self.version = 0
         self.device = device
