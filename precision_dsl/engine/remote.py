@@ -166,9 +166,8 @@ class RemoteRollout:
             if idx is None or idx >= torch.cuda.device_count():
                 raise RemoteRolloutError(f"--rollout-device {rollout_device}: this machine has "
                                          f"{torch.cuda.device_count()} CUDA device(s)")
-            if torch.device(trainer_device).index in (None, idx) and trainer_device != "cpu":
-                if torch.device(trainer_device).index == idx:
-                    raise RemoteRolloutError("trainer and rollout must be on different GPUs")
+            if torch.device(trainer_device).index == idx:
+                raise RemoteRolloutError("trainer and rollout must be on different GPUs")
         import torch.multiprocessing as mp
 
         self.plan, self.trainer_device, self.rollout_device = plan, trainer_device, rollout_device

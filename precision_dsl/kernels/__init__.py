@@ -178,18 +178,20 @@ def quantize(x, fmt, *, axis: str = "row", global_amax=None):
     Triton kernel for `fmt` when `x` is on a capable GPU (byte-identical to the reference, tests/test_kernels.py),
     otherwise the reference itself (CPU, FP8 per-tensor, shapes or options the kernels do not take)."""
     from .. import formats
+    from ..formats import _check_fmt, _fp8_block_args, _mxfp8_layout, _nvfp4_args
     from ..precision import FormatKind
 
     if not _usable(x):
         return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
-    block = tuple(fmt.block) if fmt.block else None
+    # The TensorFormat -> arguments mapping (and its validation) is the reference dispatch's, so the two can't drift.
+    _check_fmt(fmt, global_amax)
     if fmt.kind == FormatKind.NVFP4:
-        return nvfp4_quantize(x, axis=axis, scope=fmt.global_scale or "tensor", tile_2d=block == (16, 16),
-                              global_amax=global_amax, fmt=fmt)
+        tile_2d, scope = _nvfp4_args(fmt)
+        return nvfp4_quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt)
     if fmt.kind == FormatKind.MXFP8:
-        return mxfp8_quantize(x, element=fmt.element, axis="col" if block == (32, 1) else axis,
-                              tile_2d=block == (32, 32), fmt=fmt)
+        ax, tile_2d = _mxfp8_layout(fmt, axis)
+        return mxfp8_quantize(x, element=fmt.element, axis=ax, tile_2d=tile_2d, fmt=fmt)
     if fmt.kind == FormatKind.FP8_BLOCK:
-        return fp8_block_quantize(x, element=fmt.element, block=block or (1, 128), pow2=fmt.scale_dtype != "fp32",
-                                  axis=axis, fmt=fmt)
+        block, pow2 = _fp8_block_args(fmt)
+        return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt)
     return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
