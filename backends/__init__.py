@@ -8,5 +8,5 @@ loop. Each module expresses the plan exactly or raises `common.UnsupportedByBack
   quantize       the one quantize-a-tensor function the converter and the weight update share
   cli            `policyc emit / convert / verify` (imports only typer at start-up)
 
-Nothing is imported here so that `import backends.cli` stays cheap.
+Nothing is imported here so that `import precision_dsl.backends.cli` stays cheap.
 """

@@ -17,7 +17,7 @@ BACKEND_CHOICES = ("megatron", "sglang", "converter", "weight_update")
 
 def _run(body):
     """Run a command body; expected errors become `error: ...` + `hint: ...` and an exit code, never a traceback."""
-    from precision_dsl.commands import UserError, _fail, _guard
+    from ..console import UserError, fail, guard
 
     from .common import PlanMismatch, UnsupportedByBackend
     from .safetensors_io import CheckpointError
@@ -26,23 +26,23 @@ def _run(body):
         try:
             return body()
         except UnsupportedByBackend as err:
-            raise _fail(_Coded(str(err), err.hint or "change the policy for this tensor, or emit only the other "
+            raise fail(_Coded(str(err), err.hint or "change the policy for this tensor, or emit only the other "
                                                       "backends with --backend", 1))
         except PlanMismatch as err:
-            raise _fail(_Coded(str(err), err.hint, 1))
+            raise fail(_Coded(str(err), err.hint, 1))
         except CheckpointError as err:
-            raise _fail(_Coded(str(err), err.hint, 2))
+            raise fail(_Coded(str(err), err.hint, 2))
         except FileExistsError as err:
-            raise _fail(UserError(str(err), "choose another --out or pass --force"))
+            raise fail(UserError(str(err), "choose another --out or pass --force"))
         except Exception as err:  # numerics / weight errors with a message for the user
             from .quantize import NonFiniteWeight
             from .weight_update import WeightUpdateError
 
             if isinstance(err, (NonFiniteWeight, WeightUpdateError)):
-                raise _fail(_Coded(str(err), getattr(err, "hint", ""), 1))
+                raise fail(_Coded(str(err), getattr(err, "hint", ""), 1))
             raise
 
-    return _guard(guarded)
+    return guard(guarded)
 
 
 class _Coded(Exception):
@@ -77,7 +77,8 @@ def register(app: typer.Typer) -> None:
         """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash)."""
 
         def body():
-            from precision_dsl.commands import UserError, _console, build_plan
+            from ..commands import build_plan
+            from ..console import UserError, console
 
             from .common import plan_hash, write_tree_atomic
 
@@ -87,7 +88,7 @@ def register(app: typer.Typer) -> None:
             plan = build_plan(policy, model, parallel)
             arts = emit_artifacts(plan, list(backend) if backend else None)
             write_tree_atomic(out, arts, force=force)
-            con = _console()
+            con = console()
             con.print(f"wrote {len(arts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
             for a in arts:
                 con.print(f"  {a.path:<42} {a.description}", markup=False)
@@ -108,7 +109,8 @@ def register(app: typer.Typer) -> None:
         """Convert an HF checkpoint into the quantized checkpoint SGLang/vLLM load (resumable, atomic)."""
 
         def body():
-            from precision_dsl.commands import UserError, _console, build_plan
+            from ..commands import build_plan
+            from ..console import UserError, console
 
             from . import converter
             from .common import plan_hash
@@ -124,11 +126,11 @@ def register(app: typer.Typer) -> None:
                 if not torch.cuda.is_available():
                     raise UserError("--device cuda but no CUDA device is visible", "use --device cpu")
             rep = converter.convert(src, plan, out, force=force, progress=progress, device=device)
-            _console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
+            console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
                              f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
                              f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan_hash(plan)[:19]}...")
             if rep.skipped_files:
-                _console().print(f"not copied (pickle files are never read): {', '.join(rep.skipped_files)}")
+                console().print(f"not copied (pickle files are never read): {', '.join(rep.skipped_files)}")
 
         _run(body)
 
@@ -142,7 +144,8 @@ def register(app: typer.Typer) -> None:
         """Re-derive every byte of DST from SOURCE and compare (exit 0 = identical, 1 = differences)."""
 
         def body():
-            from precision_dsl.commands import _console, build_plan
+            from ..commands import build_plan
+            from ..console import console
 
             from . import converter
             from .common import plan_hash
@@ -151,7 +154,7 @@ def register(app: typer.Typer) -> None:
             if policy is not None:
                 expected = plan_hash(build_plan(policy, model or str(source), parallel))
             problems = converter.verify(dst, source, expected_hash=expected)
-            con = _console()
+            con = console()
             if problems:
                 for p in problems[:50]:
                     con.print(f"[red]mismatch:[/] {p}", markup=True)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from precision_dsl.arch.base import FUSED_SIBLINGS
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind, TensorFormat
+from ..arch.base import FUSED_SIBLINGS
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind, TensorFormat
 
 BACKENDS = ("megatron", "sglang", "converter", "weight_update")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from precision_dsl.plan import Plan
+from ..plan import Plan
 
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_stamp, replace_dir)

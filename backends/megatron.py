@@ -36,8 +36,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import BackwardMode, FormatKind, Precision
+from ..plan import Plan, TensorPlan
+from ..precision import BackwardMode, FormatKind, Precision
 
 from .common import Artifact, UnsupportedByBackend, dump_json, plan_stamp
 

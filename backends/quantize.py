@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind, TensorFormat
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind, TensorFormat
 
 from .common import UnsupportedByBackend, module_of
 
@@ -115,10 +115,10 @@ def _quantize(x: torch.Tensor, w: TensorFormat, global_amax):
     """Rowwise quantization of a weight. CUDA tensors go through precision_dsl.kernels (fused Triton kernels, byte
     for byte equal to the references - tests/test_kernels.py; they fall back to the reference themselves whenever
     they cannot run); CPU tensors go straight to the readable reference in precision_dsl.formats."""
-    from precision_dsl import kernels
+    from .. import kernels
 
     return kernels.quantize(x, w, axis="row", global_amax=global_amax)
-    from precision_dsl import kernels
+    from .. import kernels
 
     if w.kind == FormatKind.MXFP8:
         return kernels.mxfp8_quantize(x, element=w.element, axis="row", tile_2d=w.block == (32, 32), fmt=w)
@@ -156,7 +156,7 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
     needs_group = [t for t, _ in members if t.is_linear and t.weight.kind == FormatKind.NVFP4
                    and t.weight.global_scale == "group"]
     if needs_group:
-        from precision_dsl.formats.nvfp4 import group_amax as _group_amax
+        from ..formats.nvfp4 import group_amax as _group_amax
 
         group_amax = _group_amax([x for t, x in members if t in needs_group])
     for t, x in members:
@@ -227,7 +227,7 @@ def needs_shared_amax(t: TensorPlan) -> bool:
 def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
     """Rebuild a QuantizedTensor for plan tensor `t` from its checkpoint tensors (inverse of checkpoint_tensors),
     or return the plain tensor for a high-precision one. Used by `verify`, the tests and WeightReceiver."""
-    from precision_dsl.formats.base import QuantizedTensor
+    from ..formats.base import QuantizedTensor
 
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):

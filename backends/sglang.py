@@ -33,8 +33,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind
 
 from .common import (Artifact, UnsupportedByBackend, dump_json, fused_members, is_quantized, module_of,
                      plan_stamp)

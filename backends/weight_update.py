@@ -1,11 +1,11 @@
 """Live weight update: trainer weights -> the rollout's quantized tensors, bucketed, over a transport.
 
-The bytes come from `backends.quantize.checkpoint_tensors`, the same function the checkpoint converter uses, so
+The bytes come from `precision_dsl.backends.quantize.checkpoint_tensors`, the same function the checkpoint converter uses, so
 for the same weights the update path and `policyc convert` produce byte-identical tensors (tested per format).
 
 API (used by the RL engine)::
 
-    from backends.weight_update import WeightSender, WeightReceiver, InProcessTransport
+    from precision_dsl.backends.weight_update import WeightSender, WeightReceiver, InProcessTransport
 
     transport = InProcessTransport()                      # or TorchDistributedTransport(), SGLangHTTPTransport(url)
     report = WeightSender(plan, transport, bucket_bytes=512 << 20).send(state_dict_iter, weight_version="step-7")
@@ -49,7 +49,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
-from precision_dsl.plan import Plan, TensorPlan
+from ..plan import Plan, TensorPlan
 
 from .common import PLAN_FILE, PlanMismatch, fused_instance
 from .common import plan_hash as _plan_hash

@@ -5,10 +5,10 @@
 
 What it does (all on this machine, same run, warm page cache for both sides):
   1. writes a synthetic multi-shard BF16 Qwen3-MoE checkpoint (hidden 1024, 16 experts x 512, `--layers` layers;
-     ~65 MB per layer + embeddings) with backends.synthetic;
+     ~65 MB per layer + embeddings) with precision_dsl.backends.synthetic;
   2. baseline: for every shard, safetensors.torch.load_file + save_file into a scratch dir (the same bytes read
      and written, no quantization) -> MB/s of source bytes;
-  3. for each policy: backends.converter.convert(...) -> MB/s of source bytes, and `verify` once;
+  3. for each policy: precision_dsl.backends.converter.convert(...) -> MB/s of source bytes, and `verify` once;
   4. every measured step runs in a fresh subprocess so its peak RSS (ru_maxrss) is its own; the RSS of a subprocess
      that only imports torch + policyc is reported as the floor.
 
@@ -43,7 +43,7 @@ def arch_config(layers: int) -> dict:
 def _step_floor(_args) -> dict:
     import torch  # noqa: F401
 
-    from backends import converter  # noqa: F401
+    from precision_dsl.backends import converter  # noqa: F401
     from precision_dsl.formats import quantize  # noqa: F401
 
     return {}
@@ -65,8 +65,8 @@ def _step_plain(args) -> dict:
 
 
 def _step_convert(args) -> dict:
-    import backends.quantize  # noqa: F401  (torch + formats imported before the clock starts, like the baseline)
-    from backends import converter
+    import precision_dsl.backends.quantize  # noqa: F401  (torch + formats imported before the clock starts, like the baseline)
+    from precision_dsl.backends import converter
     from precision_dsl.arch import load_architecture
     from precision_dsl.resolve import resolve
 
@@ -84,8 +84,8 @@ def _step_convert(args) -> dict:
 
 
 def _step_verify(args) -> dict:
-    import backends.quantize  # noqa: F401
-    from backends import converter
+    import precision_dsl.backends.quantize  # noqa: F401
+    from precision_dsl.backends import converter
 
     t = time.perf_counter()
     problems = converter.verify(Path(args["dst"]), Path(args["src"]))
@@ -93,7 +93,7 @@ def _step_verify(args) -> dict:
 
 
 def _step_make(args) -> dict:
-    from backends.synthetic import write_synthetic_checkpoint
+    from precision_dsl.backends.synthetic import write_synthetic_checkpoint
     from precision_dsl.arch import load_architecture
 
     src = Path(args["src"])

@@ -4,7 +4,7 @@
 
 Runs two processes, one per GPU (rank 0 = trainer on cuda:0, rank 1 = rollout on cuda:1), NCCL, NVLink multicast off.
 
-1. Weight-update latency through `backends.weight_update` (TorchDistributedTransport over NCCL): the trainer
+1. Weight-update latency through `precision_dsl.backends.weight_update` (TorchDistributedTransport over NCCL): the trainer
    quantizes its BF16 weights per plan on its GPU, packs buckets and broadcasts them; the rollout receives and checks
    the plan hash and per-tensor sha256 (check_equal). For the bundled tiny MoE and a 1.34B-parameter Qwen3-MoE-shaped
    model, under a BF16 plan and an NVFP4 per-token plan: wall time (quantize, transfer), bytes moved.
@@ -75,7 +75,7 @@ def weight_update_latency(rank, dev, results, reps=3, big=True):
     import torch
     import torch.distributed as dist
 
-    from backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
+    from precision_dsl.backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
     from precision_dsl.arch import load_architecture
     from precision_dsl.resolve import resolve
 
@@ -126,8 +126,8 @@ def weight_update_latency(rank, dev, results, reps=3, big=True):
 def converter_equivalence(rank, dev, results):
     import torch.distributed as dist
 
-    from backends.converter import convert
-    from backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
+    from precision_dsl.backends.converter import convert
+    from precision_dsl.backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
     from precision_dsl.arch import load_architecture
     from precision_dsl.resolve import resolve
 

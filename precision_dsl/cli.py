@@ -18,18 +18,11 @@ def _register_all() -> None:
     from . import commands  # plan / explain / check / diff
 
     commands.register(app)
-    try:
-        from backends import cli as backend_cli  # emit / convert / verify
-    except ImportError:  # pragma: no cover - only while the backends package is being built
-        backend_cli = None
-    if backend_cli is not None:
-        backend_cli.register(app)
-    try:
-        from .engine import cli as engine_cli  # run / ablate
-    except ImportError:  # pragma: no cover
-        engine_cli = None
-    if engine_cli is not None:
-        engine_cli.register(app)
+    from .backends import cli as backend_cli  # emit / convert / verify (a failing import fails loudly)
+    from .engine import cli as engine_cli  # run / ablate
+
+    backend_cli.register(app)
+    engine_cli.register(app)
 
 
 _register_all()

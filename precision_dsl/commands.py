@@ -1,8 +1,8 @@
 """`policyc plan / explain / check / diff`: the compiler's front half, usable without a GPU.
 
 Rendering is split from I/O: `plan_rows`, `summarize` and `diff_plans` are pure functions over a Plan (tested
-directly); the typer commands only load, call and print. Everything user-facing goes through `_fail`, so bad input
-prints a diagnostic and an exit code, never a traceback.
+directly); the typer commands only load, call and print. Everything user-facing goes through `console.guard`, so bad
+input prints a diagnostic and an exit code, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Iterable, Optional
 
 import typer
 
+from .console import UserError, console, guard
 from .plan import Plan, TensorPlan
 
 EMULATION_NOTE = ("MXFP8/NVFP4 GEMMs are Blackwell-only: on Hopper and CPU policyc runs them by exact emulation "
@@ -26,45 +27,6 @@ EMULATION_NOTE = ("MXFP8/NVFP4 GEMMs are Blackwell-only: on Hopper and CPU polic
 # ---------------------------------------------------------------------------------------------------------------
 # loading with user-facing errors
 # ---------------------------------------------------------------------------------------------------------------
-class UserError(Exception):
-    """An error to print as `error: message` + `hint:` with exit code `code`."""
-
-    def __init__(self, message: str, hint: str = "", code: int = 2):
-        super().__init__(message)
-        self.hint = hint
-        self.code = code
-
-
-def _console(stderr: bool = False):
-    from rich.console import Console
-
-    import os
-    import shutil
-
-    stream = sys.stderr if stderr else sys.stdout
-    # Plan tables are wide: when piped (no terminal) or on a narrow terminal, lay out at 160 columns instead of
-    # rich's default 80 so that names and formats stay on one line.
-    width = None if stream.isatty() and shutil.get_terminal_size().columns >= 120 else int(
-        os.environ.get("POLICYC_WIDTH", "180"))
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
-
-
-def _fail(err: Exception) -> "typer.Exit":
-    con = _console(stderr=True)
-    render = getattr(err, "render", None)
-    if callable(render):
-        con.print(render(), markup=False)
-    else:
-        from rich.markup import escape
-
-        message = getattr(err, "message", None) or (err.args[0] if err.args else str(err))
-        con.print(f"[bold red]error:[/] {escape(str(message))}")
-        hint = getattr(err, "hint", "")
-        if hint:
-            con.print(f"[cyan]hint:[/] {escape(hint)}")
-    return typer.Exit(getattr(err, "code", 2) if isinstance(getattr(err, "code", None), int) else 2)
-
-
 def load_arch(model: str):
     from .arch import load_architecture
 
@@ -80,22 +42,6 @@ def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan
         raise UserError(f"policy file '{policy}' does not exist",
                         "shipped policies live in policies/ (try: ls policies/)")
     return resolve(policy, load_arch(model), layout)
-
-
-def _guard(fn):
-    """Run a command body, turning every expected error into a diagnostic + exit code."""
-    from .arch import ArchitectureError
-    from .diagnostics import PolicyError
-    from .parallel import ParallelSpecError
-
-    try:
-        return fn()
-    except typer.Exit:
-        raise
-    except (UserError, PolicyError, ArchitectureError, ParallelSpecError) as err:
-        raise _fail(err)
-    except OSError as err:
-        raise _fail(UserError(f"{err.strerror or err}: {getattr(err, 'filename', '')}"))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -271,7 +217,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    con = _console()
+    con = console()
     rows = plan_rows(plan, tensor_glob, expand)
     if tensor_glob and not rows:
         raise UserError(f"--tensor '{tensor_glob}' matches no tensor of {plan.model}",
@@ -394,7 +340,7 @@ def register(app: typer.Typer) -> None:
             else:
                 _print_plan(plan, tensor, expand)
 
-        _guard(body)
+        guard(body)
 
     @app.command("explain")
     def explain_cmd(policy: Path = POLICY_ARG,
@@ -422,7 +368,7 @@ def register(app: typer.Typer) -> None:
                                     "run `policyc plan --json` to list tensor names")
                 target = hits[0]
             matches = explain(policy, arch, target)
-            con = _console()
+            con = console()
             con.print(f"[bold]{target}[/]")
             if not matches:
                 con.print("  no rule matched; the policy's default applies")
@@ -434,7 +380,7 @@ def register(app: typer.Typer) -> None:
                 if text:
                     con.print(f"          [dim]{text}[/]", markup=True)
 
-        _guard(body)
+        guard(body)
 
     @app.command("check")
     def check_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
@@ -449,7 +395,7 @@ def register(app: typer.Typer) -> None:
 
             plan = build_plan(policy, model, parallel)
             diags = check(plan, load_arch(model), parse_parallel(parallel))
-            con = _console()
+            con = console()
             n_err = sum(1 for d in diags if d.severity == "error")
             n_warn = len(diags) - n_err
             for d in diags:
@@ -462,7 +408,7 @@ def register(app: typer.Typer) -> None:
             if status != "ok":
                 raise typer.Exit(1)
 
-        _guard(body)
+        guard(body)
 
     @app.command("arch")
     def arch_cmd(model: str = typer.Argument("tiny-moe", help="bundled name, config.json or checkpoint directory"),
@@ -489,11 +435,11 @@ def register(app: typer.Typer) -> None:
             for t in ts[:2000]:
                 meg = (t.megatron_name or "") + (f" [{t.megatron_part}]" if t.megatron_part else "")
                 table.add_row(*map(escape, (t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")))
-            _console().print(table)
+            console().print(table)
             if len(ts) > 2000:
-                _console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
+                console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
 
-        _guard(body)
+        guard(body)
 
     @app.command("diff")
     def diff_cmd(policy_a: Path = typer.Argument(..., help="first policy"),
@@ -510,7 +456,7 @@ def register(app: typer.Typer) -> None:
             a = build_plan(policy_a, model)
             b = build_plan(policy_b, model)
             changes = diff_plans(a, b)
-            con = _console()
+            con = console()
             if not changes:
                 con.print(f"no tensor of {a.model} changes format between {policy_a} and {policy_b}")
                 return
@@ -528,4 +474,4 @@ def register(app: typer.Typer) -> None:
                     table.add_row(escape(text), str(n), escape(sa), escape(sb))
             con.print(table)
 
-        _guard(body)
+        guard(body)

@@ -18,7 +18,18 @@ from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-from .lang.ast import Span
+
+class Span(BaseModel):
+    """A source location (1-based, inclusive start). Defined here, not in lang.ast, so that the language imports
+    its diagnostics and never the other way round."""
+
+    model_config = ConfigDict(frozen=True)
+
+    file: str
+    line: int  # 1-based
+    col: int  # 1-based
+    end_line: int
+    end_col: int
 
 
 class PolicyError(Exception):

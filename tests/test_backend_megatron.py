@@ -20,8 +20,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from backends import megatron as mg  # noqa: E402
-from backends.common import UnsupportedByBackend  # noqa: E402
+from precision_dsl.backends import megatron as mg  # noqa: E402
+from precision_dsl.backends.common import UnsupportedByBackend  # noqa: E402
 from precision_dsl.arch import load_architecture  # noqa: E402
 from precision_dsl.parallel import parse_parallel  # noqa: E402
 from precision_dsl.resolve import resolve  # noqa: E402

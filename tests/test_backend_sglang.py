@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import sglang
-from backends.common import UnsupportedByBackend
+from precision_dsl.backends import sglang
+from precision_dsl.backends.common import UnsupportedByBackend
 from precision_dsl.arch import load_architecture
 from precision_dsl.parallel import parse_parallel
 from precision_dsl.resolve import resolve

@@ -19,9 +19,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from backends import converter, megatron, sglang
-from backends.cli import emit_artifacts
-from backends.common import PLAN_FILE, write_tree_atomic
+from precision_dsl.backends import converter, megatron, sglang
+from precision_dsl.backends.cli import emit_artifacts
+from precision_dsl.backends.common import PLAN_FILE, write_tree_atomic
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 
@@ -122,7 +122,7 @@ def test_emit_cli_unsupported_is_exit_1_without_traceback(tmp_path):
 
 
 def test_consumers_refuse_artifacts_of_another_plan(tmp_path):
-    from backends.common import PlanMismatch, check_artifacts
+    from precision_dsl.backends.common import PlanMismatch, check_artifacts
 
     arch = arch_of("tiny-moe")
     a = resolve(REPO / "policies" / "mxfp8-e2e.policy", arch, None)

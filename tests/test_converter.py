@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from backends import converter
-from backends.common import PLAN_FILE
-from backends.safetensors_io import CheckpointError, read_header
-from backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.backends import converter
+from precision_dsl.backends.common import PLAN_FILE
+from precision_dsl.backends.safetensors_io import CheckpointError, read_header
+from precision_dsl.backends.synthetic import write_synthetic_checkpoint
 from precision_dsl.arch import load_architecture
 from precision_dsl.formats import dequantize, group_amax, quantize
 from precision_dsl.resolve import resolve
@@ -201,7 +201,7 @@ def test_verify_detects_a_flipped_byte_and_plan_mismatch(src, tmp_path):
     shard.write_bytes(bytes(data))
     problems = converter.verify(dst, src)
     assert len(problems) == 1 and "differs" in problems[0]
-    from backends.common import PlanMismatch
+    from precision_dsl.backends.common import PlanMismatch
 
     with pytest.raises(PlanMismatch):
         converter.verify(dst, src, expected_hash=seed_plan("bf16").content_hash())

@@ -64,7 +64,7 @@ def test_quantized_weights_byte_identical_after_every_update(arch, policy):
 def test_plan_hash_mismatch_refused_before_touching_buffers(arch):
     trainer = load_model(TINY)
     rollout = RolloutEngine(trainer.config, load_plan("nvfp4-pertoken-dequant-backward", arch))
-    from backends.common import PlanMismatch
+    from precision_dsl.backends.common import PlanMismatch
 
     channel = LiveUpdateChannel(load_plan("mxfp8-e2e", arch))
     with pytest.raises(PlanMismatch, match="plan content hash mismatch"):

@@ -18,11 +18,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from backends import converter
-from backends.common import PlanMismatch, fused_instance
-from backends.quantize import NonFiniteWeight
-from backends.synthetic import write_synthetic_checkpoint
-from backends.weight_update import (InProcessTransport, RankShard, SGLangHTTPTransport, WeightReceiver, WeightSender,
+from precision_dsl.backends import converter
+from precision_dsl.backends.common import PlanMismatch, fused_instance
+from precision_dsl.backends.quantize import NonFiniteWeight
+from precision_dsl.backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.backends.weight_update import (InProcessTransport, RankShard, SGLangHTTPTransport, WeightReceiver, WeightSender,
                                     WeightUpdateError, WeightUpdateMismatch, gather_megatron_shards)
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
@@ -247,7 +247,7 @@ def _gloo_worker(rank, port, src_dir, out_file, policy_path):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        from backends.weight_update import TorchDistributedTransport
+        from precision_dsl.backends.weight_update import TorchDistributedTransport
 
         plan = resolve(Path(policy_path), load_architecture("tiny-moe"), None)
         tr = TorchDistributedTransport()

@@ -20,7 +20,7 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     from rich.console import Console
     from rich.table import Table
 
-    from .cli import EMULATED_NOTE, _write_run, run_summary
+    from .report import EMULATED_NOTE, run_summary, write_run
     from .loop import RunConfig, run
     from .metrics import read_jsonl, write_json_atomic
     from .plots import plot_ablation
@@ -44,7 +44,7 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
             res = run(cfg)
             run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
             run_dir.mkdir(parents=True, exist_ok=True)
-            _write_run(res, run_dir)
+            write_run(res, run_dir)
             runs.setdefault(label, []).append(read_jsonl(run_dir / "metrics.jsonl"))
             summaries.setdefault(label, []).append(run_summary(res))
 

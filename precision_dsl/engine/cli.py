@@ -7,62 +7,34 @@ from typing import List, Optional
 
 import typer
 
-EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (quantize -> dequantize -> FP32 GEMM) with the bit-exact "
-                 "reference quantizers; times are NOT Blackwell speeds")
+from .report import EMULATED_NOTE, write_run
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
-    from ..arch import ArchitectureError
-    from ..commands import UserError
-    from ..parallel import ParallelSpecError
+    """The engine's and the backends' user-facing errors (console.guard adds the compiler's own)."""
+    from ..backends.common import PlanMismatch, UnsupportedByBackend
+    from ..backends.weight_update import NonFiniteWeight, WeightUpdateError
     from .loop import ContractViolation
+    from .miles import MilesError
     from .model import ModelLoadError
     from .numerics import EngineFormatError
     from .plans import PlanLoadError
     from .remote import RemoteRolloutError
     from .task import TaskError
-    errs: list[type[BaseException]] = [ArchitectureError, ContractViolation, ModelLoadError, EngineFormatError,
-                                       PlanLoadError, TaskError, UserError, ParallelSpecError, RemoteRolloutError]
-    try:
-        from backends.common import PlanMismatch, UnsupportedByBackend
-        from backends.weight_update import NonFiniteWeight, WeightUpdateError
 
-        errs += [PlanMismatch, UnsupportedByBackend, WeightUpdateError, NonFiniteWeight]
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from ..diagnostics import PolicyError
-
-        errs.append(PolicyError)
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from .miles import MilesError
-
-        errs.append(MilesError)
-    except ImportError:  # pragma: no cover
-        pass
-    return tuple(errs)
+    return (ContractViolation, ModelLoadError, EngineFormatError, PlanLoadError, TaskError, RemoteRolloutError,
+            PlanMismatch, UnsupportedByBackend, WeightUpdateError, NonFiniteWeight, MilesError)
 
 
 def _guard(body):
-    from ..commands import _fail
+    from ..console import guard
 
-    try:
-        return body()
-    except typer.Exit:
-        raise
-    except _expected_errors() as err:
-        raise _fail(err)
-    except OSError as err:
-        from ..commands import UserError
-
-        raise _fail(UserError(f"{err.strerror or err}: {getattr(err, 'filename', '')}"))
+    return guard(body, _expected_errors())
 
 
 def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> Path:
     """A run directory that holds no previous results (never overwrite a user's files silently)."""
-    from ..commands import UserError
+    from ..console import UserError
 
     if out is None:
         base = Path("runs") / default_name
@@ -116,42 +88,6 @@ def _live_run(cfg, title: str):
         return run(cfg, on_step=on_step)
 
 
-def _write_run(result, out: Path) -> dict:
-    from .metrics import JsonlWriter, read_jsonl, write_json_atomic
-    from .plots import plot_run
-
-    w = JsonlWriter(out / "metrics.jsonl")
-    for m in result.steps:
-        w.write(m)
-    w.close()
-    summary = run_summary(result)
-    write_json_atomic(out / "summary.json", summary)
-    title = f"{result.policy_name}{' [BROKEN ' + result.config.broken_contract + ']' if result.config.broken_contract else ''}"
-    plot_run(read_jsonl(out / "metrics.jsonl"), out, title + " — tiny-moe GRPO (emulated numerics)")
-    return summary
-
-
-def run_summary(result) -> dict:
-    s = result.steps
-    k = max(1, min(10, len(s) // 4))
-
-    def avg(key, xs):
-        return sum(getattr(m, key) for m in xs) / max(len(xs), 1)
-
-    return {
-        "policy": result.policy_name, "plan_hash": result.plan_hash, "rollout_plan_hash": result.rollout_plan_hash,
-        "broken_contract": result.config.broken_contract, "steps": len(s), "seed": result.config.seed,
-        "reward_start": avg("reward_mean", s[:k]), "reward_end": avg("reward_mean", s[-k:]),
-        "mismatch_abs_logp_mean": avg("mismatch_abs_logp", s), "mismatch_k3_mean": avg("mismatch_k3", s),
-        "kl_ref_k3_end": avg("kl_ref_k3", s[-k:]), "grad_spikes": sum(m.grad_spike for m in s),
-        "time_rollout_s": sum(m.time_rollout_s for m in s), "time_train_s": sum(m.time_train_s for m in s),
-        "time_weight_update_s": sum(m.time_weight_update_s for m in s),
-        "rollout_tokens_per_s": sum(m.response_tokens for m in s) / max(sum(m.time_rollout_s for m in s), 1e-9),
-        "quantized_weights_identical_every_step": all(m.quantized_weights_identical is not False for m in s),
-        "wall_s": result.wall_s, "note": EMULATED_NOTE,
-    }
-
-
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
@@ -201,11 +137,11 @@ def register(app: typer.Typer) -> None:
                 con.print(f"wrote {script}")
                 return
             if engine != "embedded":
-                from ..commands import UserError
+                from ..console import UserError
 
                 raise UserError(f"--engine must be embedded or miles, got {engine!r}")
             if device not in ("cpu", "cuda"):
-                from ..commands import UserError
+                from ..console import UserError
 
                 raise UserError(f"--device must be cpu or cuda, got {device!r}")
             from .loop import RunConfig
@@ -223,7 +159,7 @@ def register(app: typer.Typer) -> None:
                       f"{device}" + (f" · rollout process on {rollout_device}" if rollout_device else "")
                       + f"\n{EMULATED_NOTE}")
             result = _live_run(cfg, name)
-            s = _write_run(result, out_dir)
+            s = write_run(result, out_dir)
             con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else
                       f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"))
             con.print(f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} · train-rollout mean |Δlogp| "

@@ -3,8 +3,8 @@
 Everything precision-related comes from the plan through the project's backends, so trainer, converter, rollout and
 live update read ONE contract (../shared/research/miles.md sections 1-3; Miles read at 31f1ca9):
 
-  megatron/   Megatron-LM flags + TE per-module precision YAML + NVTE_* env      (backends.megatron.emit)
-  sglang/     SGLang server args (passed to Miles as --sglang-*), quantization_config, env (backends.sglang.emit)
+  megatron/   Megatron-LM flags + TE per-module precision YAML + NVTE_* env      (precision_dsl.backends.megatron.emit)
+  sglang/     SGLang server args (passed to Miles as --sglang-*), quantization_config, env (precision_dsl.backends.sglang.emit)
   policyc_plan.json   the plan (with content hash) the converter, trainer and rollout check against
   launch_miles.sh     1) env  2) `policyc convert` -> rollout checkpoint (the live exporter reads ITS
                       quantization_config)  3) Miles train.py with the flags above + live-update settings
@@ -60,8 +60,8 @@ def _fix_te_yaml_path(flags: list[str], base: str) -> list[str]:
 
 def build_launch(plan, policy_file: Path, model: str) -> tuple[str, dict[str, str], list]:
     """(script text, env, artifacts). Pure: nothing is written."""
-    from backends import megatron, sglang
-    from backends.common import Artifact
+    from ..backends import megatron, sglang
+    from ..backends.common import Artifact
 
     mcfg = megatron.trainer_config(plan)
     scfg = sglang.rollout_config(plan)

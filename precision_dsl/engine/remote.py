@@ -5,7 +5,7 @@ The embedded loop (loop.py) talks to a rollout through three things: `channel.se
 `update_weights(payload)`, and `generate(prompts, ...)`, plus `received` (the quantized tensors the rollout holds,
 for the byte-identity check). `RemoteRollout` implements exactly those over the process group:
 
-* weights travel through the weight-update path of `backends.weight_update` — `WeightSender` on the trainer,
+* weights travel through the weight-update path of `precision_dsl.backends.weight_update` — `WeightSender` on the trainer,
   `WeightReceiver` on the rollout, over `TorchDistributedTransport` (a broadcast from rank 0; NCCL on GPUs). Both
   sides run the plan-hash handshake before any tensor moves, and the receiver checks a sha256 per tensor
   (check_equal), so a received byte that differs from what was sent aborts the run.
@@ -98,7 +98,7 @@ def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: 
     """Rank 1: a RolloutEngine that only ever receives weights from the process group."""
     import torch.distributed as dist
 
-    from backends.weight_update import TorchDistributedTransport, WeightReceiver
+    from ..backends.weight_update import TorchDistributedTransport, WeightReceiver
 
     from .model import Qwen3MoeConfig
     from .rollout import RolloutEngine
@@ -140,7 +140,7 @@ class _RemoteChannel:
         self.owner, self.bucket_bytes, self.version = owner, bucket_bytes, 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> RemotePayload:
-        from backends.weight_update import TorchDistributedTransport, WeightSender
+        from ..backends.weight_update import TorchDistributedTransport, WeightSender
 
         self.version += 1
         _bcast(("update", self.version), src=0)

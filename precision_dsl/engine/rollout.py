@@ -1,6 +1,6 @@
 """The rollout engine: a SEPARATE model instance that only ever sees weights from the weight-update path.
 
-Like an SGLang server it (1) receives bucketed quantized bytes (backends.weight_update) after a plan-hash
+Like an SGLang server it (1) receives bucketed quantized bytes (precision_dsl.backends.weight_update) after a plan-hash
 handshake that refuses a mismatching plan, (2)
 dequantizes them into its own buffers (its parameters start as NaN, so a missed update cannot go unnoticed), and
 (3) samples with a KV cache, quantizing GEMM inputs exactly as its plan says (per-token NVFP4, MXFP8 1x32, ...).

@@ -1,10 +1,10 @@
-"""The engine's seam to the live weight-update path (backends.weight_update), trainer -> rollout.
+"""The engine's seam to the live weight-update path (precision_dsl.backends.weight_update), trainer -> rollout.
 
 Sender side (trainer): `LiveUpdateChannel.send(weights)` hands BF16(master) weights to `WeightSender`, which quantizes
-them with the converter's own function (backends.quantize.checkpoint_tensors: share-scale groups together), packs
+them with the converter's own function (precision_dsl.backends.quantize.checkpoint_tensors: share-scale groups together), packs
 them into buckets and ships them over a fresh `InProcessTransport`, with a sha256 per tensor (Miles'
 --check-weight-update-equal). Receiver side (rollout): `receive(payload, plan)` runs `WeightReceiver`, which checks
-the plan content hash in the handshake BEFORE any tensor is read (backends.common.PlanMismatch) and verifies the
+the plan content hash in the handshake BEFORE any tensor is read (precision_dsl.backends.common.PlanMismatch) and verifies the
 digests, and returns {hf_name: QuantizedTensor | BF16 tensor}.
 
 Each update gets its own transport, so a refused update leaves nothing queued for the next one.
@@ -21,7 +21,7 @@ from ..plan import Plan
 
 @dataclass
 class Payload:
-    transport: object  # backends.weight_update.InProcessTransport holding this update's messages
+    transport: object  # precision_dsl.backends.weight_update.InProcessTransport holding this update's messages
     plan_hash: str  # what the sender announced
     version: int
     nbytes: int  # quantized bytes on the wire (data + scales)
@@ -35,7 +35,7 @@ class LiveUpdateChannel:
         self.version = 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> Payload:
-        from backends.weight_update import InProcessTransport, WeightSender
+        from ..backends.weight_update import InProcessTransport, WeightSender
 
         transport = InProcessTransport()
         self.version += 1
@@ -47,8 +47,8 @@ class LiveUpdateChannel:
 
 
 def receive(payload: Payload, plan: Plan) -> dict[str, object]:
-    """{hf_name: QuantizedTensor | Tensor}. Raises backends.common.PlanMismatch when the sender's plan differs."""
-    from backends.weight_update import WeightReceiver
+    """{hf_name: QuantizedTensor | Tensor}. Raises precision_dsl.backends.common.PlanMismatch when the sender's plan differs."""
+    from ..backends.weight_update import WeightReceiver
 
     return WeightReceiver(plan, payload.transport, check_equal=True).receive(timeout=60)
 

@@ -38,7 +38,9 @@ __all__ = [
 _HP_DTYPES = {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}
 
 
-def _mxfp8_layout(fmt: TensorFormat, axis: str) -> tuple[str, bool]:
+# The TensorFormat -> reference-arguments mapping, with its validation. Public because every dispatcher over the
+# references (here, and the kernels' entry point) must use this one mapping, so that they cannot drift.
+def mxfp8_layout(fmt: TensorFormat, axis: str) -> tuple[str, bool]:
     block = tuple(fmt.block or (1, 32))
     if block == (32, 32):
         return axis, True
@@ -49,7 +51,7 @@ def _mxfp8_layout(fmt: TensorFormat, axis: str) -> tuple[str, bool]:
     raise FormatInputError(f"{fmt.short()}: MXFP8 blocks are (1, 32), (32, 1) or (32, 32), got {block}")
 
 
-def _fp8_block_args(fmt: TensorFormat) -> tuple[tuple[int, int], bool]:
+def fp8_block_args(fmt: TensorFormat) -> tuple[tuple[int, int], bool]:
     if fmt.block is None or tuple(fmt.block) not in fp8_block.BLOCKS:
         raise FormatInputError(f"{fmt.short()}: FP8 block scaling needs block (1, 128) or (128, 128), got {fmt.block}")
     if fmt.scale_dtype not in (None, "pow2", "fp32"):
@@ -58,14 +60,14 @@ def _fp8_block_args(fmt: TensorFormat) -> tuple[tuple[int, int], bool]:
     return tuple(fmt.block), fmt.scale_dtype != "fp32"  # type: ignore[return-value]
 
 
-def _nvfp4_args(fmt: TensorFormat) -> tuple[bool, str]:
+def nvfp4_args(fmt: TensorFormat) -> tuple[bool, str]:
     block = tuple(fmt.block or (1, 16))
     if block not in ((1, 16), (16, 16)):
         raise FormatInputError(f"{fmt.short()}: NVFP4 blocks are (1, 16) or (16, 16), got {block}")
     return block == (16, 16), fmt.global_scale or "tensor"
 
 
-def _check_fmt(fmt: TensorFormat, global_amax) -> None:
+def check_format(fmt: TensorFormat, global_amax) -> None:
     if not isinstance(fmt, TensorFormat):
         raise FormatInputError(f"expected a precision.TensorFormat, got {type(fmt).__name__}")
     if global_amax is not None and fmt.kind != FormatKind.NVFP4:
@@ -76,7 +78,7 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
              global_amax: Optional[torch.Tensor | float] = None) -> QuantizedTensor:
     """Quantize `x` to `fmt` bit-exactly (TE semantics). Raises FormatInputError for high-precision formats,
     unsupported block shapes and bad inputs (see the format modules for shape / dtype rules)."""
-    _check_fmt(fmt, global_amax)
+    check_format(fmt, global_amax)
     kind = fmt.kind
     if kind in _HP_DTYPES:
         raise FormatInputError(f"{fmt.short()} is a high-precision format: there is nothing to quantize "
@@ -84,13 +86,13 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
     if kind == FormatKind.FP8:
         return fp8_tensor.quantize(x, fmt.element, axis, fmt=fmt)
     if kind == FormatKind.FP8_BLOCK:
-        block, pow2 = _fp8_block_args(fmt)
+        block, pow2 = fp8_block_args(fmt)
         return fp8_block.quantize(x, fmt.element, block, pow2, axis, fmt=fmt)
     if kind == FormatKind.MXFP8:
-        ax, tile_2d = _mxfp8_layout(fmt, axis)
+        ax, tile_2d = mxfp8_layout(fmt, axis)
         return mxfp8.quantize(x, fmt.element, ax, tile_2d, fmt=fmt)
     if kind == FormatKind.NVFP4:
-        tile_2d, scope = _nvfp4_args(fmt)
+        tile_2d, scope = nvfp4_args(fmt)
         return nvfp4.quantize(x, axis, scope, tile_2d, global_amax, fmt=fmt)
     raise FormatInputError(f"no reference quantizer for format kind {kind!r}")
 
@@ -114,16 +116,16 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """dequantize(quantize(x, fmt)) returned in `out_dtype` (default x.dtype); identity for bf16/fp16/fp32 formats.
     Bitwise equal to the two-step path (the fp32 dequantized values are the same; tested)."""
-    _check_fmt(fmt, global_amax)
+    check_format(fmt, global_amax)
     out_dtype = out_dtype or x.dtype
     kind = fmt.kind
     if kind in _HP_DTYPES:
         return x if x.dtype == out_dtype else x.to(out_dtype)
     if kind == FormatKind.MXFP8:
-        ax, tile_2d = _mxfp8_layout(fmt, axis)
+        ax, tile_2d = mxfp8_layout(fmt, axis)
         return mxfp8.fake_quantize(x, fmt.element, ax, tile_2d, out_dtype=out_dtype)
     if kind == FormatKind.NVFP4:
-        tile_2d, scope = _nvfp4_args(fmt)
+        tile_2d, scope = nvfp4_args(fmt)
         return nvfp4.fake_quantize(x, axis, scope, tile_2d, global_amax, out_dtype=out_dtype)
     return dequantize(quantize(x, fmt, axis=axis), torch.float32).to(out_dtype)
 
@@ -147,15 +149,15 @@ def nbytes_of(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row") -> 
         return m * k + 4
     rows, cols = (m, k) if axis == "row" else (k, m)
     if kind == FormatKind.FP8_BLOCK:
-        (br, bc), _ = _fp8_block_args(fmt)
+        (br, bc), _ = fp8_block_args(fmt)
         return m * k + 4 * _cdiv(rows, br) * _cdiv(cols, bc)
     if kind == FormatKind.MXFP8:
-        ax, tile_2d = _mxfp8_layout(fmt, axis)
+        ax, tile_2d = mxfp8_layout(fmt, axis)
         if tile_2d:
             return m * k + _cdiv(m, 32) * _cdiv(k, 32)
         return m * k + (m * _cdiv(k, 32) if ax == "row" else _cdiv(m, 32) * k)
     if kind == FormatKind.NVFP4:
-        tile_2d, scope = _nvfp4_args(fmt)
+        tile_2d, scope = nvfp4_args(fmt)
         data = rows * _cdiv(cols, 2)
         scales = _cdiv(rows, 16) * _cdiv(cols, 16) if tile_2d else rows * _cdiv(cols, 16)
         return data + scales + 4 * (rows if scope == "row" else 1)

@@ -178,20 +178,20 @@ def quantize(x, fmt, *, axis: str = "row", global_amax=None):
     Triton kernel for `fmt` when `x` is on a capable GPU (byte-identical to the reference, tests/test_kernels.py),
     otherwise the reference itself (CPU, FP8 per-tensor, shapes or options the kernels do not take)."""
     from .. import formats
-    from ..formats import _check_fmt, _fp8_block_args, _mxfp8_layout, _nvfp4_args
+    from ..formats import check_format, fp8_block_args, mxfp8_layout, nvfp4_args
     from ..precision import FormatKind
 
     if not _usable(x):
         return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
     # The TensorFormat -> arguments mapping (and its validation) is the reference dispatch's, so the two can't drift.
-    _check_fmt(fmt, global_amax)
+    check_format(fmt, global_amax)
     if fmt.kind == FormatKind.NVFP4:
-        tile_2d, scope = _nvfp4_args(fmt)
+        tile_2d, scope = nvfp4_args(fmt)
         return nvfp4_quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt)
     if fmt.kind == FormatKind.MXFP8:
-        ax, tile_2d = _mxfp8_layout(fmt, axis)
+        ax, tile_2d = mxfp8_layout(fmt, axis)
         return mxfp8_quantize(x, element=fmt.element, axis=ax, tile_2d=tile_2d, fmt=fmt)
     if fmt.kind == FormatKind.FP8_BLOCK:
-        block, pow2 = _fp8_block_args(fmt)
+        block, pow2 = fp8_block_args(fmt)
         return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt)
     return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)

@@ -10,15 +10,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
-
-class Span(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    file: str
-    line: int  # 1-based
-    col: int  # 1-based
-    end_line: int
-    end_col: int
+from ..diagnostics import Span  # the source location every diagnostic points at; nodes carry one
 
 
 class Node(BaseModel):
