@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-BACKEND_CHOICES = ("megatron", "sglang", "converter", "weight_update")
+from .common import BACKENDS
 
 
 def _run(body):
@@ -58,7 +58,7 @@ def emit_artifacts(plan, backends: Optional[list[str]] = None):
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
     arts = [Artifact(PLAN_FILE, plan.to_json(indent=None) + "\n", "the plan (IR) with its content_hash")]
-    for name in backends or BACKEND_CHOICES:
+    for name in backends or BACKENDS:
         arts.extend(mods[name].emit(plan))
     return arts
 
@@ -82,9 +82,9 @@ def register(app: typer.Typer) -> None:
 
             from .common import plan_hash, write_tree_atomic
 
-            bad = [b for b in backend or [] if b not in BACKEND_CHOICES]
+            bad = [b for b in backend or [] if b not in BACKENDS]
             if bad:
-                raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKEND_CHOICES)}")
+                raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKENDS)}")
             plan = build_plan(policy, model, parallel)
             arts = emit_artifacts(plan, list(backend) if backend else None)
             write_tree_atomic(out, arts, force=force)

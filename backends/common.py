@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from ..arch.base import FUSED_SIBLINGS
 from ..plan import Plan, TensorPlan
-from ..precision import FormatKind, TensorFormat
 
-BACKENDS = ("megatron", "sglang", "converter", "weight_update")
+BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backend` choices, in emit order
 
 # File every backend writes next to its artifacts: the full plan JSON (with content_hash) so a consumer can verify.
 PLAN_FILE = "policyc_plan.json"
@@ -143,12 +141,6 @@ def replace_dir(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # plan helpers
 # ---------------------------------------------------------------------------------------------------------------
-def weight_kind(t: TensorPlan) -> str:
-    """The storage kind of a tensor under the plan: 'bf16' / 'fp32' / ... for high precision, else the quantized
-    kind ('mxfp8', 'nvfp4', 'fp8_block', 'fp8'). This is the unit the consistency check compares."""
-    return t.precision.weight.kind.value
-
-
 def is_quantized(t: TensorPlan) -> bool:
     return t.is_linear and t.precision.weight.is_quantized
 
@@ -156,33 +148,6 @@ def is_quantized(t: TensorPlan) -> bool:
 def module_of(hf_name: str) -> str:
     """HF module path of a parameter name (drop the trailing `.weight` / `.bias`)."""
     return hf_name.rsplit(".", 1)[0]
-
-
-def fused_instance(t: TensorPlan) -> Optional[tuple]:
-    """Key of the fused-sibling instance `t` belongs to (serving engines run these as one GEMM), or None.
-    Routed experts fuse gate/up per expert; the expert index is part of the key."""
-    for group, roles in FUSED_SIBLINGS.items():
-        if t.role in roles:
-            return (group, t.mtp, t.layer, t.expert if group == "experts.gate_up" else None)
-    return None
-
-
-def fused_members(plan: Plan) -> dict[tuple, list[TensorPlan]]:
-    out: dict[tuple, list[TensorPlan]] = {}
-    for t in plan.tensors:
-        key = fused_instance(t)
-        if key is not None:
-            out.setdefault(key, []).append(t)
-    return out
-
-
-def hp_torch_dtype_name(fmt: TensorFormat) -> str:
-    """safetensors dtype name for a high-precision storage format."""
-    return {FormatKind.BF16: "bfloat16", FormatKind.FP16: "float16", FormatKind.FP32: "float32"}[fmt.kind]
-
-
-def quantized_kinds(plan: Plan) -> set[FormatKind]:
-    return {t.precision.weight.kind for t in plan.quantized()}
 
 
 def check_artifacts(out_dir: Path, plan: Plan) -> list[str]:

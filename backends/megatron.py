@@ -484,7 +484,7 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
         else:
             import fnmatch
 
-            name = global_kind_name = None
+            name = None
             matched = False
             for m in recipes[fname]["matchers"].values():
                 if m.get("enabled") and fnmatch.fnmatch(local, m["pattern"]):
@@ -495,7 +495,6 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
             if not matched:
                 out[mod] = global_kind
                 continue
-            del global_kind_name
         out[mod] = RECIPE_KIND[str(name)] if name else "bf16"
     return out
 

@@ -26,12 +26,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import kernels
+from ..formats import torch_dtype
 from ..plan import Plan, TensorPlan
-from ..precision import FormatKind, TensorFormat
-
+from ..precision import HP_DTYPE_NAMES, FormatKind
 from .common import UnsupportedByBackend, module_of
-
-_HP_DTYPES = {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}
 
 # Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
 SUFFIXES = {
@@ -85,14 +84,13 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
 
 
-def output_specs(t: TensorPlan, source_dtype: str = "bfloat16") -> list[tuple[str, str, tuple[int, ...]]]:
+def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor written for `t`, without touching data. Lets the
     converter write a safetensors header before quantizing (streaming) and lets manifests be derived."""
     mod = module_of(t.hf_name)
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):
-        dt = {FormatKind.BF16: "BF16", FormatKind.FP16: "F16", FormatKind.FP32: "F32"}[w.kind]
-        return [(t.hf_name, dt, tuple(t.shape))]
+        return [(t.hf_name, HP_DTYPE_NAMES[w.kind][1], tuple(t.shape))]
     n, k = t.shape
     if w.kind == FormatKind.MXFP8:
         return [(f"{mod}.weight", "F8_E4M3", (n, k)), (f"{mod}.weight_scale_inv", "U8", (n, k // 32))]
@@ -103,32 +101,6 @@ def output_specs(t: TensorPlan, source_dtype: str = "bfloat16") -> list[tuple[st
         return [(f"{mod}.weight", "F8_E4M3", (n, k)),
                 (f"{mod}.weight_scale_inv", "F32", (-(-n // 128), -(-k // 128)))]
     raise AssertionError(w.kind)
-
-
-def _fmt_for_quantizer(w: TensorFormat) -> TensorFormat:
-    # Weights are quantized rowwise (blocks along K, the forward copy). A share-scale "group" scope is passed as is
-    # together with the group's amax (formats.nvfp4 requires global_amax for it).
-    return w
-
-
-def _quantize(x: torch.Tensor, w: TensorFormat, global_amax):
-    """Rowwise quantization of a weight. CUDA tensors go through precision_dsl.kernels (fused Triton kernels, byte
-    for byte equal to the references - tests/test_kernels.py; they fall back to the reference themselves whenever
-    they cannot run); CPU tensors go straight to the readable reference in precision_dsl.formats."""
-    from .. import kernels
-
-    return kernels.quantize(x, w, axis="row", global_amax=global_amax)
-    from .. import kernels
-
-    if w.kind == FormatKind.MXFP8:
-        return kernels.mxfp8_quantize(x, element=w.element, axis="row", tile_2d=w.block == (32, 32), fmt=w)
-    if w.kind == FormatKind.NVFP4:
-        return kernels.nvfp4_quantize(x, axis="row", scope=w.global_scale or "tensor", tile_2d=w.block == (16, 16),
-                                      global_amax=global_amax, fmt=w)
-    if w.kind == FormatKind.FP8_BLOCK:
-        return kernels.fp8_block_quantize(x, element=w.element, block=w.block, pow2=w.scale_dtype == "pow2",
-                                          axis="row", fmt=w)
-    return quantize(x, w, axis="row", global_amax=global_amax)
 
 
 def _assert_finite(name: str, x: torch.Tensor) -> None:
@@ -145,7 +117,7 @@ def _assert_finite(name: str, x: torch.Tensor) -> None:
 
 
 def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backend: str = "converter",
-                       check_finite: bool = True) -> dict[str, torch.Tensor]:
+                       check_finite: bool = True, kernel: str = "auto") -> dict[str, torch.Tensor]:
     """Checkpoint tensors (full names -> tensors, exact dtypes) for one unit of work: a single tensor, or ALL the
     members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
     if check_finite:
@@ -165,14 +137,16 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
             raise ValueError(f"tensor '{t.hf_name}' has shape {tuple(x.shape)}, the plan says {t.shape}")
         if not (t.is_linear and w.is_quantized):
             check_supported(t, backend)
-            out[t.hf_name] = x.to(_HP_DTYPES[w.kind]).contiguous()
+            out[t.hf_name] = x.to(torch_dtype(w)).contiguous()
             continue
         check_supported(t, backend)
         mod = module_of(t.hf_name)
         ga = group_amax if (w.kind == FormatKind.NVFP4 and w.global_scale == "group") else None
         if w.kind == FormatKind.NVFP4 and w.global_scale == "group" and t.share_scale_group is None:
             raise UnsupportedByBackend(backend, t.hf_name, "NVFP4 'group' weight scale without a share-scale group")
-        q = _quantize(x, _fmt_for_quantizer(w), ga)
+        # Rowwise (blocks along K, the forward copy). kernels.quantize: the fused Triton kernel for CUDA tensors
+        # (byte for byte the reference, tests/test_kernels.py), the readable reference otherwise, or as `kernel` says.
+        q = kernels.quantize(x, w, axis="row", global_amax=ga, kernel=kernel)
         n, k = t.shape
         if w.kind == FormatKind.MXFP8:
             out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
@@ -239,7 +213,7 @@ def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
                                scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
     if w.kind == FormatKind.NVFP4:
         s2 = tensors[f"{mod}.weight_scale_2"].reshape(1).to(torch.float32)
-        return QuantizedTensor(fmt=_fmt_for_quantizer(w), shape=(n, k), data=tensors[f"{mod}.weight"],
+        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"],
                                scale=tensors[f"{mod}.weight_scale"].view(torch.uint8), global_scale=s2,
                                axis="row")
     if w.kind == FormatKind.FP8_BLOCK:

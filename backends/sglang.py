@@ -35,9 +35,7 @@ from typing import Optional
 
 from ..plan import Plan, TensorPlan
 from ..precision import FormatKind
-
-from .common import (Artifact, UnsupportedByBackend, dump_json, fused_members, is_quantized, module_of,
-                     plan_stamp)
+from .common import Artifact, UnsupportedByBackend, dump_json, is_quantized, module_of, plan_stamp
 
 BACKEND = "sglang"
 SGLANG_VERSION = "0.5.23"
@@ -76,7 +74,7 @@ def _sglang_prefix(t: TensorPlan) -> str:
 def _check_fused(plan: Plan) -> None:
     """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang."""
     groups = {m: g for g in plan.share_scale_groups for m in g.members}
-    for key, members in fused_members(plan).items():
+    for key, members in plan.fused_members().items():
         first = members[0]
         for t in members[1:]:
             if _serving_key(t) != _serving_key(first):

@@ -51,7 +51,7 @@ import torch
 
 from ..plan import Plan, TensorPlan
 
-from .common import PLAN_FILE, PlanMismatch, fused_instance
+from .common import PLAN_FILE, PlanMismatch
 from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
 
@@ -444,7 +444,7 @@ def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
         g = groups.get(t.hf_name) if needs_shared_amax(t) else None
         if g is not None:
             return ("share", g.id)
-        fi = fused_instance(t)
+        fi = t.fused_key
         return ("fused",) + fi if fi is not None else ("one", t.hf_name)
 
     need: dict[tuple, set[str]] = {}
@@ -459,7 +459,7 @@ def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
         return k
 
     for t in plan.tensors:  # a share-scale group overlapping a fused instance (gate/up) joins it
-        fi = fused_instance(t)
+        fi = t.fused_key
         if fi is not None and ("fused",) + fi in need:
             parent[find(key(t))] = find(("fused",) + fi)
     members: dict[tuple, set[str]] = {}

@@ -26,7 +26,6 @@ Layout facts used (HF weight layout [N, K] = [out_features, in_features]):
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Optional
 
 from .arch.base import Architecture
@@ -183,14 +182,8 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
     """Siblings that engines fuse into one GEMM must agree in format (weight kind/block, activation, backward).
     The weight's second-level scale scope may differ only by share_scale ('group' vs per tensor) handled in
     check_share_scale, so it is ignored here."""
-    by_instance: dict[tuple, list[TensorPlan]] = defaultdict(list)
-    fused = _fused_group_of(plan)
-    for t in plan.tensors:
-        g = fused.get(t.role)
-        if g is not None and t.is_linear:
-            by_instance[(t.layer, t.expert, t.mtp, g)].append(t)
     agg = _Aggregator()
-    for (layer, expert, mtp, g), members in by_instance.items():
+    for (g, _mtp, _layer, _expert), members in plan.fused_members().items():
         w = members[0].weight
         if len(members) > 1 and w.is_quantized and all(m.weight.global_scale in ("tensor", "expert") for m in members):
             # engines fuse these into one GEMM with ONE second-level scale and reconcile separate scales with max()
@@ -215,12 +208,6 @@ def _share_example(group: str) -> str:
     return {"qkv": "attn.{q, k, v}", "q_a+kv_a": "attn.{q_a, kv_a}", "gate_up": "mlp.{gate, up}",
             "experts.gate_up": "routed_experts.{gate, up}",
             "shared_experts.gate_up": "shared_experts.{gate, up}"}.get(group, "<siblings>")
-
-
-def _fused_group_of(plan: Plan) -> dict[str, str]:
-    from .arch.base import FUSED_SIBLINGS
-
-    return {role: g for g, roles in FUSED_SIBLINGS.items() for role in roles}
 
 
 def _fusion_key(t: TensorPlan):

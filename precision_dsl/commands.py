@@ -37,11 +37,13 @@ def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan
     from .parallel import parse_parallel
     from .resolve import resolve
 
+    from .resources import find_policy, policy_hint
+
     layout = parse_parallel(parallel)
-    if not Path(policy).is_file():
-        raise UserError(f"policy file '{policy}' does not exist",
-                        "shipped policies live in policies/ (try: ls policies/)")
-    return resolve(policy, load_arch(model), layout)
+    path = find_policy(policy)
+    if path is None:
+        raise UserError(f"policy file '{policy}' does not exist", policy_hint())
+    return resolve(path, load_arch(model), layout)
 
 
 # ---------------------------------------------------------------------------------------------------------------

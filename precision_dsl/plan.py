@@ -14,7 +14,9 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .precision import BackwardMode, Precision, TensorFormat
+from . import __version__
+from .arch.base import fused_key
+from .precision import DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat
 
 
 class RuleRef(BaseModel):
@@ -66,10 +68,14 @@ class TensorPlan(BaseModel):
     # `precision.weight` is meaningful and it is always high precision.
     precision: Precision
     share_scale_group: Optional[str] = None  # id of the share-scale group (all members use one global scale)
-    bytes_before: int  # in the checkpoint dtype
-    bytes_after: int  # weight storage under the plan (data + block scales)
+    bytes_before: int  # in the checkpoint dtype (precision.source_bytes)
+    bytes_after: int  # weight storage under the plan: data + block scales (precision.storage_bytes)
     decided_by: Optional[RuleRef] = None  # None: the policy's `default`
     overridden: tuple[RuleRef, ...] = ()  # earlier matching rules this one overrode, in source order
+    # Carried from the architecture so that no consumer re-derives them. Both are facts of the model, not of the
+    # policy, and are left out of content_hash (names and shapes already pin the model).
+    fused_group: Optional[str] = None  # FUSED_SIBLINGS key (TensorInfo.fused_group): engines run these as one GEMM
+    source_dtype: str = DEFAULT_SOURCE_DTYPE  # dtype of the source checkpoint tensor (precision.CHECKPOINT_DTYPES)
 
     @property
     def weight(self) -> TensorFormat:
@@ -94,6 +100,11 @@ class TensorPlan(BaseModel):
             n *= d
         return n
 
+    @property
+    def fused_key(self) -> Optional[tuple]:
+        """The fused-sibling instance (group, mtp, layer, expert) of this tensor, or None (arch.base.fused_key)."""
+        return fused_key(self)
+
 
 class ShareScaleGroup(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -116,7 +127,7 @@ class Plan(BaseModel):
     parallel: Optional[ParallelLayout] = None
     tensors: tuple[TensorPlan, ...]
     share_scale_groups: tuple[ShareScaleGroup, ...] = ()
-    policyc_version: str = "0.1.0"
+    policyc_version: str = __version__
     notes: tuple[str, ...] = Field(default=())
 
     # -- contract ------------------------------------------------------------------------------------------------
@@ -149,6 +160,15 @@ class Plan(BaseModel):
             if hf_name in g.members:
                 return g
         return None
+
+    def fused_members(self) -> dict[tuple, list[TensorPlan]]:
+        """Fused-sibling instances -> their tensors, in plan order."""
+        out: dict[tuple, list[TensorPlan]] = {}
+        for t in self.tensors:
+            key = t.fused_key
+            if key is not None:
+                out.setdefault(key, []).append(t)
+        return out
 
     def quantized(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.is_linear and t.weight.is_quantized]

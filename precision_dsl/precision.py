@@ -9,9 +9,10 @@ These are pure data (pydantic, frozen, hashable): no torch import here, so `poli
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 from functools import lru_cache
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -32,6 +33,24 @@ HIGH_PRECISION_KINDS = frozenset({FormatKind.BF16, FormatKind.FP16, FormatKind.F
 BLACKWELL_ONLY_KINDS = frozenset({FormatKind.MXFP8, FormatKind.NVFP4})
 # FP8 per-tensor and FP8-block run natively on Hopper (SM90) and Blackwell.
 HOPPER_NATIVE_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK}) | HIGH_PRECISION_KINDS
+
+# Kinds with a quantized backward (wgrad/dgrad GEMMs on quantized operands; TE recipes exist for these only).
+QUANTIZED_BACKWARD_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK, FormatKind.MXFP8})
+
+# ---- constant tables: each fact in one place -------------------------------------------------------------------
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # largest finite float8_e4m3fn / float8_e5m2
+ELEMENT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "e2m1": 4}
+# High-precision storage kinds: (torch / config.json dtype name, safetensors dtype name).
+HP_DTYPE_NAMES = {FormatKind.BF16: ("bfloat16", "BF16"), FormatKind.FP16: ("float16", "F16"),
+                  FormatKind.FP32: ("float32", "F32")}
+# Checkpoint dtype names (config.json `torch_dtype`, TensorInfo.dtype) -> (the high-precision format the tensor
+# counts as when a policy leaves it alone, bytes per element). FP8/int8 sources count as bf16 (dequantized).
+CHECKPOINT_DTYPES = {
+    "bfloat16": ("bf16", 2), "bf16": ("bf16", 2), "float16": ("fp16", 2), "fp16": ("fp16", 2), "half": ("fp16", 2),
+    "float32": ("fp32", 4), "fp32": ("fp32", 4), "float": ("fp32", 4),
+    "float8_e4m3fn": ("bf16", 1), "float8_e5m2": ("bf16", 1), "int8": ("bf16", 1), "uint8": ("bf16", 1),
+}
+DEFAULT_SOURCE_DTYPE = "bfloat16"
 
 Element = Literal["bf16", "fp16", "fp32", "e4m3", "e5m2", "e2m1"]
 ScaleDtype = Literal["e8m0", "e4m3", "fp32", "pow2"]
@@ -69,7 +88,7 @@ class TensorFormat(BaseModel):
     def bits(self) -> float:
         """Storage bits per element, including block scales and ignoring the (negligible) per-tensor/per-row
         FP32 scales. Used for the byte accounting in `plan`."""
-        elem_bits = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "e2m1": 4}[self.element]
+        elem_bits = ELEMENT_BITS[self.element]
         if self.block is None:
             return float(elem_bits)
         scale_bits = 32 if self.scale_dtype in ("fp32", "pow2") else 8
@@ -142,6 +161,46 @@ class Precision(BaseModel):
     def high(cls, kind: str = "bf16") -> "Precision":
         f = hp(kind)
         return cls(weight=f, activation=f, grad=f, backward=BackwardMode.HIGH_PRECISION)
+
+
+# ---- byte accounting: the one place ---------------------------------------------------------------------------
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def source_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a checkpoint tensor of `shape` stored as `dtype` (unknown dtype names count as bf16)."""
+    return math.prod(shape) * CHECKPOINT_DTYPES.get(dtype, ("bf16", 2))[1]
+
+
+def storage_bytes(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row") -> int:
+    """Stored bytes of a tensor of `shape` in `fmt`: data + compact block scales + FP32 second-level scales (NVFP4
+    S_dec, FP8 scale_inv; one per row for a per-row scope). Partial blocks count as whole blocks. Equals the
+    reference quantizer's `QuantizedTensor.nbytes` whenever it accepts the shape (formats.nbytes_of validates the
+    format and answers with this; tests/test_formats_dispatch.py checks both)."""
+    shape = tuple(int(s) for s in shape)
+    m, k = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
+    kind = fmt.kind
+    if kind in HIGH_PRECISION_KINDS:
+        return m * k * ELEMENT_BITS[fmt.element] // 8
+    if kind == FormatKind.FP8:
+        return m * k + 4
+    rows, cols = (m, k) if axis == "row" else (k, m)
+    if kind == FormatKind.FP8_BLOCK:
+        br, bc = fmt.block or (1, 128)
+        return m * k + 4 * _cdiv(rows, br) * _cdiv(cols, bc)
+    if kind == FormatKind.MXFP8:
+        block = tuple(fmt.block or (1, 32))
+        if block == (32, 32):
+            return m * k + _cdiv(m, 32) * _cdiv(k, 32)
+        col = axis == "col" or block == (32, 1)
+        return m * k + (_cdiv(m, 32) * k if col else m * _cdiv(k, 32))
+    if kind == FormatKind.NVFP4:
+        tile_2d = tuple(fmt.block or (1, 16)) == (16, 16)
+        data = rows * _cdiv(cols, 2)
+        scales = _cdiv(rows, 16) * _cdiv(cols, 16) if tile_2d else rows * _cdiv(cols, 16)
+        return data + scales + 4 * (rows if fmt.global_scale == "row" else 1)
+    raise ValueError(f"storage_bytes: unknown format kind {kind!r}")
 
 
 class FormatError(ValueError):

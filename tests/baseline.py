@@ -3,7 +3,8 @@
     python tests/baseline.py            # (re)write tests/data/baseline_hashes.json -- only when behaviour is MEANT
                                         # to change, and say why in the commit message
 
-Figures: the content hash of every shipped policy x bundled model plan (or the exact refusal), the sha256 of every
+Figures: the content hash of every shipped policy x bundled model plan (or the exact refusal), its byte accounting
+(bytes before/after of every tensor, as one sha256), the sha256 of every
 artifact `policyc emit` writes for tiny-moe, and the sha256 of every file the checkpoint converter writes for the
 bundled tiny-moe checkpoint under each shipped policy (or the exact refusal). tests/test_baseline.py recomputes
 them and compares. Recorded on the commit before issue 14's restructure ("one house").
@@ -26,8 +27,26 @@ def policies() -> list[Path]:
     return sorted((ROOT / "policies").glob("*.policy"))
 
 
+# TensorPlan fields added after the recording (issue 14: the IR carries fused groups and the source dtype). They
+# are left out of content_hash; a plan JSON file is compared with them removed, everything else byte for byte.
+NEW_IR_FIELDS = {"fused_group", "source_dtype"}
+PLAN_FILE = "policyc_plan.json"
+
+
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha(name: str, data: bytes) -> str:
+    if not name.endswith(PLAN_FILE):
+        return _sha(data)
+    from precision_dsl.plan import Plan
+
+    plan = Plan.from_json(data.decode())
+    fields = set(Plan.model_fields["tensors"].annotation.__args__[0].model_fields) & NEW_IR_FIELDS
+    assert all(f'"{f}":' in data.decode() for f in fields), "plan JSON lacks the IR's new fields"
+    body = plan.model_dump_json(exclude={"tensors": {"__all__": fields}} if fields else None)
+    return _sha(('{"content_hash":' + json.dumps(plan.content_hash()) + "," + body[1:] + "\n").encode())
 
 
 def _refusal(err: Exception) -> str:
@@ -35,37 +54,48 @@ def _refusal(err: Exception) -> str:
     return f"refused: {type(err).__name__}: {err}".replace(str(ROOT) + "/", "")
 
 
-def plan_hashes(models=None) -> dict:
+def _plans():
     from precision_dsl.arch import list_bundled, load_architecture
     from precision_dsl.resolve import resolve
 
-    out = {}
-    for model in models or list_bundled():
+    for model in list_bundled():
         arch = load_architecture(model)
         for pol in policies():
             try:
-                out[f"{pol.stem}@{model}"] = resolve(pol, arch, None).content_hash()
+                yield f"{pol.stem}@{model}", resolve(pol, arch, None)
             except Exception as err:  # a refusal is behaviour too: record it exactly
-                out[f"{pol.stem}@{model}"] = _refusal(err)
-    return out
+                yield f"{pol.stem}@{model}", _refusal(err)
+
+
+def plan_figures() -> tuple[dict, dict]:
+    """(content hash, sha256 of every tensor's `name|bytes_before|bytes_after`) of every policy x model plan."""
+    hashes, sizes = {}, {}
+    for key, plan in _plans():
+        if isinstance(plan, str):
+            hashes[key] = sizes[key] = plan
+            continue
+        hashes[key] = plan.content_hash()
+        sizes[key] = _sha("\n".join(f"{t.hf_name}|{t.bytes_before}|{t.bytes_after}" for t in plan.tensors).encode())
+    return hashes, sizes
 
 
 def emitted(model: str = CONVERT_MODEL) -> dict:
     from precision_dsl.arch import load_architecture
     from precision_dsl.backends import cli as backend_cli
+    from precision_dsl.backends.common import BACKENDS
     from precision_dsl.resolve import resolve
 
     arch = load_architecture(model)
     out = {}
     for pol in policies():
         plan = resolve(pol, arch, None)
-        for backend in backend_cli.BACKEND_CHOICES:
+        for backend in BACKENDS:
             try:
                 arts = backend_cli.emit_artifacts(plan, [backend])
             except Exception as err:
                 out[f"{pol.stem}/{backend}"] = _refusal(err)
                 continue
-            out[f"{pol.stem}/{backend}"] = {a.path: _sha(a.data()) for a in arts}
+            out[f"{pol.stem}/{backend}"] = {a.path: _file_sha(a.path, a.data()) for a in arts}
     return out
 
 
@@ -87,13 +117,14 @@ def converted(model: str = CONVERT_MODEL) -> dict:
             except Exception as err:
                 out[pol.stem] = _refusal(err)
                 continue
-            out[pol.stem] = {str(p.relative_to(dst)): _sha(p.read_bytes())
+            out[pol.stem] = {str(p.relative_to(dst)): _file_sha(p.name, p.read_bytes())
                              for p in sorted(dst.rglob("*")) if p.is_file()}
     return out
 
 
 def compute() -> dict:
-    return {"plan_hashes": plan_hashes(), "emitted": emitted(), "converted": converted()}
+    hashes, sizes = plan_figures()
+    return {"plan_hashes": hashes, "plan_bytes": sizes, "emitted": emitted(), "converted": converted()}
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ MAY_USE = {
     "arch": {"base"},
     "diagnostics": {"base"},
     "lang": {"base", "arch", "diagnostics"},
-    "plan": {"base"},
+    "plan": {"base", "arch"},
     "resolve": {"base", "arch", "diagnostics", "lang", "plan"},
     "formats": {"base"},
     "kernels": {"base", "formats"},

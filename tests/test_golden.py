@@ -19,7 +19,7 @@ import torch
 
 from precision_dsl import formats
 from precision_dsl.formats import nvfp4, swizzle
-from precision_dsl.precision import FormatKind, TensorFormat
+from precision_dsl.precision import TensorFormat
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = Path(os.environ.get("POLICYC_GOLDEN_DIR", REPO_ROOT.parent / "shared" / "golden" / "quantizers"))

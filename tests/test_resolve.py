@@ -322,7 +322,7 @@ def test_import_cycle(tmp_path):
 
 def test_missing_import_and_errors_inside_imports(tmp_path):
     e = perr(tmp_path, '    import "nope.policy"')
-    assert e.location.endswith("p.policy:2:5") and "cannot find" in e.message and "bundled policies" in e.hint
+    assert e.location.endswith("p.policy:2:5") and "cannot find" in e.message and "shipped policy name" in e.hint
     write(tmp_path, "bad.policy", "    attn: nvfp5", "bad")
     e = perr(tmp_path, '    import "bad.policy"')
     assert e.location.endswith("bad.policy:2:11") and "nvfp5" in e.render().splitlines()[1]
@@ -335,7 +335,7 @@ def test_missing_import_and_errors_inside_imports(tmp_path):
 def test_missing_root_file(tmp_path):
     with pytest.raises(PolicyError) as ei:
         resolve(tmp_path / "missing.policy", hand_arch())
-    assert "not found" in ei.value.render() and "bundled policies" in ei.value.hint
+    assert "not found" in ei.value.render() and "shipped policy name" in ei.value.hint
 
 
 # ---- target ----------------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from precision_dsl.backends import converter
-from precision_dsl.backends.common import PlanMismatch, fused_instance
+from precision_dsl.backends.common import PlanMismatch
 from precision_dsl.backends.quantize import NonFiniteWeight
 from precision_dsl.backends.synthetic import write_synthetic_checkpoint
 from precision_dsl.backends.weight_update import (InProcessTransport, RankShard, SGLangHTTPTransport, WeightReceiver, WeightSender,
@@ -179,13 +179,13 @@ def test_buckets_keep_atomic_groups_together(src):
     for i, names in enumerate(rep.bucket_names):
         for n in names:
             t = by.get(n) or by.get(n.rsplit(".", 1)[0] + ".weight")
-            key = fused_instance(t) if fused_instance(t) else ("one", t.hf_name)
+            key = t.fused_key if t.fused_key else ("one", t.hf_name)
             assert home.setdefault(key, i) == i, f"{key} split across buckets"
     sizes = [sum(raw[n].numel() * raw[n].element_size() for n in names) for names in rep.bucket_names]
     # a bucket exceeds the limit only when it holds a single atomic unit
     for names, size in zip(rep.bucket_names, sizes):
         if size > 40_000:
-            units = {fused_instance(by.get(n) or by[n.rsplit(".", 1)[0] + ".weight"]) or n for n in names}
+            units = {(by.get(n) or by[n.rsplit(".", 1)[0] + ".weight"]).fused_key or n for n in names}
             assert len(units) == 1
     assert any(len({n.rsplit(".", 2)[0] for n in names}) > 1 for names in rep.bucket_names)
 

@@ -75,6 +75,17 @@ FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+FUSED_GROUP_OF_ROLE: dict[str, str] = {role: g for g, roles in FUSED_SIBLINGS.items() for role in roles}
+
+
+def fused_key(t) -> Optional[tuple]:
+    """The fused-sibling INSTANCE a tensor (TensorInfo or plan TensorPlan) belongs to -- (group, mtp, layer,
+    expert): one layer's q/k/v, one expert's gate/up -- or None. The one definition every consumer uses (checks,
+    resolver share-scale groups, SGLang, weight-update atomic groups)."""
+    g = t.fused_group
+    return None if g is None else (g, t.mtp, t.layer, t.expert)
+
+
 class TensorInfo(BaseModel):
     """One checkpoint tensor."""
 
@@ -102,6 +113,10 @@ class TensorInfo(BaseModel):
         for d in self.shape:
             n *= d
         return n
+
+    @property
+    def fused_key(self) -> Optional[tuple]:
+        return fused_key(self)
 
     @property
     def module(self) -> str:

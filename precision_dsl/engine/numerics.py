@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import formats, kernels
 from ..precision import FormatKind, TensorFormat
 
 
@@ -17,13 +18,9 @@ class EngineFormatError(ValueError):
     """A plan asks the embedded engine for a format it cannot emulate (message names the tensor + a hint)."""
 
 
-def _hp_dtype(fmt: TensorFormat) -> torch.dtype:
-    return {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}[fmt.kind]
-
-
 def round_hp(x: torch.Tensor, fmt: TensorFormat) -> torch.Tensor:
     """Round to a high-precision storage format (bf16/fp16/fp32) and back to fp32."""
-    return x.to(_hp_dtype(fmt)).to(torch.float32)
+    return x.to(formats.torch_dtype(fmt)).to(torch.float32)
 
 
 def _pad_rows(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
@@ -49,21 +46,13 @@ def _block_rows(fmt: TensorFormat, axis: str) -> int:
 
 def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", global_amax=None, what: str = ""):
     """QuantizedTensor of `x` in `fmt` (weights and payloads: the bytes are what trainer and rollout compare)."""
-    from .. import formats
-
-    try:
-        if x.is_cuda:  # fused Triton kernels on the GPU (same bytes as the reference; reference fallback inside)
-            from .. import kernels
-
-            return kernels.quantize(x, fmt, axis=axis, global_amax=global_amax)
-        return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
+    try:  # the fused Triton kernel for CUDA tensors, the reference otherwise: the same bytes either way
+        return kernels.quantize(x, fmt, axis=axis, global_amax=global_amax)
     except formats.FormatInputError as e:
         raise EngineFormatError(f"{what or 'tensor'}: {e}") from None
 
 
 def dequantize(q, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    from .. import formats
-
     return formats.dequantize(q, dtype)
 
 
@@ -74,15 +63,11 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", glob
     never raise a block amax, so the real rows quantize exactly as in TE's padded buffers."""
     if not fmt.is_quantized:
         return round_hp(x, fmt)
-    from .. import formats
-
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
     x2, m = _pad_rows(x2, _block_rows(fmt, axis))
     try:
         if x2.is_cuda:  # fused quantize kernel + dequantize: bitwise the same values as formats.fake_quantize
-            from .. import kernels
-
             out = formats.dequantize(kernels.quantize(x2, fmt, axis=axis, global_amax=global_amax), torch.float32)
         else:
             out = formats.fake_quantize(x2, fmt, axis=axis, global_amax=global_amax, out_dtype=torch.float32)
@@ -106,6 +91,4 @@ def fake_quantize_partitioned(x: torch.Tensor, fmt: TensorFormat, parts: int, *,
 
 
 def group_amax(tensors) -> torch.Tensor:
-    from .. import formats
-
     return formats.group_amax(list(tensors))

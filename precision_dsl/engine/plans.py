@@ -14,6 +14,8 @@ from typing import Optional
 
 from ..plan import Plan
 from ..precision import FormatKind
+from ..resolve import resolve
+from ..resources import find_policy, policy_hint
 
 DEFAULT_POLICY = "nvfp4-pertoken-dequant-backward"
 SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward",
@@ -26,31 +28,17 @@ class PlanLoadError(ValueError):
 
 
 def policy_path(policy: Optional[str]) -> Path:
-    """A path, or the stem of a shipped policy (`mxfp8-e2e`), or None for the engine's default."""
-    from ..resources import policies_dir
-
+    """A policy file or a shipped policy name (resources.find_policy), or None for the engine's default."""
     name = policy or DEFAULT_POLICY
-    p = Path(name)
-    if p.suffix == ".policy" and p.exists():
-        return p
-    try:
-        shipped = policies_dir() / (p.stem + ".policy")
-    except FileNotFoundError:
-        shipped = Path("policies") / (p.stem + ".policy")
-    if shipped.exists() or p.stem in SEED_POLICIES:
-        return shipped
-    raise PlanLoadError(f"policy {name!r}: no such file and not a shipped policy (hint: one of "
-                        f"{', '.join(SEED_POLICIES)} or a path to a .policy file)")
+    path = find_policy(name)
+    if path is None:
+        raise PlanLoadError(f"policy {name!r}: no such file and not a shipped policy (hint: {policy_hint()})")
+    return path
 
 
 def load_plan(policy: Optional[str], arch, parallel=None) -> Plan:
     """Resolve a policy (path or shipped name) against the architecture with the project's resolver."""
-    from ..resolve import resolve
-
-    path = policy_path(policy)
-    if not path.exists():
-        raise PlanLoadError(f"policy file {path} does not exist (hint: shipped policies live in policies/)")
-    return resolve(str(path), arch, parallel)
+    return resolve(str(policy_path(policy)), arch, parallel)
 
 
 # ---------------------------------------------------------------------------------------------------------------

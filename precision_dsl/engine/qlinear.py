@@ -25,11 +25,10 @@ from typing import Optional
 import torch
 
 from ..plan import Plan
-from ..precision import BackwardMode, FormatKind, TensorFormat
+from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
 from . import numerics
 
 BF16_FMT = TensorFormat(kind=FormatKind.BF16, element="bf16")
-QUANTIZED_BACKWARD_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK, FormatKind.MXFP8})
 
 
 @dataclass(frozen=True)

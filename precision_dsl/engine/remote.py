@@ -24,7 +24,7 @@ import socket
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 

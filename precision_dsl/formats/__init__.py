@@ -19,12 +19,11 @@ This package imports torch at import time; nothing else in precision_dsl may imp
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 
-from ..precision import FormatKind, TensorFormat
+from ..precision import HIGH_PRECISION_KINDS, HP_DTYPE_NAMES, FormatKind, TensorFormat, storage_bytes
 from . import fp8_block, fp8_tensor, mxfp8, nvfp4, swizzle
 from .base import FormatInputError, QuantizedTensor
 from .gemm import emulated_linear
@@ -32,10 +31,13 @@ from .nvfp4 import group_amax
 
 __all__ = [
     "FormatInputError", "QuantizedTensor", "quantize", "dequantize", "fake_quantize", "nbytes_of", "group_amax",
-    "emulated_linear", "mxfp8", "nvfp4", "fp8_block", "fp8_tensor", "swizzle",
+    "emulated_linear", "torch_dtype", "mxfp8", "nvfp4", "fp8_block", "fp8_tensor", "swizzle",
 ]
 
-_HP_DTYPES = {FormatKind.BF16: torch.bfloat16, FormatKind.FP16: torch.float16, FormatKind.FP32: torch.float32}
+
+def torch_dtype(fmt: TensorFormat) -> torch.dtype:
+    """The torch dtype of a high-precision storage format (bf16 / fp16 / fp32)."""
+    return getattr(torch, HP_DTYPE_NAMES[fmt.kind][0])
 
 
 # The TensorFormat -> reference-arguments mapping, with its validation. Public because every dispatcher over the
@@ -80,7 +82,7 @@ def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
     unsupported block shapes and bad inputs (see the format modules for shape / dtype rules)."""
     check_format(fmt, global_amax)
     kind = fmt.kind
-    if kind in _HP_DTYPES:
+    if kind in HIGH_PRECISION_KINDS:
         raise FormatInputError(f"{fmt.short()} is a high-precision format: there is nothing to quantize "
                                f"(fake_quantize is the identity for it; cast with x.to(...) if you need the dtype)")
     if kind == FormatKind.FP8:
@@ -119,7 +121,7 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
     check_format(fmt, global_amax)
     out_dtype = out_dtype or x.dtype
     kind = fmt.kind
-    if kind in _HP_DTYPES:
+    if kind in HIGH_PRECISION_KINDS:
         return x if x.dtype == out_dtype else x.to(out_dtype)
     if kind == FormatKind.MXFP8:
         ax, tile_2d = mxfp8_layout(fmt, axis)
@@ -130,35 +132,19 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row",
     return dequantize(quantize(x, fmt, axis=axis), torch.float32).to(out_dtype)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def nbytes_of(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row") -> int:
-    """Storage bytes of a tensor of `shape` in `fmt`: data + compact block scales + FP32 scales (NVFP4 S_dec, FP8
-    scale_inv). Equals `quantize(x, fmt, axis=axis).nbytes` whenever quantize accepts the shape (partial blocks
-    are counted as whole blocks otherwise)."""
-    shape = tuple(int(s) for s in shape)
-    if len(shape) == 0:
+    """Storage bytes of a tensor of `shape` in `fmt` (precision.storage_bytes, the one byte accounting), after
+    validating the format the way `quantize` does. Equals `quantize(x, fmt, axis=axis).nbytes` whenever quantize
+    accepts the shape (partial blocks are counted as whole blocks otherwise)."""
+    if len(tuple(shape)) == 0:
         raise FormatInputError("nbytes_of: shape must have at least one dim")
-    m, k = math.prod(shape[:-1]), shape[-1]
     kind = fmt.kind
-    if kind in _HP_DTYPES:
-        return m * k * _HP_DTYPES[kind].itemsize
-    if kind == FormatKind.FP8:
-        return m * k + 4
-    rows, cols = (m, k) if axis == "row" else (k, m)
     if kind == FormatKind.FP8_BLOCK:
-        (br, bc), _ = fp8_block_args(fmt)
-        return m * k + 4 * _cdiv(rows, br) * _cdiv(cols, bc)
-    if kind == FormatKind.MXFP8:
-        ax, tile_2d = mxfp8_layout(fmt, axis)
-        if tile_2d:
-            return m * k + _cdiv(m, 32) * _cdiv(k, 32)
-        return m * k + (m * _cdiv(k, 32) if ax == "row" else _cdiv(m, 32) * k)
-    if kind == FormatKind.NVFP4:
-        tile_2d, scope = nvfp4_args(fmt)
-        data = rows * _cdiv(cols, 2)
-        scales = _cdiv(rows, 16) * _cdiv(cols, 16) if tile_2d else rows * _cdiv(cols, 16)
-        return data + scales + 4 * (rows if scope == "row" else 1)
-    raise FormatInputError(f"nbytes_of: unknown format kind {kind!r}")
+        fp8_block_args(fmt)
+    elif kind == FormatKind.MXFP8:
+        mxfp8_layout(fmt, axis)
+    elif kind == FormatKind.NVFP4:
+        nvfp4_args(fmt)
+    elif kind not in HIGH_PRECISION_KINDS and kind != FormatKind.FP8:
+        raise FormatInputError(f"nbytes_of: unknown format kind {kind!r}")
+    return storage_bytes(fmt, shape, axis=axis)

@@ -17,11 +17,11 @@ import math
 
 import torch
 
+from ..precision import FP8_MAX  # noqa: F401  (re-exported to the format modules)
 from .base import FormatInputError
 
 FLT_MAX = 3.4028234663852886e38  # largest finite fp32
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -44,6 +44,7 @@ class QuantizedTensor:
     global_amax: Optional[torch.Tensor] = None  # NVFP4 G used to derive S_enc/S_dec
     axis: str = "row"  # "row" | "col"
     orig_dtype: torch.dtype = torch.bfloat16
+    kernel: str = "reference"  # which implementation produced the bytes: "reference" | "triton" (kernels.quantize)
 
     @property
     def nbytes(self) -> int:

@@ -62,13 +62,13 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..precision import FormatKind, TensorFormat
+from ..precision import FP8_MAX, FormatKind, TensorFormat
 from ._numerics import FLT_MAX, abs_amax, as_2d_fp32, require_divisible, rn_div
 from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 16
 E2M1_MAX = 6.0
-E4M3_MAX = 448.0
+E4M3_MAX = FP8_MAX["e4m3"]
 GLOBAL_NUMERATOR = 2688.0  # 448 * 6 (TE; 1536 = 256 * 6 only with 4over6-256, not supported here)
 # E2M1 magnitudes by index 0..7; codes 8..15 are the negatives (code 8 is -0.0).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

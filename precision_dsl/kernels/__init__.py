@@ -1,28 +1,51 @@
-"""Fused Triton quantize kernels for Hopper (H100/H200, sm_90) with the readable references as fallback.
+"""THE quantize entry point: one call, an explicit kernel choice, and a report of which path ran.
 
-Every entry point here has the signature and the result (a `QuantizedTensor`, byte for byte) of the matching
-reference in precision_dsl/formats/ (the oracle, tests/test_kernels.py checks it on the golden vectors and on
-random tensors of real shapes). When the kernels cannot run - no CUDA, no Triton, a CPU tensor, a GPU older than
-sm_89 (no fp8 cvt) - or the request is one the kernels do not cover (MXFP8 32x32 tiles, NVFP4 per-row scope with
-a given per-row amax, empty tensors, invalid shapes/dtypes, which the reference reports with a clear
-FormatInputError) the call is answered by the reference.
+    quantize(x, fmt, *, axis="row", global_amax=None, kernel="auto") -> QuantizedTensor   # q.kernel says which ran
 
-    available() -> bool
-    nvfp4_quantize(x, axis="row", scope="tensor", tile_2d=False, global_amax=None, fmt=None)
-    mxfp8_quantize(x, element="e4m3", axis="row", tile_2d=False, fmt=None)
-    mxfp8_quantize_rowcol(x, element="e4m3") -> (rowwise, columnwise)      # one read of x for both copies
-    fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None)
+`kernel` (torchao's KernelPreference idea):
+  * "reference": the readable, bit-exact reference in precision_dsl/formats/ (the numerics oracle);
+  * "triton":    the fused Triton kernel; a call it cannot run raises KernelUnavailable saying why (never a silent
+                 fallback);
+  * "auto":      the kernel when it can run this call on a GPU, else the reference.
+Either way the result is byte for byte the reference's (tests/test_kernels.py: golden vectors and random tensors,
+on the H200 and on CPU under Triton's interpreter). The kernel runs on a CUDA device of compute capability >= 8.9
+(fp8 cvt) with a Triton that can switch libdevice's flush-to-zero off, or on CPU under TRITON_INTERPRET=1. It does
+not cover FP8 per-tensor, MXFP8 32x32 tiles, NVFP4 16x16 tiles with a per-row scope or a given per-row amax, and
+shapes that do not divide into blocks (the reference raises a FormatInputError for those that are invalid).
 
-Heavy imports (torch, triton) happen inside the functions so that importing this package stays cheap.
+The per-format entry points take the reference modules' own arguments (benchmarks and tests use them):
+    nvfp4_quantize(x, axis="row", scope="tensor", tile_2d=False, global_amax=None, fmt=None, kernel="auto")
+    mxfp8_quantize(x, element="e4m3", axis="row", tile_2d=False, fmt=None, kernel="auto")
+    mxfp8_quantize_rowcol(x, element="e4m3", kernel="auto") -> (rowwise, columnwise)   # one read of x for both
+    fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None, kernel="auto")
+
+Triton is imported only when a kernel launches (the package itself needs formats/, i.e. torch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Optional
+import os
+from typing import Callable, Optional
 
-__all__ = ["available", "nvfp4_quantize", "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize"]
+from ..formats import FormatInputError, check_format, fp8_block_args, mxfp8_layout, nvfp4_args
+from ..precision import FormatKind
+
+__all__ = ["KERNELS", "KernelUnavailable", "available", "quantize", "nvfp4_quantize",
+           "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize"]
+
+KERNELS = ("auto", "triton", "reference")
+
+
+class KernelUnavailable(FormatInputError):
+    """kernel="triton" was requested for a call the fused kernels cannot run here (the message says why)."""
+
+
+def interpreting() -> bool:
+    """Triton's interpreter (TRITON_INTERPRET=1): kernels run on CPU tensors with numpy semantics (CI)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,8 +70,8 @@ def _triton_ok() -> bool:
 
 
 def available() -> bool:
-    """True when the Triton kernels can run here: a CUDA device of compute capability >= 8.9 and a Triton that can
-    compile them exactly (see _triton_ok)."""
+    """True when the Triton kernels can run on a GPU here: a CUDA device of compute capability >= 8.9 and a Triton
+    that can compile them exactly (see _triton_ok)."""
     try:
         import torch
 
@@ -59,12 +82,38 @@ def available() -> bool:
     return _triton_ok() and _device_ok(torch.cuda.current_device())
 
 
-def _usable(x) -> bool:
+def _why_not_device(x) -> Optional[str]:
+    """Why the fused kernels cannot take tensor `x` at all (None: they can)."""
     import torch
 
-    return (isinstance(x, torch.Tensor) and x.is_cuda and x.dim() >= 1 and x.numel() > 0
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and available()
-            and _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    if not isinstance(x, torch.Tensor):
+        return f"expected a torch.Tensor, got {type(x).__name__}"
+    if x.dim() < 1 or x.numel() == 0:
+        return "empty or 0-dim tensor"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"input dtype {x.dtype} (the kernels take fp32/bf16/fp16)"
+    if interpreting():
+        if x.is_cuda:
+            return "TRITON_INTERPRET=1 runs kernels on CPU tensors only"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "TRITON_INTERPRET=1 but triton is not installed"
+        return None
+    if not x.is_cuda:
+        return "x is not a CUDA tensor (run under TRITON_INTERPRET=1 to use the kernels on CPU)"
+    if not available():
+        return "no CUDA device of compute capability >= 8.9 with a Triton that can switch flush-to-zero off"
+    if not _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+        return f"device {x.device} is older than sm_89 (no fp8 conversion instructions)"
+    return None
+
+
+def _on_device(x):
+    """The CUDA device context of a launch (none for CPU tensors under the interpreter)."""
+    import torch
+
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def _as_2d(x):
@@ -73,125 +122,178 @@ def _as_2d(x):
     return x.reshape(m, k).contiguous()
 
 
+def _choose(kernel: str, x, why: Callable[[], Optional[str]], what: str) -> str:
+    """The path a call takes: "triton" or "reference"; refuses kernel="triton" when the kernel cannot run it.
+    "auto" takes the kernel for CUDA tensors only (the interpreter is for tests: kernel="triton" on CPU)."""
+    if kernel not in KERNELS:
+        raise FormatInputError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if kernel == "reference" or (kernel == "auto" and not getattr(x, "is_cuda", False)):
+        return "reference"
+    reason = why()
+    if reason is None:
+        return "triton"
+    if kernel == "triton":
+        raise KernelUnavailable(f"{what}: kernel='triton' cannot run this call: {reason}")
+    return "reference"
+
+
+def _ran(q, path: str):
+    q.kernel = path  # the report: which implementation produced these bytes
+    return q
+
+
+# ---- NVFP4 --------------------------------------------------------------------------------------------------------
+def _why_not_nvfp4(x, axis, scope, tile_2d, global_amax) -> Optional[str]:
+    reason = _why_not_device(x)
+    if reason:
+        return reason
+    if axis not in ("row", "col") or scope not in ("tensor", "row", "expert", "group"):
+        return f"axis {axis!r} / scope {scope!r}"
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    if k % 16 or ((tile_2d or axis == "col") and m % 16):
+        return f"shape {tuple(x.shape)} does not divide into 16-element blocks"
+    if tile_2d and scope == "row":
+        return "16x16 tiles with a per-row scale"
+    if scope == "group" and global_amax is None:
+        return "scope 'group' without a global_amax"
+    if scope == "row" and global_amax is not None:
+        return "a given per-row amax"
+    if global_amax is not None:
+        import torch
+
+        if torch.as_tensor(global_amax).numel() != 1:
+            return "a global_amax with more than one element"
+    return None
+
+
 def nvfp4_quantize(x, axis: str = "row", scope: str = "tensor", tile_2d: bool = False, global_amax=None,
-                   fmt=None):
+                   fmt=None, kernel: str = "auto"):
     """NVFP4 (TE >= 2.14), same contract as `precision_dsl.formats.nvfp4.quantize`."""
     from ..formats import nvfp4 as ref
-    from ..formats.base import QuantizedTensor
 
-    if not _usable(x) or axis not in ("row", "col") or scope not in ref.SCOPES + ("expert", "group"):
-        return ref.quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt)
+    path = _choose(kernel, x, lambda: _why_not_nvfp4(x, axis, scope, tile_2d, global_amax), "nvfp4")
+    if path == "reference":
+        return _ran(ref.quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt), path)
     import torch
 
-    x2 = _as_2d(x)
-    m, k = x2.shape
-    if k % 16 or ((tile_2d or axis == "col") and m % 16) or (tile_2d and scope == "row") or \
-            (scope == "group" and global_amax is None) or (scope == "row" and global_amax is not None):
-        return ref.quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt)
-    if axis == "col":
-        x2 = x2.t().contiguous()
+    from ..formats.base import QuantizedTensor
     from . import triton_nvfp4 as kern
 
-    with torch.cuda.device(x2.device):
+    x2 = _as_2d(x)
+    if axis == "col":
+        x2 = x2.t().contiguous()
+    with _on_device(x2):
         if scope == "row":
             data, scale, sdec, g = kern.row_scaled(x2)
         else:
-            g_in = None
-            if global_amax is not None:
-                g_in = torch.as_tensor(global_amax, dtype=torch.float32).to(x2.device)
-                if g_in.numel() != 1:
-                    return ref.quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax,
-                                        fmt=fmt)
+            g_in = None if global_amax is None else torch.as_tensor(global_amax, dtype=torch.float32).to(x2.device)
             data, scale, sdec, g = kern.per_tensor(x2, g_in, tile_2d)
-    return QuantizedTensor(fmt=fmt or ref.make_format(scope, tile_2d), shape=tuple(x.shape), data=data,
-                               scale=scale, global_scale=sdec, global_amax=g, axis=axis, orig_dtype=x.dtype)
+    return _ran(QuantizedTensor(fmt=fmt or ref.make_format(scope, tile_2d), shape=tuple(x.shape), data=data,
+                                scale=scale, global_scale=sdec, global_amax=g, axis=axis, orig_dtype=x.dtype), path)
 
 
-def mxfp8_quantize_rowcol(x, element: str = "e4m3"):
+# ---- MXFP8 --------------------------------------------------------------------------------------------------------
+def _why_not_mxfp8(x, element, axis, tile_2d) -> Optional[str]:
+    reason = _why_not_device(x)
+    if reason:
+        return reason
+    if tile_2d:
+        return "MXFP8 32x32 tiles (the kernel writes 1x32 / 32x1 blocks)"
+    if element not in ("e4m3", "e5m2") or axis not in ("row", "col"):
+        return f"element {element!r} / axis {axis!r}"
+    m, k = math.prod(x.shape[:-1]), x.shape[-1]
+    if k % 32 or (axis == "col" and m % 32):
+        return f"shape {tuple(x.shape)} does not divide into 32-element blocks"
+    return None
+
+
+def mxfp8_quantize(x, element: str = "e4m3", axis: str = "row", tile_2d: bool = False, fmt=None,
+                   kernel: str = "auto"):
+    """MXFP8 (TE rule), same contract as `precision_dsl.formats.mxfp8.quantize`."""
+    from ..formats import mxfp8 as ref
+
+    path = _choose(kernel, x, lambda: _why_not_mxfp8(x, element, axis, tile_2d), "mxfp8")
+    if path == "reference":
+        return _ran(ref.quantize(x, element, axis=axis, tile_2d=tile_2d, fmt=fmt), path)
+    from ..formats.base import QuantizedTensor
+    from . import triton_mxfp8 as kern
+
+    x2 = _as_2d(x)
+    with _on_device(x2):
+        rd, rs, cd, cs = kern.quantize_rowcol(x2, element, rowwise=axis == "row", colwise=axis == "col")
+    data, scale = (rd, rs) if axis == "row" else (cd, cs)
+    return _ran(QuantizedTensor(fmt=fmt or ref.make_format(element), shape=tuple(x.shape), data=data, scale=scale,
+                                axis=axis, orig_dtype=x.dtype), path)
+
+
+def mxfp8_quantize_rowcol(x, element: str = "e4m3", kernel: str = "auto"):
     """(rowwise 1x32, columnwise 32x1) MXFP8 copies of x from one read of x (TE's layouts; data not transposed).
     Same bytes as `mxfp8.quantize(x, element, axis="row")` and `(..., axis="col")`."""
     from ..formats import mxfp8 as ref
+
+    path = _choose(kernel, x, lambda: _why_not_mxfp8(x, element, "col", False), "mxfp8 row+col")
+    if path == "reference":
+        return (_ran(ref.quantize(x, element, axis="row"), path), _ran(ref.quantize(x, element, axis="col"), path))
     from ..formats.base import QuantizedTensor
-
-    if not _usable(x) or element not in ("e4m3", "e5m2"):
-        return ref.quantize(x, element, axis="row"), ref.quantize(x, element, axis="col")
-    x2 = _as_2d(x)
-    m, k = x2.shape
-    if k % 32 or m % 32:
-        return ref.quantize(x, element, axis="row"), ref.quantize(x, element, axis="col")
-    import torch
-
     from . import triton_mxfp8 as kern
 
-    with torch.cuda.device(x2.device):
+    x2 = _as_2d(x)
+    with _on_device(x2):
         rd, rs, cd, cs = kern.quantize_rowcol(x2, element, True, True)
     f = ref.make_format(element)
     row = QuantizedTensor(fmt=f, shape=tuple(x.shape), data=rd, scale=rs, axis="row", orig_dtype=x.dtype)
     col = QuantizedTensor(fmt=f, shape=tuple(x.shape), data=cd, scale=cs, axis="col", orig_dtype=x.dtype)
-    return row, col
+    return _ran(row, path), _ran(col, path)
 
 
-def mxfp8_quantize(x, element: str = "e4m3", axis: str = "row", tile_2d: bool = False, fmt=None):
-    """MXFP8 (TE rule), same contract as `precision_dsl.formats.mxfp8.quantize` (32x32 tiles: reference)."""
-    from ..formats import mxfp8 as ref
-    from ..formats.base import QuantizedTensor
+# ---- FP8 block ----------------------------------------------------------------------------------------------------
+def _why_not_fp8_block(x, element, block, axis) -> Optional[str]:
+    from ..formats import fp8_block as ref
 
-    if not _usable(x) or tile_2d or element not in ("e4m3", "e5m2") or axis not in ("row", "col"):
-        return ref.quantize(x, element, axis=axis, tile_2d=tile_2d, fmt=fmt)
-    x2 = _as_2d(x)
-    m, k = x2.shape
-    if (axis == "row" and k % 32) or (axis == "col" and (m % 32 or k % 32)):
-        return ref.quantize(x, element, axis=axis, tile_2d=tile_2d, fmt=fmt)
-    import torch
-
-    from . import triton_mxfp8 as kern
-
-    with torch.cuda.device(x2.device):
-        rd, rs, cd, cs = kern.quantize_rowcol(x2, element, rowwise=axis == "row", colwise=axis == "col")
-    data, scale = (rd, rs) if axis == "row" else (cd, cs)
-    return QuantizedTensor(fmt=fmt or ref.make_format(element), shape=tuple(x.shape), data=data, scale=scale,
-                               axis=axis, orig_dtype=x.dtype)
+    reason = _why_not_device(x)
+    if reason:
+        return reason
+    if element not in ("e4m3", "e5m2") or block not in ref.BLOCKS or axis not in ("row", "col"):
+        return f"element {element!r} / block {block} / axis {axis!r}"
+    return None
 
 
 def fp8_block_quantize(x, element: str = "e4m3", block=(1, 128), pow2: bool = True, axis: str = "row",
-                       fmt: Optional[object] = None):
+                       fmt: Optional[object] = None, kernel: str = "auto"):
     """FP8 block scaling (TE Float8BlockScaling), same contract as `precision_dsl.formats.fp8_block.quantize`."""
     from ..formats import fp8_block as ref
-    from ..formats.base import QuantizedTensor
 
     block = tuple(block) if isinstance(block, (tuple, list)) else block
-    if not _usable(x) or element not in ("e4m3", "e5m2") or block not in ref.BLOCKS or axis not in ("row", "col"):
-        return ref.quantize(x, element, block, pow2, axis=axis, fmt=fmt)
-    import torch
-
+    path = _choose(kernel, x, lambda: _why_not_fp8_block(x, element, block, axis), "fp8_block")
+    if path == "reference":
+        return _ran(ref.quantize(x, element, block, pow2, axis=axis, fmt=fmt), path)
+    from ..formats.base import QuantizedTensor
     from . import triton_fp8_block as kern
 
     x2 = _as_2d(x)
-    with torch.cuda.device(x2.device):
+    with _on_device(x2):
         data, sinv = kern.quantize(x2, element, square=block == (128, 128), pow2=pow2, transpose=axis == "col")
-    return QuantizedTensor(fmt=fmt or ref.make_format(element, block, pow2), shape=tuple(x.shape), data=data,
-                               scale=sinv, axis=axis, orig_dtype=x.dtype)
+    return _ran(QuantizedTensor(fmt=fmt or ref.make_format(element, block, pow2), shape=tuple(x.shape), data=data,
+                                scale=sinv, axis=axis, orig_dtype=x.dtype), path)
 
 
-def quantize(x, fmt, *, axis: str = "row", global_amax=None):
-    """Format-generic entry point with the contract of `precision_dsl.formats.quantize(x, fmt, ...)`: the fused
-    Triton kernel for `fmt` when `x` is on a capable GPU (byte-identical to the reference, tests/test_kernels.py),
-    otherwise the reference itself (CPU, FP8 per-tensor, shapes or options the kernels do not take)."""
+# ---- the one entry point ------------------------------------------------------------------------------------------
+def quantize(x, fmt, *, axis: str = "row", global_amax=None, kernel: str = "auto"):
+    """Quantize `x` to plan format `fmt` (contract of `precision_dsl.formats.quantize`) on the path `kernel` chooses;
+    `q.kernel` of the result says which ran ("triton" | "reference")."""
     from .. import formats
-    from ..formats import check_format, fp8_block_args, mxfp8_layout, nvfp4_args
-    from ..precision import FormatKind
 
-    if not _usable(x):
-        return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
     # The TensorFormat -> arguments mapping (and its validation) is the reference dispatch's, so the two can't drift.
     check_format(fmt, global_amax)
     if fmt.kind == FormatKind.NVFP4:
         tile_2d, scope = nvfp4_args(fmt)
-        return nvfp4_quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt)
+        return nvfp4_quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt,
+                              kernel=kernel)
     if fmt.kind == FormatKind.MXFP8:
         ax, tile_2d = mxfp8_layout(fmt, axis)
-        return mxfp8_quantize(x, element=fmt.element, axis=ax, tile_2d=tile_2d, fmt=fmt)
+        return mxfp8_quantize(x, element=fmt.element, axis=ax, tile_2d=tile_2d, fmt=fmt, kernel=kernel)
     if fmt.kind == FormatKind.FP8_BLOCK:
         block, pow2 = fp8_block_args(fmt)
-        return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt)
-    return formats.quantize(x, fmt, axis=axis, global_amax=global_amax)
+        return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt, kernel=kernel)
+    _choose(kernel, x, lambda: f"no Triton kernel for {fmt.short()}", fmt.short())
+    return _ran(formats.quantize(x, fmt, axis=axis, global_amax=global_amax), "reference")

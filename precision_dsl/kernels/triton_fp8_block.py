@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
+from ..precision import FP8_MAX as FMAX
 
 
 @triton.jit

@@ -15,9 +15,9 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from ..precision import FP8_MAX as FMAX
 from ._common import e8m0_from_amax
 
-FMAX = {"e4m3": 448.0, "e5m2": 57344.0}
 # RN(1/Fmax) as exact fp32 values (numpy fp32 division is IEEE RN); 1/448 -> 0x3B124925.
 FMAX_RCP = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
 

@@ -25,6 +25,7 @@ from ..precision import (
     FormatError,
     FormatKind,
     HIGH_PRECISION_KINDS,
+    QUANTIZED_BACKWARD_KINDS,
     Precision,
     TensorFormat,
     hp,
@@ -59,7 +60,6 @@ DEFAULT_BACKWARD = {
     "fp8": BackwardMode.QUANTIZED, "fp8_block": BackwardMode.QUANTIZED, "mxfp8": BackwardMode.QUANTIZED,
     "nvfp4": BackwardMode.HIGH_PRECISION,
 }
-QUANTIZED_BACKWARD_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK, FormatKind.MXFP8})
 
 
 def _error(message: str, hint: str, arg: Optional[str], span: Optional[ast.Span]) -> FormatError:
