@@ -70,8 +70,8 @@ _MEMO: dict[int, dict] = {}
 
 
 def per_plan(plan: Plan, what: str, compute):
-    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash is ~0.5 s on a 48-layer MoE and
-    every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
+    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash walks every tensor (46k on
+    DeepSeek-V3) and every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
     with the plan (weakref.finalize), so this is a cache, not state."""
     import weakref
 

@@ -15,7 +15,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__
-from .arch.base import fused_key
+from .arch.base import CheckpointTensor
 from .precision import DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat
 
 
@@ -51,7 +51,7 @@ class ParallelLayout(BaseModel):
     rollout: ParallelSide = ParallelSide()
 
 
-class TensorPlan(BaseModel):
+class TensorPlan(CheckpointTensor, BaseModel):
     model_config = ConfigDict(frozen=True)
 
     hf_name: str
@@ -93,17 +93,6 @@ class TensorPlan(BaseModel):
     def backward(self) -> BackwardMode:
         return self.precision.backward
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def fused_key(self) -> Optional[tuple]:
-        """The fused-sibling instance (group, mtp, layer, expert) of this tensor, or None (arch.base.fused_key)."""
-        return fused_key(self)
 
 
 class ShareScaleGroup(BaseModel):
@@ -134,7 +123,7 @@ class Plan(BaseModel):
     def content_hash(self) -> str:
         """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes."""
         # One line per tensor, precision JSON cached per distinct Precision (they are few and shared by thousands of
-        # tensors): a 46k-tensor DeepSeek-V3 plan hashes in well under 0.1 s.
+        # tensors). Still linear in the tensors (46k for DeepSeek-V3): backends memoize it (backends.common.per_plan).
         dumped: dict[Precision, str] = {}
         h = hashlib.sha256(json.dumps({"target": self.target}, sort_keys=True).encode())
         lines = []
@@ -174,8 +163,8 @@ class Plan(BaseModel):
         return [t for t in self.tensors if t.is_linear and t.weight.is_quantized]
 
     def to_json(self, indent: Optional[int] = None) -> str:
-        """JSON with the content hash as the first key. Compact by default (pydantic's Rust serializer: a 46k-tensor
-        DeepSeek-V3 plan serializes in ~0.4 s); `indent` pretty-prints through the json module (slower)."""
+        """JSON with the content hash as the first key. Compact by default (pydantic's Rust serializer, the fast path
+        for a 46k-tensor DeepSeek-V3 plan); `indent` pretty-prints through the json module (slower)."""
         head = '{"content_hash":' + json.dumps(self.content_hash())
         if indent is None:
             body = self.model_dump_json()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("megatron.core")
+import megatron.core  # noqa: E402,F401  (the oracle; in the test extra: missing must fail, not skip)
 
 from precision_dsl.backends import megatron as mg  # noqa: E402
 from precision_dsl.backends.common import UnsupportedByBackend  # noqa: E402
@@ -26,9 +26,10 @@ from precision_dsl.arch import load_architecture  # noqa: E402
 from precision_dsl.parallel import parse_parallel  # noqa: E402
 from precision_dsl.resolve import resolve  # noqa: E402
 
+from conftest import SEED_POLICIES  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = ["bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
-         "nvfp4-pertoken-dequant-backward"]
+SEEDS = SEED_POLICIES
 FLAG_FIELDS = {  # Megatron-LM CLI flag -> TransformerConfig field (backends.md A.1)
     "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--fp4-format": "fp4", "--fp4-recipe": "fp4_recipe",
     "--num-layers-at-start-in-bf16": "num_layers_at_start_in_bf16",

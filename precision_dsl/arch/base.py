@@ -75,18 +75,27 @@ FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-FUSED_GROUP_OF_ROLE: dict[str, str] = {role: g for g, roles in FUSED_SIBLINGS.items() for role in roles}
+class CheckpointTensor:
+    """What a checkpoint tensor's fields imply, shared by the catalog's TensorInfo and the plan's TensorPlan (both
+    carry hf_name, shape, layer, expert, mtp and fused_group)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def fused_key(self) -> Optional[tuple]:
+        """The fused-sibling INSTANCE this tensor belongs to -- (group, mtp, layer, expert): one layer's q/k/v, one
+        expert's gate/up -- or None. The one definition every consumer uses (checks, the resolver's share-scale
+        groups, SGLang, weight-update atomic groups)."""
+        g = self.fused_group
+        return None if g is None else (g, self.mtp, self.layer, self.expert)
 
 
-def fused_key(t) -> Optional[tuple]:
-    """The fused-sibling INSTANCE a tensor (TensorInfo or plan TensorPlan) belongs to -- (group, mtp, layer,
-    expert): one layer's q/k/v, one expert's gate/up -- or None. The one definition every consumer uses (checks,
-    resolver share-scale groups, SGLang, weight-update atomic groups)."""
-    g = t.fused_group
-    return None if g is None else (g, t.mtp, t.layer, t.expert)
-
-
-class TensorInfo(BaseModel):
+class TensorInfo(CheckpointTensor, BaseModel):
     """One checkpoint tensor."""
 
     model_config = ConfigDict(frozen=True)
@@ -106,17 +115,6 @@ class TensorInfo(BaseModel):
     @property
     def is_linear(self) -> bool:
         return self.role in LINEAR_ROLES
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def fused_key(self) -> Optional[tuple]:
-        return fused_key(self)
 
     @property
     def module(self) -> str:

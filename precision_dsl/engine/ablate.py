@@ -7,29 +7,26 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
+from .loop import RunConfig, run
+from .metrics import read_jsonl, write_json_atomic
+from .plans import DEFAULT_POLICY, policy_path
+from .plots import plot_ablation
+from .report import EMULATED_NOTE, run_summary, write_run
+
 
 def _label(policy: str, broken: Optional[str]) -> str:
-    from .plans import policy_path
-
     name = policy_path(policy).stem
     return f"{name} (broken {broken})" if broken else name
 
 
 def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken_contract: Optional[str] = None,
            device: str = "cpu", prompts: int = 16, lr: float = 3e-4, quiet: bool = False) -> dict:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .report import EMULATED_NOTE, run_summary, write_run
-    from .loop import RunConfig, run
-    from .metrics import read_jsonl, write_json_atomic
-    from .plots import plot_ablation
-
     con = Console(stderr=True, highlight=False, quiet=quiet)
     configs: list[tuple[str, Optional[str]]] = [(p, None) for p in policies]
     if broken_contract:
-        from .plans import DEFAULT_POLICY
-
         nvfp4 = [p for p in policies if "nvfp4" in p]
         target = next((p for p in nvfp4 if DEFAULT_POLICY in p), nvfp4[0] if nvfp4 else policies[-1])
         configs.append((target, broken_contract))

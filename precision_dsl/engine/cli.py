@@ -32,6 +32,21 @@ def _guard(body):
     return guard(body, _expected_errors())
 
 
+def _run_config(cls, **values):
+    """Validate a run's settings once (pydantic); a bad value is a usage error naming the option."""
+    from pydantic import ValidationError
+
+    from ..console import UserError
+
+    try:
+        return cls(**values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(x) for x in first["loc"])
+        option = {"prompts_per_step": "prompts", "samples_per_prompt": "samples"}.get(field, field)
+        raise UserError(f"invalid --{option.replace('_', '-')}: {first['msg']} (got {first.get('input')!r})") from None
+
+
 def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> Path:
     """A run directory that holds no previous results (never overwrite a user's files silently)."""
     from ..console import UserError
@@ -140,21 +155,18 @@ def register(app: typer.Typer) -> None:
                 from ..console import UserError
 
                 raise UserError(f"--engine must be embedded or miles, got {engine!r}")
-            if device not in ("cpu", "cuda"):
-                from ..console import UserError
-
-                raise UserError(f"--device must be cpu or cuda, got {device!r}")
             from .loop import RunConfig
             from .plans import policy_path
 
+            cfg = _run_config(RunConfig, policy=policy, model=model, task=task, steps=steps, seed=seed,
+                              device=device, prompts_per_step=prompts, samples_per_prompt=samples, lr=lr,
+                              kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
+                              rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
+                              force_layout=force_layout)
             name = policy_path(policy).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)
-            cfg = RunConfig(policy=policy, model=model, task=task, steps=steps, seed=seed, device=device,
-                            prompts_per_step=prompts, samples_per_prompt=samples, lr=lr, kl_coef=kl_coef,
-                            digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir,
-                            rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
-                            force_layout=force_layout)
+            cfg = cfg.model_copy(update={"out": out_dir})  # validated above; the directory exists only now
             con.print(f"[bold]policyc run[/] {name} on {model} · task {task} · {steps} steps · seed {seed} · "
                       f"{device}" + (f" · rollout process on {rollout_device}" if rollout_device else "")
                       + f"\n{EMULATED_NOTE}")

@@ -21,6 +21,12 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from ..arch import load_architecture
+from ..backends import megatron, sglang
+from ..backends.common import Artifact
+from ..parallel import parse_parallel
+from .plans import load_plan, policy_path
+
 
 class MilesError(RuntimeError):
     def __init__(self, message: str, hint: str = ""):
@@ -60,9 +66,6 @@ def _fix_te_yaml_path(flags: list[str], base: str) -> list[str]:
 
 def build_launch(plan, policy_file: Path, model: str) -> tuple[str, dict[str, str], list]:
     """(script text, env, artifacts). Pure: nothing is written."""
-    from ..backends import megatron, sglang
-    from ..backends.common import Artifact
-
     mcfg = megatron.trainer_config(plan)
     scfg = sglang.rollout_config(plan)
     arts = list(megatron.emit(plan)) + list(sglang.emit(plan))
@@ -114,10 +117,6 @@ def build_launch(plan, policy_file: Path, model: str) -> tuple[str, dict[str, st
 
 def emit_miles_launch(policy: Optional[str], model: str, parallel: Optional[str], out_dir: Path,
                       launch: bool = False) -> Path:
-    from ..arch import load_architecture
-    from ..parallel import parse_parallel
-    from .plans import load_plan, policy_path
-
     path = policy_path(policy)
     plan = load_plan(str(path), load_architecture(model), parse_parallel(parallel))
     script, _, arts = build_launch(plan, path, model)

@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from ..backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
 from ..plan import Plan
+from .model import Qwen3MoeConfig
+from .rollout import RolloutEngine
 from .sampling import SampleBatch
 
 
@@ -57,8 +62,6 @@ def _backend_for(device: str) -> str:
 
 
 def _init_group(rank: int, port: int, device: str) -> None:
-    import torch.distributed as dist
-
     # NVLink multicast stays off (shared hosts: see the device notes); harmless elsewhere.
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
@@ -71,8 +74,6 @@ def _init_group(rank: int, port: int, device: str) -> None:
 
 
 def _bcast(obj=None, src: int = 0):
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -96,13 +97,6 @@ def _q_to_cpu(v):
 
 def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: int = 1) -> None:
     """Rank 1: a RolloutEngine that only ever receives weights from the process group."""
-    import torch.distributed as dist
-
-    from ..backends.weight_update import TorchDistributedTransport, WeightReceiver
-
-    from .model import Qwen3MoeConfig
-    from .rollout import RolloutEngine
-
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _init_group(1, port, device)
     plan = Plan.from_json(plan_json)
@@ -140,8 +134,6 @@ class _RemoteChannel:
         self.owner, self.bucket_bytes, self.version = owner, bucket_bytes, 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> RemotePayload:
-        from ..backends.weight_update import TorchDistributedTransport, WeightSender
-
         self.version += 1
         _bcast(("update", self.version), src=0)
         transport = TorchDistributedTransport(device=self.owner.trainer_device)
@@ -168,8 +160,6 @@ class RemoteRollout:
                                          f"{torch.cuda.device_count()} CUDA device(s)")
             if torch.device(trainer_device).index == idx:
                 raise RemoteRolloutError("trainer and rollout must be on different GPUs")
-        import torch.multiprocessing as mp
-
         self.plan, self.trainer_device, self.rollout_device = plan, trainer_device, rollout_device
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -208,8 +198,6 @@ class RemoteRollout:
                            prompt_len=batch.prompt_len)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if getattr(self, "proc", None) is None:
             return
         try:

@@ -1,0 +1,21 @@
+"""Shared test vocabulary: the seed policies every backend / engine test runs over, written down once here (from
+the product card, independently of precision_dsl.engine.plans.SEED_POLICIES, which test_engine_rollout checks
+against it)."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+# The six seed recipes of the product card: BF16, MXFP8 (three backward modes), NVFP4 per-token (two).
+SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
+                 "nvfp4-pertoken-dequant-backward")
+# Shipped policies every backend must emit (the others are refused by name: tests/test_emit_shipped.py).
+EMITTING_POLICIES = SEED_POLICIES + ("fp8-blockwise-hopper", "miles-nvfp4")
+
+
+class StrictCliRunner(CliRunner):
+    """typer's CliRunner with catch_exceptions=False by default: an unexpected exception propagates and fails the
+    test (a clean user error is typer.Exit -> SystemExit, which the runner still turns into an exit code)."""
+
+    def invoke(self, *args, catch_exceptions: bool = False, **kwargs):
+        return super().invoke(*args, catch_exceptions=catch_exceptions, **kwargs)
