@@ -21,10 +21,12 @@ import struct
 from pathlib import Path
 from typing import Optional
 
+from ..precision import HP_DTYPE_NAMES
+
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
-SOURCE_DTYPES = {"BF16", "F16", "F32"}
+SOURCE_DTYPES = {st for _, st in HP_DTYPE_NAMES.values()}  # what the converter reads: BF16 / F16 / F32
 
 
 class CheckpointError(ValueError):
