@@ -56,12 +56,14 @@ def read_header(path: Path) -> dict[str, dict]:
             raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
                                   f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
         raw = f.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: header is not valid JSON ({err})") from None
+    from precision_dsl.jsonsafe import loads_bounded
+
+    header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
     header.pop("__metadata__", None)
     data_len = size - 8 - n
     spans = []
@@ -71,9 +73,10 @@ def read_header(path: Path) -> dict[str, dict]:
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in DTYPE_SIZES:
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dt!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                type(d) is int and 0 <= d <= data_len for d in shape):
             raise CheckpointError(f"{path}: tensor '{name}' has invalid shape {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data_len):
             raise CheckpointError(f"{path}: tensor '{name}' data_offsets {offs!r} lie outside the file "
                                   f"(data section is {data_len} bytes)", "the file is truncated or corrupt")
