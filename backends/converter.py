@@ -360,9 +360,10 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         discard(work)  # another plan / source / a torn state file: nothing in it can be trusted
     if not work.exists():
         work.mkdir()
+        # out/ before state.json: a valid state.json without out/ then means "committed" (see _recover)
+        for sub in ("out", "done"):
+            (work / sub).mkdir()
         write_atomic(work / "state.json", json.dumps(state).encode())
-    for sub in ("out", "done"):
-        (work / sub).mkdir(exist_ok=True)
     out_dir = work / "out"
 
     reader = _Reader(srcc)
@@ -373,6 +374,9 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
                 report.shards_resumed.append(shard)
                 prog.advance(sum(len(u) for u in units))
                 continue
+            marker = work / "done" / f"{shard}.json"
+            if marker.is_dir() and not marker.is_symlink():  # not ours: a marker is only ever a file
+                shutil.rmtree(marker)
             specs = [s for u in units for s in _specs_for_unit(plan, u)]
             tmp_path = work / f"{shard}.writing"
             writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
@@ -390,7 +394,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             finally:
                 writer.abort()
             os.replace(tmp_path, out_dir / shard)
-            write_atomic(work / "done" / f"{shard}.json",
+            write_atomic(marker,
                          json.dumps({"shard": shard, "checksum": writer.checksum(), "size": writer.size}).encode(),
                          tmp_dir=work)
             report.shards_written.append(shard)

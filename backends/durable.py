@@ -101,8 +101,14 @@ class OutputLock:
             if same:
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:  # the pid only improves the refusal message: a full disk must not fail (or leak) the lock
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
         self.fd = fd
         return self
 
