@@ -41,7 +41,7 @@ from ..plan import Plan
 
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_stamp)
-from .durable import OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
+from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
 from .safetensors_io import SOURCE_DTYPES, CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
@@ -123,7 +123,7 @@ _INDEX_LIMIT = 256 << 20
 
 def _read_index(index: Path) -> dict[str, str]:
     """weight_map of a safetensors index, type-checked: {tensor name: shard file name}."""
-    from precision_dsl.jsonsafe import loads_bounded
+    from ..jsonsafe import loads_bounded
 
     try:
         with open(index, "rb") as f:
@@ -270,7 +270,7 @@ _STATE_LIMIT = 1 << 20
 def _read_json_marker(path: Path, limit: int):
     """A marker/state file we wrote, parsed; None for anything else (absent, partial, garbage, wrong type): a bad
     marker only ever means "redo this step", never an error."""
-    from precision_dsl.jsonsafe import loads_bounded
+    from ..jsonsafe import loads_bounded
 
     raw = read_small(path, limit)
     if raw is None:
@@ -348,7 +348,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         report.shards_resumed = list(srcc.shards)
         return report
     if dst.exists() and not force:
-        raise FileExistsError(f"output directory '{dst}' already exists (pass --force to replace it)")
+        raise OutputExists(f"output directory '{dst}' already exists (pass --force to replace it)")
     _check_source_against_plan(srcc, plan)
     qfiles = quantization_files(plan)  # raises UnsupportedByBackend before any work
     for t in plan.tensors:
@@ -462,7 +462,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
 
 def read_source_config(src: Path) -> dict:
     """The source's config.json (regular file inside SRC only), as a dict; {} when there is none."""
-    from precision_dsl.jsonsafe import loads_bounded
+    from ..jsonsafe import loads_bounded
 
     path = Path(src) / "config.json"
     if not os.path.lexists(path):
@@ -540,7 +540,7 @@ def _first_line(err: Exception) -> str:
 
 
 def _read_json_file(path: Path, limit: int = _CONFIG_LIMIT):
-    from precision_dsl.jsonsafe import loads_bounded
+    from ..jsonsafe import loads_bounded
 
     try:
         with open(path, "rb") as f:

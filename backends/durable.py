@@ -20,9 +20,10 @@ import shutil
 import stat
 from pathlib import Path
 from typing import Optional
+from ..errors import PolicycError
 
 
-class OutputBusy(Exception):
+class OutputBusy(PolicycError):
     """Another process holds the lock of an output path."""
 
     code = 2
@@ -31,6 +32,13 @@ class OutputBusy(Exception):
         self.hint = "wait for the other `policyc convert` to finish, or choose another --out"
         super().__init__(f"output '{what}' is being written by another policyc process"
                          + (f" (pid {pid})" if pid else ""))
+
+
+class OutputExists(PolicycError, FileExistsError):
+    """The output path exists and --force was not given (still a FileExistsError for existing callers)."""
+
+    code = 2
+    hint = "choose another --out or pass --force"
 
 
 def fsync_dir(path: Path) -> None:

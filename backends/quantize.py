@@ -31,6 +31,7 @@ from ..formats import torch_dtype
 from ..plan import Plan, TensorPlan
 from ..precision import HP_DTYPE_NAMES, FormatKind
 from .common import UnsupportedByBackend, module_of
+from ..errors import PolicycError
 
 # Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
 SUFFIXES = {
@@ -41,7 +42,7 @@ SUFFIXES = {
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
 
 
-class NonFiniteWeight(ValueError):
+class NonFiniteWeight(PolicycError, ValueError):
     """A weight holds NaN/Inf; nothing is written or sent."""
 
     code = 1

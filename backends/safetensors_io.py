@@ -20,6 +20,7 @@ import os
 import struct
 from pathlib import Path
 from typing import Optional
+from ..errors import PolicycError
 
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -27,7 +28,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 SOURCE_DTYPES = {"BF16", "F16", "F32"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PolicycError, ValueError):
     """A checkpoint file is malformed or not what the converter accepts. Names the file (and tensor)."""
 
     code = 2
@@ -56,7 +57,7 @@ def read_header(path: Path) -> dict[str, dict]:
             raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
                                   f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
         raw = f.read(n)
-    from precision_dsl.jsonsafe import loads_bounded
+    from ..jsonsafe import loads_bounded
 
     header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)
     if not isinstance(header, dict):

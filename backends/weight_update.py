@@ -55,6 +55,7 @@ from ..plan import Plan, TensorPlan
 from .common import PLAN_FILE, PlanMismatch
 from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
+from ..errors import PolicycError
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
@@ -62,7 +63,7 @@ __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistrib
            "bucket_checksum"]
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(PolicycError, RuntimeError):
     code = 1
 
     def __init__(self, message: str, hint: str = ""):
@@ -434,7 +435,7 @@ class SGLangHTTPTransport:
                                     "is the server running? check the URL/port") from None
         except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
             raise WeightUpdateError(f"SGLang {path}: connection failed ({type(err).__name__}: {err})") from None
-        from precision_dsl.jsonsafe import loads_bounded
+        from ..jsonsafe import loads_bounded
 
         out = loads_bounded(raw, f"SGLang {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
         if isinstance(out, dict) and out.get("success") is False:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 
 from .plan import ParallelLayout, ParallelSide
+from .errors import PolicycError
 
 _KEYS = ("tp", "etp", "ep", "pp")
 
 
-class ParallelSpecError(ValueError):
+class ParallelSpecError(PolicycError, ValueError):
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
         self.hint = hint

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from backends import converter
-from backends.durable import OutputBusy
-from backends.safetensors_io import CheckpointError
-from backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.backends import converter
+from precision_dsl.backends.durable import OutputBusy
+from precision_dsl.backends.safetensors_io import CheckpointError
+from precision_dsl.backends.synthetic import write_synthetic_checkpoint
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 
@@ -193,7 +193,7 @@ def test_real_kill_in_a_subprocess(src, tmp_path):
 import os, sys
 sys.path.insert(0, {str(REPO)!r})
 from tests.faultfs import FaultFS
-from backends import converter
+from precision_dsl.backends import converter
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 plan = resolve({str(_ROOT[0] / 'bf16.policy')!r}, load_architecture({str(_ROOT[0] / 'config.json')!r}), None)

@@ -223,7 +223,7 @@ def test_bucket_checksum_catches_corruption_in_transit_always(src, check_equal):
 def test_equality_check_catches_what_the_bucket_checksum_cannot(src):
     """A corruption before the checksum is taken (e.g. in the sender's packing) passes the bucket checksum; the
     per-tensor sha256 digests of check_equal still catch it."""
-    from backends.weight_update import bucket_checksum
+    from precision_dsl.backends.weight_update import bucket_checksum
 
     class CorruptingBeforeChecksum(InProcessTransport):
         def send_bucket(self, meta, tensors, buf):

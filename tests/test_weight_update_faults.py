@@ -25,10 +25,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backends import converter
-from backends.quantize import NonFiniteWeight
-from backends.synthetic import write_synthetic_checkpoint
-from backends.weight_update import (InProcessTransport, SGLangHTTPTransport, WeightReceiver, WeightSender,
+from precision_dsl.backends import converter
+from precision_dsl.backends.quantize import NonFiniteWeight
+from precision_dsl.backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.backends.weight_update import (InProcessTransport, SGLangHTTPTransport, WeightReceiver, WeightSender,
                                     WeightUpdateAborted, WeightUpdateError, WeightUpdateMismatch)
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
@@ -149,7 +149,7 @@ def test_corrupted_bucket_is_drained_and_the_next_update_succeeds(weights):
 def _gloo_faults(rank, port, src_dir, policy, out):
     import torch.distributed as dist
 
-    from backends.weight_update import TorchDistributedTransport
+    from precision_dsl.backends.weight_update import TorchDistributedTransport
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     log = []

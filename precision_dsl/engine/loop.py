@@ -32,6 +32,7 @@ from .rollout import LocalRollout, Rollout
 from .sampling import sequence_logprobs
 from .task import load_tokenizer, make_task
 from .weight_path import same_bytes
+from ..errors import PolicycError
 
 
 class RunConfig(BaseModel):
@@ -69,7 +70,7 @@ class RunConfig(BaseModel):
     out: Optional[Path] = None
 
 
-class ContractViolation(RuntimeError):
+class ContractViolation(PolicycError, RuntimeError):
     pass
 
 

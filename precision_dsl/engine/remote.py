@@ -35,9 +35,10 @@ from ..plan import Plan
 from .model import Qwen3MoeConfig
 from .rollout import RolloutEngine
 from .sampling import SampleBatch
+from ..errors import PolicycError
 
 
-class RemoteRolloutError(RuntimeError):
+class RemoteRolloutError(PolicycError, RuntimeError):
     pass
 
 
