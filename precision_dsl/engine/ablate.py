@@ -35,8 +35,8 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     for policy, broken in configs:
         label = _label(policy, broken)
         for seed in range(seeds):
-            cfg = RunConfig(policy=policy, steps=steps, seed=seed, device=device, prompts_per_step=prompts, lr=lr,
-                            broken_contract=broken)
+            cfg = RunConfig.checked(None, policy=policy, steps=steps, seed=seed, device=device,
+                                    prompts_per_step=prompts, lr=lr, broken_contract=broken)
             con.print(f"{label} seed {seed}: {steps} steps", markup=False)
             res = run(cfg)
             run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
