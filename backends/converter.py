@@ -619,6 +619,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
         hq = dst / "hf_quant_config.json"
         if not hq.is_file() or _read_json_file(hq) != qfiles["hf_quant_config"]:
             problems.append("hf_quant_config.json differs from the plan's")
+    elif os.path.lexists(dst / "hf_quant_config.json"):  # a loader may read it: it must not be there
+        problems.append("hf_quant_config.json is present but the plan has no ModelOpt config")
     by = plan.by_name()
     reader = _Reader(srcc)
     out_reader = _Reader(open_source(dst))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Optional
@@ -48,15 +49,21 @@ def _numel(shape) -> int:
 def read_header(path: Path) -> dict[str, dict]:
     """{name: {dtype, shape, data_offsets}} of a safetensors file, validated against the file size."""
     path = Path(path)
-    size = path.stat().st_size
-    if size < 8:
-        raise CheckpointError(f"{path}: {size} bytes is too small to be a safetensors file")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > MAX_HEADER_BYTES or n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
-                                  f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
-        raw = f.read(n)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{path}: not a regular file")
+            size = st.st_size
+            if size < 8:
+                raise CheckpointError(f"{path}: {size} bytes is too small to be a safetensors file")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
+                                      f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
+            raw = f.read(n)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
     from ..jsonsafe import loads_bounded
 
     header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)
