@@ -159,6 +159,21 @@ def test_force_never_loses_the_previous_output(src, tmp_path, record_figure):
     record_figure("convert_force_fault_points", {"mutation_points": len(ops)})
 
 
+def test_a_crash_in_the_final_phase_redoes_no_shard(src, tmp_path):
+    ops = enumerate_points(src, tmp_path / "enum")
+    last_marker = max(k for k, (op, name) in enumerate(ops) if op == "replace" and name.endswith(".json.tmp")
+                      and name.startswith(".model-"))
+    final_phase = [k for k in range(last_marker + 2, len(ops)) if ops[k] != ("rename", "out")]
+    assert len(final_phase) >= 10
+    for k in final_phase[:: max(1, len(final_phase) // 6)]:
+        dst = tmp_path / f"fp{k}"
+        crash_at(src, dst, k, after=False)
+        if not converter._work_dir(dst).joinpath("out").is_dir():
+            continue  # past the commit
+        rep = rerun(src, dst)
+        assert rep.shards_written == [] and len(rep.shards_resumed) == 3, (k, ops[k])
+
+
 def test_interrupted_force_without_force_rerun_restores_the_old_output(src, tmp_path):
     import shutil
 
