@@ -13,10 +13,15 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
-  * atomic: everything is written into `.<dst>.policyc-partial/` next to DST and renamed at the end; an existing
-    DST is replaced only with force; the source directory is only read.
-  * resumable: every finished output shard gets a `<shard>.done` marker (CRC32 + size) in the partial dir; a
-    re-run with the same plan and source skips finished shards and produces a byte-identical result.
+  * crash-safe (kill -9 / full disk at any point; tests/test_convert_faults.py kills it at every filesystem
+    mutation): an exclusive lock `.<dst>.policyc-lock` (a second converter on the same DST is refused by name); all
+    work in `.<dst>.policyc-work/` whose `out/` only ever receives complete, fsynced files by rename; the commit is
+    one rename of `out/` to DST. An existing DST is replaced only with force, and is parked in the work dir until
+    the new output is in place (a crash between the two renames is undone by the next run). The source directory
+    is only read; side files are copied only if they are regular files inside it (no symlink escapes).
+  * resumable: every finished output shard gets an atomic `done/<shard>.json` marker (CRC32 + size), validated on
+    resume (a bad marker means "redo this shard"); a re-run with the same plan and source skips finished shards,
+    also after a crash in the final phase, and produces a byte-identical result.
   * cross-shard share-scale groups (gate in shard 1, up in shard 2) are quantized together and written in the
     shard of their last member.
 

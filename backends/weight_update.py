@@ -18,7 +18,12 @@ API (used by the RL engine)::
 * Work units: members of an NVFP4 share-scale group are quantized together (one global amax). Atomic groups
   (fused siblings: q/k/v, gate/up, q_a/kv_a; SGLang's loader needs both halves in one load_weights call) always
   travel in one bucket. Buckets are filled up to `bucket_bytes` (a unit larger than that travels alone).
-* NaN/Inf in any weight raises `NonFiniteWeight` before anything is sent.
+* All or nothing: `prepare` (names, completeness against the plan for EVERY tensor, no extras or duplicates,
+  quantization, NaN/Inf before and after every cast -> `NonFiniteWeight`) runs before the transport is opened; a
+  failure after that calls `transport.abort` (receivers discard the partial update; the SGLang client closes the
+  bracket and reloads the served checkpoint, or marks the version `incomplete:`) and raises WeightUpdateAborted.
+  Receivers apply nothing until every tensor of the plan arrived with its planned dtype and shape.
+* Every bucket carries a cheap checksum (CRC32 on host buffers, a device-side sum64 on GPU buffers), always on.
 * Both ends check the plan content hash first (in-process / torch.distributed: a symmetric handshake; SGLang: the
   served checkpoint's policyc_plan.json) and refuse a mismatch with `PlanMismatch`.
 * `check_equal=True` (like Miles' --check-weight-update-equal): the sender ships a sha256 per tensor with the last
