@@ -27,7 +27,7 @@ def loads_bounded(data: bytes | str, where: str, error: Callable[[str], Exceptio
     except RecursionError:
         raise error(f"{where}: JSON nested too deeply") from None
     except json.JSONDecodeError as err:
-        raise error(f"{where}: not valid JSON (line {err.lineno}, column {err.colno}: {err.msg})") from None
+        raise error(f"{where}:{err.lineno}:{err.colno}: invalid JSON: {err.msg}") from None
     except (UnicodeDecodeError, ValueError) as err:  # huge integers, NaN/Infinity, bad encodings
         reason = "not UTF-8" if isinstance(err, UnicodeDecodeError) else _int_reason(err)
         raise error(f"{where}: not valid JSON ({reason})") from None
