@@ -39,19 +39,3 @@ def record_figure():
 
     return record
 
-
-@pytest.fixture(autouse=True)
-def _cli_tests_fail_on_uncaught_exceptions(monkeypatch):
-    """Every CLI test runs with CliRunner(...).invoke(..., catch_exceptions=False): typer's default hides an
-    uncaught exception inside `result.exception` (and `"Traceback" not in output` then asserts nothing), so a
-    command that crashes would look like a plain non-zero exit. Forcing it here covers every present and future
-    CLI test; SystemExit (typer.Exit, exit codes) is still handled by click as usual."""
-    from typer.testing import CliRunner
-
-    original = CliRunner.invoke
-
-    def invoke(self, *args, **kwargs):
-        kwargs["catch_exceptions"] = False
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(CliRunner, "invoke", invoke)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
+from conftest import StrictCliRunner
 
 from precision_dsl.arch import load_architecture
 from precision_dsl.backends import converter
@@ -118,7 +118,7 @@ def test_hostile_index_files(micro, src, tmp_path, kind):
     (d / "model.safetensors.index.json").write_bytes(raw)
     with pytest.raises(PolicycError):
         converter.convert(d, plan(micro, "bf16"), tmp_path / "o")
-    r = CliRunner().invoke(app, ["convert", str(d), "--policy", str(micro / "bf16.policy"), "--out",
+    r = StrictCliRunner().invoke(app, ["convert", str(d), "--policy", str(micro / "bf16.policy"), "--out",
                                  str(tmp_path / "o2"), "--model", str(micro / "config.json"), "--no-progress"])
     assert r.exit_code == 2 and "error:" in r.output
 
@@ -136,7 +136,7 @@ def test_hostile_config_json(tmp_path, kind):
     p.write_bytes(CONFIGS[kind])
     with pytest.raises(PolicycError):
         load_architecture(str(p))
-    r = CliRunner().invoke(app, ["plan", str(REPO / "policies" / "bf16.policy"), "--model", str(p)])
+    r = StrictCliRunner().invoke(app, ["plan", str(REPO / "policies" / "bf16.policy"), "--model", str(p)])
     assert r.exit_code == 2 and "error" in r.output
 
 
@@ -197,7 +197,7 @@ def test_verify_on_damaged_outputs_reports_never_crashes(converted, src, tmp_pat
         assert problems, kind  # damage that verify cannot see would be a bug
     except PolicycError:
         pass
-    r = CliRunner().invoke(app, ["verify", str(dst), "--source", str(src)])
+    r = StrictCliRunner().invoke(app, ["verify", str(dst), "--source", str(src)])
     assert r.exit_code in (1, 2) and ("error:" in r.output or "mismatch" in r.output), r.output
 
 
@@ -211,7 +211,7 @@ def test_finite_bf16_overflowing_fp16_is_refused_by_convert_and_verify(micro, sr
     name = sorted(w)[0]
     w[name] = torch.full_like(w[name], 1e5)  # finite in BF16, Inf in FP16
     save_file(w, str(shard))
-    r = CliRunner().invoke(app, ["convert", str(d), "--policy", str(micro / "fp16.policy"), "--out",
+    r = StrictCliRunner().invoke(app, ["convert", str(d), "--policy", str(micro / "fp16.policy"), "--out",
                                  str(tmp_path / "o"), "--model", str(micro / "config.json"), "--no-progress"])
     assert r.exit_code == 1 and name in r.output and "fp16" in r.output
     assert not (tmp_path / "o").exists()
@@ -224,13 +224,13 @@ def test_finite_bf16_overflowing_fp16_is_refused_by_convert_and_verify(micro, sr
 def test_markup_in_policy_names_and_echoed_source_is_printed_verbatim(tmp_path, name):
     p = tmp_path / "m.policy"
     p.write_text(f'policy "{name}" {{\n    default bf16\n    name("[/evil]"): bf16\n}}\n')
-    r = CliRunner().invoke(app, ["plan", str(p), "--model", "tiny-moe"])
+    r = StrictCliRunner().invoke(app, ["plan", str(p), "--model", "tiny-moe"])
     assert r.exit_code == 2 and "[/evil]" in r.output  # matches no tensor: the error echoes the rule verbatim
     p.write_text(f'policy "{name}" {{\n    default bf16\n}}\n')
-    r = CliRunner().invoke(app, ["plan", str(p), "--model", "tiny-moe"])
+    r = StrictCliRunner().invoke(app, ["plan", str(p), "--model", "tiny-moe"])
     assert r.exit_code == 0 and name in r.output
     p.write_text(f'policy "{name}" {{\n    default bf16 [/oops]\n}}\n')
-    r = CliRunner().invoke(app, ["check", str(p), "--model", "tiny-moe"])
+    r = StrictCliRunner().invoke(app, ["check", str(p), "--model", "tiny-moe"])
     assert r.exit_code == 2 and "[/oops]" in r.output
 
 
@@ -242,7 +242,7 @@ def test_markup_in_policy_names_and_echoed_source_is_printed_verbatim(tmp_path, 
 ])
 def test_run_options_are_validated_before_any_work(tmp_path, args, needle):
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["run", "--steps", "1", "--out", str(out), *args])
+    r = StrictCliRunner().invoke(app, ["run", "--steps", "1", "--out", str(out), *args])
     assert r.exit_code == 2 and "error:" in r.output and needle in r.output, r.output
     assert not out.exists()
 
@@ -250,12 +250,12 @@ def test_run_options_are_validated_before_any_work(tmp_path, args, needle):
 def test_run_device_cuda_without_gpu(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    r = CliRunner().invoke(app, ["run", "--steps", "1", "--device", "cuda", "--out", str(tmp_path / "r")])
+    r = StrictCliRunner().invoke(app, ["run", "--steps", "1", "--device", "cuda", "--out", str(tmp_path / "r")])
     assert r.exit_code == 2 and "CUDA" in r.output
 
 
 @pytest.mark.parametrize("spec", ["trainer:tp=" + "9" * 5000, "tp=" + "9" * 30, "tp=0", "tp=70000"])
 def test_parallel_degrees_are_bounded(spec):
-    r = CliRunner().invoke(app, ["plan", str(REPO / "policies" / "bf16.policy"), "--model", "tiny-moe",
+    r = StrictCliRunner().invoke(app, ["plan", str(REPO / "policies" / "bf16.policy"), "--model", "tiny-moe",
                                  "--parallel", spec])
     assert r.exit_code == 2 and "out of range" in r.output
