@@ -16,39 +16,10 @@ from .common import BACKENDS
 
 
 def _run(body):
-    """Run a command body; expected errors become `error: ...` + `hint: ...` and an exit code, never a traceback."""
-    from ..console import UserError, fail, guard
+    """Run a command body under the one CLI guard (console.guard: every PolicycError -> error + hint + exit code)."""
+    from ..console import guard
 
-    from .common import PlanMismatch, UnsupportedByBackend
-    from .safetensors_io import CheckpointError
-
-    def guarded():
-        try:
-            return body()
-        except UnsupportedByBackend as err:
-            raise fail(_Coded(str(err), err.hint or "change the policy for this tensor, or emit only the other "
-                                                      "backends with --backend", 1))
-        except PlanMismatch as err:
-            raise fail(_Coded(str(err), err.hint, 1))
-        except CheckpointError as err:
-            raise fail(_Coded(str(err), err.hint, 2))
-        except FileExistsError as err:
-            raise fail(UserError(str(err), "choose another --out or pass --force"))
-        except Exception as err:  # numerics / weight errors with a message for the user
-            from .quantize import NonFiniteWeight
-            from .weight_update import WeightUpdateError
-
-            if isinstance(err, (NonFiniteWeight, WeightUpdateError)):
-                raise fail(_Coded(str(err), getattr(err, "hint", ""), 1))
-            raise
-
-    return guard(guarded)
-
-
-class _Coded(Exception):
-    def __init__(self, message: str, hint: str, code: int):
-        super().__init__(message)
-        self.hint, self.code = hint, code
+    return guard(body)
 
 
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
@@ -91,7 +62,7 @@ def register(app: typer.Typer) -> None:
             con = console()
             con.print(f"wrote {len(arts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
             for a in arts:
-                con.print(f"  {a.path:<42} {a.description}", markup=False)
+                con.print(f"  {a.path:<42} {a.description}")
 
         _run(body)
 
@@ -153,11 +124,13 @@ def register(app: typer.Typer) -> None:
             expected = None
             if policy is not None:
                 expected = plan_hash(build_plan(policy, model or str(source), parallel))
+            from rich.markup import escape
+
             problems = converter.verify(dst, source, expected_hash=expected)
             con = console()
             if problems:
                 for p in problems[:50]:
-                    con.print(f"[red]mismatch:[/] {p}", markup=True)
+                    con.print(f"[red]mismatch:[/] {escape(p)}", markup=True)
                 if len(problems) > 50:
                     con.print(f"... and {len(problems) - 50} more")
                 raise typer.Exit(1)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from ..plan import Plan, TensorPlan
+from ..errors import PolicycError
 
 BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backend` choices, in emit order
 
@@ -28,7 +29,7 @@ BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backen
 PLAN_FILE = "policyc_plan.json"
 
 
-class UnsupportedByBackend(Exception):
+class UnsupportedByBackend(PolicycError):
     """`backend` cannot express the plan for `tensor` exactly because it lacks `capability`.
 
     Exit code 1 at the CLI (the policy is valid; this consumer cannot honour it)."""
@@ -39,11 +40,11 @@ class UnsupportedByBackend(Exception):
         self.backend = backend
         self.tensor = tensor
         self.capability = capability
-        self.hint = hint
+        self.hint = hint or "change the policy for this tensor, or emit only the other backends with --backend"
         super().__init__(f"backend '{backend}' cannot express the plan for tensor '{tensor}': {capability}")
 
 
-class PlanMismatch(Exception):
+class PlanMismatch(PolicycError):
     """A consumer was handed an artifact / payload produced for a different plan (content hash differs)."""
 
     code = 1
@@ -112,7 +113,9 @@ def write_tree_atomic(out_dir: Path, files: Iterable[Artifact], force: bool = Fa
     after the rename, so a crash never leaves a half-written directory under the final name)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
-        raise FileExistsError(f"output directory '{out_dir}' already exists (pass --force to replace it)")
+        from .durable import OutputExists
+
+        raise OutputExists(f"output directory '{out_dir}' already exists (pass --force to replace it)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -218,14 +218,16 @@ def _human(n: float, unit: str = "") -> str:
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     con = console()
     rows = plan_rows(plan, tensor_glob, expand)
     if tensor_glob and not rows:
         raise UserError(f"--tensor '{tensor_glob}' matches no tensor of {plan.model}",
                         "globs match HF names, e.g. 'model.layers.3.mlp.experts.*'")
-    title = (f"policy [bold]{plan.policy_name}[/] on [bold]{plan.model}[/] ({plan.model_type}, {plan.num_layers} layers)"
-             f" · target {plan.target}{' (emulated)' if plan.emulate else ''}")
+    title = Text.assemble("policy ", (plan.policy_name, "bold"), " on ", (plan.model, "bold"),
+                          f" ({plan.model_type}, {plan.num_layers} layers) · target {plan.target}"
+                          f"{' (emulated)' if plan.emulate else ''}")
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
     for col in ("layers", "tensors", "shape", "weight", "activation", "grad", "backward", "rule"):
         table.add_column(col, overflow="fold", no_wrap=col != "tensors")
@@ -234,7 +236,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         style = "dim" if r.weight in ("bf16", "fp16", "fp32") else None
         cells = (r.layers if r.layers != prev else "", r.tensors, r.shape, r.weight, r.activation, r.grad,
                  r.backward, r.rule)
-        table.add_row(*map(escape, cells), style=style)
+        table.add_row(*cells, style=style)  # plain strings: the console never parses markup
         prev = r.layers
     con.print(table)
     summary = Table(title="summary (weights)", title_justify="left", header_style="bold")
@@ -242,9 +244,9 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         summary.add_column(col, justify="right" if col != "format" else "left")
     total_p = total_b = total_a = 0
     for fmt, n, pct, b, a in summarize(plan):
-        summary.add_row(escape(fmt), _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
+        summary.add_row(fmt, _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
         total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
-    summary.add_row("[bold]total[/]", _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
+    summary.add_row(Text("total", style="bold"), _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
     con.print(summary)
     roles, main, mtp = role_summary(plan)
     by_role = Table(title="parameters by role (main model" + (", MTP apart" if mtp else "") + ")",
@@ -252,8 +254,8 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     for col in ("role", "params", "% of model", "weight formats"):
         by_role.add_column(col, justify="right" if col in ("params", "% of model") else "left")
     for g, n, pct, f in roles:
-        by_role.add_row(g, _human(n), f"{pct:.1f}%", escape(f))
-    by_role.add_row("[bold]model[/]", _human(main), "100.0%", "")
+        by_role.add_row(g, _human(n), f"{pct:.1f}%", f)
+    by_role.add_row(Text("model", style="bold"), _human(main), "100.0%", "")
     if mtp:
         by_role.add_row("MTP modules", _human(mtp), "(apart)", "")
     con.print(by_role)
@@ -266,10 +268,10 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         con.print(f"share-scale groups: {groups} (one global scale per group)")
     con.print(f"plan hash: {plan.content_hash()}")
     for note in plan.notes:
-        con.print(f"[yellow]note:[/] {note}")
+        con.print(f"[yellow]note:[/] {escape(note)}", markup=True)
     if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
            for t in plan.tensors if t.is_linear):
-        con.print(f"[yellow]note:[/] {EMULATION_NOTE}")
+        con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -369,18 +371,21 @@ def register(app: typer.Typer) -> None:
                                     ("did you mean " + ", ".join(close)) if close else
                                     "run `policyc plan --json` to list tensor names")
                 target = hits[0]
+            from rich.markup import escape
+            from rich.text import Text
+
             matches = explain(policy, arch, target)
             con = console()
-            con.print(f"[bold]{target}[/]")
+            con.print(Text(target, style="bold"))
             if not matches:
                 con.print("  no rule matched; the policy's default applies")
             for ref, prec, won in matches:
                 mark = "[green]✔ wins[/]" if won else "[dim]overridden[/]"
                 where = "default" if ref is None else str(ref)
                 text = "" if ref is None else ref.text
-                con.print(f"  {mark}  {where}  {prec.short()}")
+                con.print(f"  {mark}  {escape(where)}  {escape(prec.short())}", markup=True)
                 if text:
-                    con.print(f"          [dim]{text}[/]", markup=True)
+                    con.print(Text(f"          {text}", style="dim"))
 
         guard(body)
 
@@ -396,15 +401,17 @@ def register(app: typer.Typer) -> None:
             from .parallel import parse_parallel
 
             plan = build_plan(policy, model, parallel)
+            from rich.markup import escape
+
             diags = check(plan, load_arch(model), parse_parallel(parallel))
             con = console()
             n_err = sum(1 for d in diags if d.severity == "error")
             n_warn = len(diags) - n_err
             for d in diags:
                 colour = "red" if d.severity == "error" else "yellow"
-                con.print(f"[bold {colour}]{d.severity}[/] [{d.code}] {d.message}", markup=True)
+                con.print(f"[bold {colour}]{d.severity}[/] {escape(f'[{d.code}] {d.message}')}", markup=True)
                 if d.hint:
-                    con.print(f"  [cyan]hint:[/] {d.hint}")
+                    con.print(f"  [cyan]hint:[/] {escape(d.hint)}", markup=True)
             status = "ok" if n_err == 0 and (n_warn == 0 or not strict) else "failed"
             con.print(f"{plan.policy_name} on {plan.model}: {n_err} error(s), {n_warn} warning(s) — {status}")
             if status != "ok":
@@ -419,7 +426,6 @@ def register(app: typer.Typer) -> None:
         """List the checkpoint tensors of a model: HF name, shape, role, Megatron name, SGLang prefix."""
 
         def body():
-            from rich.markup import escape
             from rich.table import Table
 
             arch = load_arch(model)
@@ -436,7 +442,7 @@ def register(app: typer.Typer) -> None:
                 table.add_column(col, overflow="fold")
             for t in ts[:2000]:
                 meg = (t.megatron_name or "") + (f" [{t.megatron_part}]" if t.megatron_part else "")
-                table.add_row(*map(escape, (t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")))
+                table.add_row(t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")
             console().print(table)
             if len(ts) > 2000:
                 console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
@@ -452,7 +458,6 @@ def register(app: typer.Typer) -> None:
         """Which tensors change format between two policies."""
 
         def body():
-            from rich.markup import escape
             from rich.table import Table
 
             a = build_plan(policy_a, model)
@@ -473,7 +478,7 @@ def register(app: typer.Typer) -> None:
             for (sa, sb), names in by_pair.items():
                 items = [(n, 1) for n in names] if full else _collapse_names(names)
                 for text, n in items:
-                    table.add_row(escape(text), str(n), escape(sa), escape(sb))
+                    table.add_row(text, str(n), sa, sb)
             con.print(table)
 
         guard(body)

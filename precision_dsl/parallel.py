@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 
 from .plan import ParallelLayout, ParallelSide
+from .errors import PolicycError
 
 _KEYS = ("tp", "etp", "ep", "pp")
+MAX_DEGREE = 65_536  # far above any real deployment; bounds every product the checks compute
 
 
-class ParallelSpecError(ValueError):
+class ParallelSpecError(PolicycError, ValueError):
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
         self.hint = hint
@@ -26,14 +28,16 @@ def _parse_side(text: str, where: str) -> ParallelSide:
     for item in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(r"([a-z]+)\s*=\s*(\d+)", item)
         if not m:
-            raise ParallelSpecError(f"cannot read '{item}' in the {where} layout",
+            raise ParallelSpecError(f"cannot read '{item[:80]}' in the {where} layout",
                                     "write key=value pairs, e.g. tp=2,etp=1,ep=8,pp=2")
+        if len(m.group(2)) > 7:  # before int(): a 5000-digit number is a ValueError in CPython, not a size
+            raise ParallelSpecError(f"{m.group(1)} in the {where} layout is out of range (1..{MAX_DEGREE})")
         key, val = m.group(1), int(m.group(2))
         if key not in _KEYS:
             raise ParallelSpecError(f"unknown parallel dimension '{key}' in the {where} layout",
                                     f"known dimensions: {', '.join(_KEYS)}")
-        if val < 1:
-            raise ParallelSpecError(f"{key}={val} in the {where} layout must be >= 1")
+        if not 1 <= val <= MAX_DEGREE:
+            raise ParallelSpecError(f"{key}={val} in the {where} layout is out of range (1..{MAX_DEGREE})")
         if key in values:
             raise ParallelSpecError(f"{key} given twice in the {where} layout")
         values[key] = val

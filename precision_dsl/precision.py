@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
+from .errors import PolicycError
 
 
 class FormatKind(str, Enum):
@@ -203,7 +204,7 @@ def storage_bytes(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row")
     raise ValueError(f"storage_bytes: unknown format kind {kind!r}")
 
 
-class FormatError(ValueError):
+class FormatError(PolicycError, ValueError):
     """A format call in a policy is invalid. `arg` names the offending argument (if any) so the language
     layer can point the caret at it; `hint` is a one-line fix suggestion."""
 

@@ -1,9 +1,15 @@
 """Shared test vocabulary: the seed policies every backend / engine test runs over, written down once here (from
 the product card, independently of precision_dsl.engine.plans.SEED_POLICIES, which test_engine_rollout checks
-against it)."""
+against it). `record_figure(name, figures)` prints a measured figure (cases, mutation points, seconds) as one
+`FIGURE name {json}` line and appends it to $POLICYC_FIGURES when set, so benchmarks/RESULTS.md quotes numbers the
+suites actually produced (see the commands there)."""
 
 from __future__ import annotations
 
+import json
+import os
+
+import pytest
 from typer.testing import CliRunner
 
 # The six seed recipes of the product card: BF16, MXFP8 (three backward modes), NVFP4 per-token (two).
@@ -19,3 +25,17 @@ class StrictCliRunner(CliRunner):
 
     def invoke(self, *args, catch_exceptions: bool = False, **kwargs):
         return super().invoke(*args, catch_exceptions=catch_exceptions, **kwargs)
+
+
+@pytest.fixture
+def record_figure():
+    def record(name: str, figures: dict) -> None:
+        line = f"FIGURE {name} {json.dumps(figures, sort_keys=True)}"
+        print(line)
+        path = os.environ.get("POLICYC_FIGURES")
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+    return record
+

@@ -6,7 +6,6 @@ Only config.json is read (never weights), as JSON data. Every failure is an Arch
 from __future__ import annotations
 
 import gc
-import json
 import math
 from contextlib import contextmanager
 import os
@@ -96,13 +95,14 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ArchitectureError(f"{path}: not UTF-8 text", hint="pass the model's config.json (JSON text)") from None
     except OSError as exc:
         raise ArchitectureError(f"{path}: cannot read: {exc.strerror}", hint="check the path and permissions") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ArchitectureError(
-            f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
-            hint="fix the JSON syntax (trailing commas and comments are not allowed in JSON)",
-        ) from None
+    from ..jsonsafe import loads_bounded
+
+    def bad(message: str) -> ArchitectureError:
+        return ArchitectureError(message, hint="fix the JSON syntax (trailing commas and comments are not allowed "
+                                               "in JSON); config.json holds plain numbers and strings")
+
+    # bounded: deep nesting, 5000-digit integers, NaN and duplicate keys are errors, not tracebacks
+    raw = loads_bounded(text, str(path), bad, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise ArchitectureError(
             f"{path}: top level is a JSON {type(raw).__name__}, expected an object",

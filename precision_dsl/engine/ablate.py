@@ -24,7 +24,7 @@ def _label(policy: str, broken: Optional[str]) -> str:
 
 def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken_contract: Optional[str] = None,
            device: str = "cpu", prompts: int = 16, lr: float = 3e-4, quiet: bool = False) -> dict:
-    con = Console(stderr=True, highlight=False, quiet=quiet)
+    con = Console(stderr=True, highlight=False, quiet=quiet, markup=False)
     configs: list[tuple[str, Optional[str]]] = [(p, None) for p in policies]
     if broken_contract:
         nvfp4 = [p for p in policies if "nvfp4" in p]
@@ -35,8 +35,8 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     for policy, broken in configs:
         label = _label(policy, broken)
         for seed in range(seeds):
-            cfg = RunConfig(policy=policy, steps=steps, seed=seed, device=device, prompts_per_step=prompts, lr=lr,
-                            broken_contract=broken)
+            cfg = RunConfig.checked(None, policy=policy, steps=steps, seed=seed, device=device,
+                                    prompts_per_step=prompts, lr=lr, broken_contract=broken)
             con.print(f"{label} seed {seed}: {steps} steps", markup=False)
             res = run(cfg)
             run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
@@ -70,7 +70,7 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
         table.add_row(label, f"{row['reward_start']:.3f}", f"{row['reward_end_mean']:.3f}±{row['reward_end_std']:.3f}",
                       f"{row['mismatch_abs_logp']:.2e}", f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
                       str(row["grad_spikes"]), f"{row['s_per_step']:.2f}")
-    out_con = Console(highlight=False, quiet=quiet)
+    out_con = Console(highlight=False, quiet=quiet, markup=False)
     if not out_con.is_terminal:
         out_con.width = 160  # logs: do not squeeze the table to 80 columns
     out_con.print(table)

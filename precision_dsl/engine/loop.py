@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..arch import load_architecture
 from ..checks import check
@@ -32,6 +32,7 @@ from .rollout import LocalRollout, Rollout
 from .sampling import sequence_logprobs
 from .task import load_tokenizer, make_task
 from .weight_path import same_bytes
+from ..errors import PolicycError
 
 
 class RunConfig(BaseModel):
@@ -43,33 +44,45 @@ class RunConfig(BaseModel):
     policy: Optional[str] = None  # None: plans.DEFAULT_POLICY
     model: str = "tiny-moe"
     task: str = "arithmetic"
-    digits: int = Field(2, ge=1)
+    digits: int = Field(2, ge=1, le=6)
     operators: str = Field("+", pattern=r"^[+*-]+$")
-    steps: int = Field(60, ge=1)
-    seed: int = 0
+    steps: int = Field(60, ge=1, le=1_000_000)
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # torch.manual_seed's range
     device: Literal["cpu", "cuda"] = "cpu"
     # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
     # weights then travel through torch.distributed (NCCL between GPUs). None: in-process rollout.
-    rollout_device: Optional[str] = None
+    rollout_device: Optional[str] = Field(None, pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")
     # Expert tensor parallelism as seen by the activation quantizers: routed-expert down_proj inputs are split along
     # K over `etp` ranks and per-token scales are computed inside each partition. Unequal values break the
     # per-token contract: refused (policyc check's etp-mismatch) unless force_layout.
-    trainer_etp: int = Field(1, ge=1)
-    rollout_etp: int = Field(1, ge=1)
+    trainer_etp: int = Field(1, ge=1, le=1024)
+    rollout_etp: int = Field(1, ge=1, le=1024)
     force_layout: bool = False
-    prompts_per_step: int = Field(16, ge=1)
-    samples_per_prompt: int = Field(8, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
+    prompts_per_step: int = Field(16, ge=1, le=65_536)
+    # GRPO normalises rewards within a group: one sample has no group to compare with (advantage 0, no signal)
+    samples_per_prompt: int = Field(8, ge=2, le=4096)
+    lr: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False)
+    clip_eps: float = Field(0.2, gt=0, le=10, allow_inf_nan=False)
+    kl_coef: float = Field(0.0, ge=0, le=1e6, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
     broken_contract: Optional[Literal["per_tensor", "unshared"]] = None
     check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
     out: Optional[Path] = None
 
+    @field_validator("device", "rollout_device")
+    @classmethod
+    def _device_exists(cls, v):
+        """--device cuda / --rollout-device cuda:N must exist here: refused before anything starts."""
+        if v and v.startswith("cuda"):
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(v.split(":", 1)[1]) if ":" in v else 0
+            if idx >= n:
+                raise ValueError(f"{v}: this machine has {n} CUDA device(s); use cpu")
+        return v
 
-class ContractViolation(RuntimeError):
+
+class ContractViolation(PolicycError, RuntimeError):
     pass
 
 

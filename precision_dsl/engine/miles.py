@@ -20,6 +20,7 @@ import shlex
 import subprocess
 from pathlib import Path
 from typing import Optional
+from ..errors import PolicycError
 
 from ..arch import load_architecture
 from ..backends import megatron, sglang
@@ -28,7 +29,7 @@ from ..parallel import parse_parallel
 from .plans import load_plan, policy_path
 
 
-class MilesError(RuntimeError):
+class MilesError(PolicycError, RuntimeError):
     def __init__(self, message: str, hint: str = ""):
         super().__init__(message)
         self.hint = hint

@@ -35,9 +35,10 @@ from ..plan import Plan
 from .model import Qwen3MoeConfig
 from .rollout import RolloutEngine
 from .sampling import SampleBatch
+from ..errors import PolicycError
 
 
-class RemoteRolloutError(RuntimeError):
+class RemoteRolloutError(PolicycError, RuntimeError):
     pass
 
 
@@ -134,13 +135,25 @@ class _RemoteChannel:
         self.owner, self.bucket_bytes, self.version = owner, bucket_bytes, 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> RemotePayload:
-        self.version += 1
-        _bcast(("update", self.version), src=0)
         transport = TorchDistributedTransport(device=self.owner.trainer_device)
         sender = WeightSender(self.owner.plan, transport, bucket_bytes=self.bucket_bytes, check_equal=True)
         items = ((n, w.detach().to(torch.bfloat16)) for n, w in weights.items())
-        report = sender.send(items, weight_version=f"v{self.version}")
+        # Everything that can refuse the update (NaN/Inf, missing or extra tensors) runs BEFORE the worker is told
+        # an update is coming: a refusal then leaves both processes at the same point of the command protocol
+        # (otherwise the worker waits in the handshake while the next command is broadcast: a deadlock).
+        units = sender.prepare(items)
+        version = self.version + 1
+        _bcast(("update", version), src=0)
+        try:
+            report = sender.send_prepared(units, weight_version=f"v{version}")
+        except Exception:
+            try:  # the worker saw the abort and replies with its error: collect it to stay in step
+                self.owner._reply()
+            except RemoteRolloutError:
+                pass
+            raise
         self.owner._reply()  # the receiver's verdict (hash handshake, digests, load into its buffers)
+        self.version = version
         return RemotePayload(plan_hash=report.plan_hash, version=self.version, nbytes=report.bytes,
                              buckets=report.buckets)
 
