@@ -24,9 +24,10 @@ from precision_dsl.arch import load_architecture  # noqa: E402
 from precision_dsl.parallel import parse_parallel  # noqa: E402
 from precision_dsl.resolve import resolve  # noqa: E402
 
+from conftest import SEED_POLICIES  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = ["bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
-         "nvfp4-pertoken-dequant-backward"]
+SEEDS = SEED_POLICIES
 @functools.lru_cache(maxsize=None)
 def arch_of(name):
     return load_architecture(name)

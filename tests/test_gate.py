@@ -7,16 +7,16 @@ from __future__ import annotations
 import re
 
 import pytest
-from typer.testing import CliRunner
 
+from conftest import StrictCliRunner
 from matrix import LAYOUTS, POLICIES, layout, policy_file
 from precision_dsl.cli import app
 
-runner = CliRunner()
+runner = StrictCliRunner()
 
 
 def _cli(*args):
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.mark.parametrize("lay", LAYOUTS)
