@@ -44,6 +44,56 @@ class UnsupportedByBackend(PolicycError):
         super().__init__(f"backend '{backend}' cannot express the plan for tensor '{tensor}': {capability}")
 
 
+class Problems:
+    """Collects UnsupportedByBackend findings instead of stopping at the first (sqlglot's ErrorLevel.RAISE: every
+    problem of an emitter is reported together). Findings with one cause (same backend + capability) over many
+    tensors are folded into one, naming the first tensor and how many more share it."""
+
+    def __init__(self):
+        self.items: list[UnsupportedByBackend] = []
+
+    def add(self, err: "UnsupportedByBackend") -> None:
+        for e in getattr(err, "errors", None) or [err]:
+            self.items.append(e)
+
+    def run(self, fn, *args, **kwargs):
+        """Call fn; an UnsupportedByBackend it raises is recorded and None returned."""
+        try:
+            return fn(*args, **kwargs)
+        except UnsupportedByBackend as err:
+            self.add(err)
+            return None
+
+    def folded(self) -> list["UnsupportedByBackend"]:
+        groups: dict[tuple, list[UnsupportedByBackend]] = {}
+        for e in self.items:
+            groups.setdefault((e.backend, e.capability), []).append(e)
+        out = []
+        for (backend, capability), es in groups.items():
+            more = len({e.tensor for e in es}) - 1
+            cap = capability + (f" (and {more} more tensor{'s' if more > 1 else ''} like it)" if more else "")
+            out.append(UnsupportedByBackend(backend, es[0].tensor, cap, es[0].hint))
+        return out
+
+    def raise_if_any(self) -> None:
+        errs = self.folded()
+        if len(errs) == 1:
+            raise errs[0]
+        if errs:
+            raise BackendErrors(errs)
+
+
+class BackendErrors(UnsupportedByBackend):
+    """Several UnsupportedByBackend at once. Behaves like the first one (backend/tensor/capability/hint) so callers
+    that handle a single error keep working; `errors` holds all of them and str() lists every one."""
+
+    def __init__(self, errors: list[UnsupportedByBackend]):
+        first = errors[0]
+        super().__init__(first.backend, first.tensor, first.capability, first.hint)
+        self.errors = list(errors)
+        Exception.__init__(self, f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
 class PlanMismatch(PolicycError):
     """A consumer was handed an artifact / payload produced for a different plan (content hash differs)."""
 

@@ -13,7 +13,7 @@ import sys
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import typer
 
@@ -392,27 +392,30 @@ def register(app: typer.Typer) -> None:
     @app.command("check")
     def check_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
                   parallel: Optional[str] = PARALLEL_OPT,
+                  backend: Optional[List[str]] = typer.Option(
+                      None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
+                                                    "default: all)"),
+                  te_version: Optional[str] = typer.Option(None, "--te-version",
+                                                           help="installed TransformerEngine version"),
                   strict: bool = typer.Option(False, "--strict", help="treat warnings as errors")) -> None:
-        """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout).
-        Exit code 0 when clean, 1 when any error is found."""
+        """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout)
+        and every backend emitter (the gate `policyc emit` runs): what check accepts, emit emits. Exit code 0 when
+        clean, 1 when any error is found; all problems are reported together."""
 
         def body():
-            from .checks import check
-            from .parallel import parse_parallel
+            from .backends.cli import chosen_backends, checked_te_version, print_diagnostics
+            from .engine.gate import run_gate
 
+            chosen = chosen_backends(backend)
+            checked_te_version(te_version)
             plan = build_plan(policy, model, parallel)
-            from rich.markup import escape
-
-            diags = check(plan, load_arch(model), parse_parallel(parallel))
+            res = run_gate(plan, load_arch(model), chosen, te_version)
+            diags = res.diagnostics
             con = console()
             n_err = sum(1 for d in diags if d.severity == "error")
             n_warn = len(diags) - n_err
-            for d in diags:
-                colour = "red" if d.severity == "error" else "yellow"
-                con.print(f"[bold {colour}]{d.severity}[/] {escape(f'[{d.code}] {d.message}')}", markup=True)
-                if d.hint:
-                    con.print(f"  [cyan]hint:[/] {escape(d.hint)}", markup=True)
-            status = "ok" if n_err == 0 and (n_warn == 0 or not strict) else "failed"
+            print_diagnostics(diags, con)
+            status = "ok" if res.ok(strict) else "failed"
             con.print(f"{plan.policy_name} on {plan.model}: {n_err} error(s), {n_warn} warning(s) — {status}")
             if status != "ok":
                 raise typer.Exit(1)

@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         operators: str = typer.Option("+", "--operators", help="arithmetic: subset of '+-*'"),
         engine: str = typer.Option("embedded", "--engine", help="embedded | miles (emit a Miles launch script)"),
         parallel: Optional[str] = typer.Option(None, "--parallel", help="miles: parallel layout, e.g. "
-                                               "'trainer: tp=4 ep=8; rollout: tp=8 ep=8'"),
+                                               "'trainer:tp=4,ep=8 rollout:tp=8,ep=8'"),
         launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out"),
     ) -> None:
