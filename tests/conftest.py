@@ -4,6 +4,7 @@ against it)."""
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 # The six seed recipes of the product card: BF16, MXFP8 (three backward modes), NVFP4 per-token (two).
@@ -19,3 +20,15 @@ class StrictCliRunner(CliRunner):
 
     def invoke(self, *args, catch_exceptions: bool = False, **kwargs):
         return super().invoke(*args, catch_exceptions=catch_exceptions, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def sglang_oracle():
+    """SGLang 0.5.23 itself (tests/oracles/sglang_oracle.py), loaded once per session. Fails - never skips - with
+    the reason when the wheel cannot be downloaded or its code cannot be loaded."""
+    from oracles.sglang_oracle import OracleUnavailable, SGLangOracle, fetch_site
+
+    try:
+        return SGLangOracle(fetch_site())
+    except OracleUnavailable as err:
+        pytest.fail(f"SGLang oracle unavailable: {err}", pytrace=False)
