@@ -18,6 +18,14 @@ Facts used (SGLang 0.5.23 wheel; see ../shared/research/backends.md §C):
   * `--kv-cache-dtype auto` follows the checkpoint's kv_cache_quant_algo, so bf16 is always passed explicitly.
   * Routers, embeddings, lm_head (ParallelLMHead) and MTP eh_proj (plain nn.Linear in deepseek_nextn) are never
     quantized by these methods.
+  * Where SGLang fuses, renames or re-derives, the emitted config makes it produce exactly the plan or we refuse by
+    name (checked against SGLang's own code in tests/test_sglang_oracle.py):
+      - DeepSeek-V2/V3 fuse each layer's shared expert into the routed FusedMoE (ep 1, runners other than the
+        trtllm/cutedsl ones; `resolve_shared_experts_config`): `--disable-shared-experts-fusion` whenever shared and
+        routed experts of a layer differ in format (Fp8Config has no `can_fuse_shared_expert` veto);
+      - moe-TP is derived, tp // ep // moe_dp: the plan's rollout etp must equal tp/ep (else refused);
+      - weights are built in the model dtype: fp32/fp16 exceptions are refused by name, except the DeepSeek router
+        (`router_fp32` through `--json-model-override-args`) and its fp32 noaux_tc bias.
 
 Public API:
   rollout_config(plan) -> RolloutConfig      # validated; raises UnsupportedByBackend
@@ -310,6 +318,8 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
     env: dict[str, str] = {}
     notes: list[str] = []
     args = ["--tp-size", str(tp)]
+    if side is not None and side.pp > 1:
+        args += ["--pp-size", str(side.pp)]
     if has_moe:
         args += ["--ep-size", str(ep)]
     args += ["--kv-cache-dtype", "bf16"]  # explicit: `auto` follows the checkpoint's kv_cache_quant_algo

@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own code judges what policyc emits for it (tests/oracles/sglang_oracle.py).
 
-For every shipped policy x {tiny-moe, qwen3-30b-a3b, deepseek-v3} x rollout layouts (none; TP+EP; TP with EP 2,
-i.e. moe-TP 2), policyc either refuses by name (UnsupportedByBackend naming tensor + capability), or SGLang - given
+For every shipped policy x {tiny-moe, qwen3-30b-a3b, deepseek-v3} x rollout layouts (none; TP 8 + EP 8; TP 4 + EP 2
++ PP 2, i.e. moe-TP 2), policyc either refuses by name (UnsupportedByBackend naming tensor + capability), or SGLang - given
 exactly the checkpoint config.json / hf_quant_config.json `policyc convert` writes and the emitted launch args + env -
 parses and resolves the args (its real ServerArgs pipeline), builds the quant config the loader builds, decides
 shared-expert fusion, and answers `get_quant_method` for every module the server loads: the format it runs must be
@@ -29,11 +29,11 @@ from precision_dsl.resolve import resolve
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
-LAYOUTS = {"none": None, "tp8ep8": "rollout:tp=8,ep=8", "tp4ep2": "rollout:tp=4,ep=2"}
+LAYOUTS = {"none": None, "tp8ep8": "rollout:tp=8,ep=8", "tp4ep2pp2": "rollout:tp=4,ep=2,pp=2"}
 # DeepSeek-V3 (46k tensors, ~3 s CPU per case) takes the layouts where SGLang decides differently: ep 1 (shared
 # experts fusable) and ep > 1 (not); moe-TP > 1 is covered on the two smaller models.
 CASES = [(p, m, lay) for p in POLICIES for m in MODELS for lay in LAYOUTS
-         if not (m == "deepseek-v3" and lay == "tp4ep2")]
+         if not (m == "deepseek-v3" and lay == "tp4ep2pp2")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,6 +82,7 @@ def test_sglang_runs_exactly_the_plan(sglang_oracle, policy, model, layout_id, t
         pytest.fail(f"policyc emitted {cfg.server_args} for {policy} on {model}, which SGLang refuses: {err}")
     side = plan.parallel.rollout if plan.parallel else None
     assert launch.resolved["tp_size"] == (side.tp if side else 1)
+    assert launch.resolved["pp_size"] == (side.pp if side else 1)
     assert launch.resolved["kv_cache_dtype"] == "bf16"
     assert launch.quant_name == cfg.method
     if any(t.role.startswith("routed_experts.") for t in plan.tensors):
