@@ -8,6 +8,8 @@ these checks find what depends on the model's shapes and on how trainer (Megatro
   share-scale-missing (warning) fused siblings with per-tensor second-level scales that do not share them
   share-scale         members of a share-scale group get one format and carry weight global_scale='group'
   hardware            MXFP8 / NVFP4 only on Blackwell unless the policy says `target hopper emulate`
+  rollout-etp         the rollout etp is what SGLang derives from the launch args (moe_tp = tp / ep); another is
+                      a contract SGLang never sees
   etp-mismatch        per-token (row) activation scales on routed experts need trainer.etp == rollout.etp
   (pipeline splits and BF16 layer runs are the Megatron emitter's business: it lays out uneven splits with
   --decoder-first/last-pipeline-num-layers and refuses, by name, what one TE precision file cannot express; the
@@ -51,6 +53,7 @@ def check(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout] = N
     diags += check_share_scale(plan)
     diags += check_scale_scope(plan)
     if parallel is not None:
+        diags += check_rollout_etp(plan, parallel)
         diags += check_etp(plan, parallel)
     return diags
 
@@ -266,6 +269,27 @@ def check_scale_scope(plan: Plan) -> list[Diagnostic]:
                     "weight_scale=per_expert on a tensor that is not a routed expert; it means per tensor here",
                     "use weight_scale=per_tensor outside routed experts")
     return agg.diagnostics()
+
+
+def check_rollout_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
+    """SGLang 0.5.23 has no expert-TP flag: moe_tp_size = tp_size // ep_size // moe_dp_size (runtime_context.py
+    `derive_parallel_widths`), and it requires tp_size % ep_size == 0."""
+    ro = parallel.rollout
+    first = next((t.hf_name for t in plan.tensors if t.role.startswith("routed_experts.")), None)
+    if first is None:
+        return []
+    if ro.tp % ro.ep:
+        return [Diagnostic(severity="error", code="rollout-etp", tensor=first,
+                           message=f"rollout ep={ro.ep} does not divide rollout tp={ro.tp}; SGLang requires "
+                                   "tp_size % ep_size == 0",
+                           hint="choose a rollout ep that divides tp")]
+    derived = ro.tp // ro.ep
+    if ro.etp == derived:
+        return []
+    return [Diagnostic(severity="error", code="rollout-etp", tensor=first,
+                       message=f"rollout etp={ro.etp}, but SGLang derives expert TP from its launch args: moe_tp = "
+                               f"tp/ep = {ro.tp}/{ro.ep} = {derived} (there is no expert-TP flag)",
+                       hint=f"write rollout:tp={ro.tp},ep={ro.ep} (etp {derived}), or change the rollout tp/ep")]
 
 
 def check_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:

@@ -1,6 +1,7 @@
 """Parsing of the `--parallel` option shared by `check`, `plan`, `emit` and `run --engine miles`.
 
-Syntax (sides separated by whitespace or ';'; keys tp, etp, ep, pp; omitted keys default to 1):
+Syntax (sides separated by whitespace or ';'; keys tp, etp, ep, pp; omitted keys default to 1, except the rollout
+etp, which defaults to what SGLang derives from the launch args: moe_tp = tp / ep):
 
     trainer:tp=2,etp=1,ep=8,pp=2 rollout:tp=8,ep=8
     tp=4,ep=8                      # no side prefix: the same layout for trainer and rollout
@@ -48,6 +49,7 @@ def parse_parallel(spec: str | None) -> ParallelLayout | None:
     if spec is None or not spec.strip():
         return None
     parts = [p for p in re.split(r"[\s;]+", spec.strip()) if p]
+    explicit_rollout_etp = False
     sides: dict[str, ParallelSide] = {}
     for part in parts:
         if ":" in part:
@@ -59,12 +61,18 @@ def parse_parallel(spec: str | None) -> ParallelLayout | None:
             if side in sides:
                 raise ParallelSpecError(f"side '{side}' given twice in --parallel")
             sides[side] = _parse_side(body, side)
+            explicit_rollout_etp |= side == "rollout" and re.search(r"(^|,)\s*etp\s*=", body) is not None
         else:
             if sides:
                 raise ParallelSpecError(f"'{part}' has no side prefix", "prefix each part with trainer: or rollout:")
             both = _parse_side(part, "trainer/rollout")
             sides = {"trainer": both, "rollout": both}
-    return ParallelLayout(trainer=sides.get("trainer", ParallelSide()), rollout=sides.get("rollout", ParallelSide()))
+            explicit_rollout_etp = re.search(r"(^|,)\s*etp\s*=", part) is not None
+    rollout = sides.get("rollout", ParallelSide())
+    if not explicit_rollout_etp and rollout.ep and rollout.tp % rollout.ep == 0:
+        # SGLang has no expert-TP flag: it derives moe_tp_size = tp // ep (// moe_dp); an omitted rollout etp is that
+        rollout = rollout.model_copy(update={"etp": rollout.tp // rollout.ep})
+    return ParallelLayout(trainer=sides.get("trainer", ParallelSide()), rollout=rollout)
 
 
 def format_parallel(layout: ParallelLayout) -> str:

@@ -39,3 +39,13 @@ def record_figure():
 
     return record
 
+@pytest.fixture(scope="session")
+def sglang_oracle():
+    """SGLang 0.5.23 itself (tests/oracles/sglang_oracle.py), loaded once per session. Fails - never skips - with
+    the reason when the wheel cannot be downloaded or its code cannot be loaded."""
+    from oracles.sglang_oracle import OracleUnavailable, SGLangOracle, fetch_site
+
+    try:
+        return SGLangOracle(fetch_site())
+    except OracleUnavailable as err:
+        pytest.fail(f"SGLang oracle unavailable: {err}", pytrace=False)

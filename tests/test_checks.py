@@ -53,7 +53,10 @@ def codes(diags) -> list[str]:
 
 
 def layout(ttp=1, tetp=1, tpp=1, rtp=1, retp=1) -> ParallelLayout:
-    return ParallelLayout(trainer=ParallelSide(tp=ttp, etp=tetp, pp=tpp), rollout=ParallelSide(tp=rtp, etp=retp))
+    # SGLang derives the rollout expert TP as tp / ep (check rollout-etp): pick the rollout tp/ep that give retp
+    tp = max(rtp, retp)
+    return ParallelLayout(trainer=ParallelSide(tp=ttp, etp=tetp, pp=tpp),
+                          rollout=ParallelSide(tp=tp, etp=retp, ep=tp // retp))
 
 
 def test_clean_plan_has_no_diagnostics(tmp_path):
