@@ -29,7 +29,7 @@ from precision_dsl.arch import (
 )
 from precision_dsl.arch import _emit
 
-BUNDLED = ["deepseek-v3", "llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "tiny-moe"]
+BUNDLED = ["deepseek-v3", "glm-4.5-air", "llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3-8b", "tiny-moe"]
 
 
 @pytest.fixture(scope="module")

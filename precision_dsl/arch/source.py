@@ -93,17 +93,9 @@ def apply_source_formats(tensors: list, sq: Optional[SourceQuantization]) -> lis
     from .base import LINEAR_ROLES
 
     fmt = sq.fmt
-    cache: dict[str, bool] = {}
+    roles = LINEAR_ROLES - _NEVER_QUANTIZED_ROLES  # every linear role is a 2-D `.weight`
+    ignored = sq.ignored
     for t in tensors:
-        if t.role in LINEAR_ROLES and t.role not in _NEVER_QUANTIZED_ROLES and t.hf_name.endswith(".weight") \
-                and len(t.shape) == 2:
-            if sq.ignored:
-                mod = t.hf_name[:-len(".weight")]
-                skip = cache.get(mod)
-                if skip is None:
-                    skip = cache[mod] = is_ignored(mod, sq.ignored)
-            else:
-                skip = False
-            if not skip:
-                t.__dict__["source_format"] = fmt
+        if t.role in roles and not (ignored and is_ignored(t.hf_name[:-len(".weight")], ignored)):
+            t.__dict__["source_format"] = fmt
     return tensors
