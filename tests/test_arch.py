@@ -462,3 +462,13 @@ def _cpu_time(fn) -> float:
     t0 = time.process_time()
     fn()
     return time.process_time() - t0
+
+
+def test_bundled_qwen3_8b_is_the_published_file():
+    """Byte-identical to Qwen/Qwen3-8B@b968826d config.json (the SHA-256 a public repository pins for that file)."""
+    import hashlib
+
+    from precision_dsl.resources import models_dir
+
+    data = (models_dir() / "qwen3-8b" / "config.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == "f7c4eadfbbf522470667b797a3c89be2524832d2d599797248dc304fff447c30"
