@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind, TensorFormat
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind, TensorFormat
 
 from .common import module_of
 from .safetensors_io import SOURCE_DTYPES, CheckpointError

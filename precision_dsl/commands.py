@@ -295,8 +295,8 @@ def _print_families() -> None:
     for f in FAMILIES:
         table.add_row(*map(escape, (f.model_type, ", ".join(f.architectures), ", ".join((f.model_type, *f.aliases)),
                                     f.example or "-", f.models)))
-    _console().print(table)
-    _console().print("policyc arch MODEL lists a model's tensors; MODEL is a bundled name, a config.json or a "
+    console().print(table)
+    console().print("policyc arch MODEL lists a model's tensors; MODEL is a bundled name, a config.json or a "
                      "checkpoint directory")
 
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from backends import converter, fp8_source
-from backends.quantize import checkpoint_tensors
-from backends.safetensors_io import CheckpointError
-from backends.synthetic import write_fp8_block_checkpoint
+from precision_dsl.backends import converter, fp8_source
+from precision_dsl.backends.quantize import checkpoint_tensors
+from precision_dsl.backends.safetensors_io import CheckpointError
+from precision_dsl.backends.synthetic import write_fp8_block_checkpoint
 from precision_dsl.arch import architecture_from_config, load_architecture
 from precision_dsl.precision import FormatKind
 from precision_dsl.resolve import resolve
@@ -212,7 +212,7 @@ def test_source_checkpoint_must_match_the_source_precision(kimi, tmp_path):
     with pytest.raises(CheckpointError, match="stored FP8 .* in the source checkpoint, but the plan says"):
         converter.convert(src, plan, tmp_path / "a")
     bf16_src = tmp_path / "bf16src"
-    from backends.synthetic import write_synthetic_checkpoint
+    from precision_dsl.backends.synthetic import write_synthetic_checkpoint
 
     write_synthetic_checkpoint(architecture_from_config(no_q, "x"), bf16_src, shards=1)
     plan = resolve(POLICIES / "bf16.policy", arch)
