@@ -59,12 +59,14 @@ def write_synthetic_checkpoint(arch, dst: Path, shards: int = 3, seed: int = 0, 
     return dst
 
 
-def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, scale: float = 0.05) -> Path:
+def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, scale: float = 0.05,
+                               inv_freq: bool = False) -> Path:
     """Write a random FP8-block RELEASE of `arch` (DeepSeek-V3 / Kimi-K2 layout): every tensor whose
     `source_format` is fp8_block (from config.json quantization_config) as `X.weight` float8_e4m3fn +
     `X.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)] (quantized with precision_dsl.formats' FP8-block reference,
     which produces the DeepSeek checkpoint convention: dequant = q * scale_inv); everything else in its logical
-    dtype. The scale grid is written right after its weight, in the same shard."""
+    dtype. The scale grid is written right after its weight, in the same shard. `inv_freq`: also write a
+    `model.layers.N.self_attn.rotary_emb.inv_freq` buffer per decoder layer, as the Kimi-K2-Instruct release does."""
     import torch
     from safetensors.torch import save_file
 
@@ -98,6 +100,10 @@ def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, 
             else:
                 tensors[t.hf_name] = x.contiguous()
             weight_map[t.hf_name] = fname
+            if inv_freq and t.hf_name.endswith("self_attn.kv_a_layernorm.weight"):
+                name = t.hf_name.replace("kv_a_layernorm.weight", "rotary_emb.inv_freq")
+                tensors[name] = torch.rand(8, generator=g).to(torch.bfloat16)
+                weight_map[name] = fname
         save_file(tensors, str(dst / fname), metadata={"format": "pt"})
     if n_files > 1:
         (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},

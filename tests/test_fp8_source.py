@@ -53,7 +53,9 @@ TINY_DSV3 = {
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     arch = architecture_from_config(TINY_KIMI, "tiny-kimi")
-    return arch, write_fp8_block_checkpoint(arch, tmp_path_factory.mktemp("kimi-src"), shards=3, seed=3)
+    # with the per-layer rotary_emb.inv_freq buffers the Kimi-K2 release carries (not weights: accepted, not written)
+    return arch, write_fp8_block_checkpoint(arch, tmp_path_factory.mktemp("kimi-src"), shards=3, seed=3,
+                                            inv_freq=True)
 
 
 # ---- independent dequantization ---------------------------------------------------------------------------------
@@ -151,6 +153,8 @@ def test_fp8_source_converts_to_plan_and_verifies(kimi, tmp_path, policy):
     rep = converter.convert(src, plan, dst)
     assert rep.bytes_in == sum(t.bytes_before for t in plan.tensors)
     assert converter.verify(dst, src) == []
+    assert any("inv_freq" in n for n in converter.open_source(src).where)
+    assert not any("inv_freq" in n for n in converter.open_source(dst).where)
     cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == ("modelopt" if policy.startswith("nvfp4") else "mxfp8")  # the source's fp8 is gone
 
