@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
         _run(body)
 
     @app.command("convert")
-    def convert_cmd(src: Path = typer.Argument(..., help="HF checkpoint directory (safetensors, BF16/FP32)"),
+    def convert_cmd(src: Path = typer.Argument(..., help="HF checkpoint directory (safetensors: BF16/FP16/FP32, or an FP8-block release such as DeepSeek-V3 / Kimi-K2)"),
                     policy: Path = typer.Option(..., "--policy", "-P", help="policy file"),
                     out: Path = typer.Option(..., "--out", "-o", help="output checkpoint directory"),
                     model: Optional[str] = typer.Option(None, "--model", "-m",

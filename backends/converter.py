@@ -1,5 +1,6 @@
-"""Checkpoint converter: HF safetensors (BF16/FP16/FP32, single file or sharded) -> the quantized HF checkpoint
-SGLang 0.5.23 / vLLM load, with exactly the tensors the plan quantizes.
+"""Checkpoint converter: HF safetensors (BF16/FP16/FP32, or an FP8-block release such as DeepSeek-V3 / Kimi-K2:
+E4M3 + weight_scale_inv, see fp8_source.py; single file or sharded) -> the quantized HF checkpoint SGLang 0.5.23 /
+vLLM load, with exactly the tensors the plan quantizes.
 
 Output formats (tensor naming in backends/quantize.py; config from backends/sglang.py so the checkpoint and the
 server flags can never disagree):
@@ -47,7 +48,7 @@ from ..plan import Plan
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_stamp)
 from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
-from .safetensors_io import SOURCE_DTYPES, CheckpointError, StreamingWriter, read_header
+from .safetensors_io import CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -145,22 +146,23 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 def _check_source_against_plan(srcc: SourceCheckpoint, plan: Plan) -> None:
+    from . import fp8_source
+
     by = plan.by_name()
-    extra = sorted(set(srcc.where) - set(by))
     missing = sorted(set(by) - set(srcc.where))
     if missing:
         raise CheckpointError(f"source checkpoint lacks {len(missing)} tensor(s) of the plan, e.g. '{missing[0]}'",
                               f"was the plan compiled for model '{plan.model}'? pass the matching --model")
-    if extra:
-        raise CheckpointError(f"source checkpoint has {len(extra)} tensor(s) the plan does not know, e.g. "
-                              f"'{extra[0]}'", f"the plan was compiled for '{plan.model}'; is this its checkpoint?")
     for name, t in by.items():
         if srcc.shapes[name] != tuple(t.shape):
             raise CheckpointError(f"tensor '{name}' has shape {srcc.shapes[name]} in the source, the plan says "
                                   f"{t.shape}")
-        if srcc.dtypes[name] not in SOURCE_DTYPES:
-            raise CheckpointError(f"tensor '{name}' is {srcc.dtypes[name]} in the source; the converter reads "
-                                  "BF16/FP16/FP32 checkpoints", "dequantize the checkpoint to BF16 first")
+        fp8_source.check_tensor(srcc, t)  # stored as the plan's source precision says (BF16 / FP8-block)
+    aux = fp8_source.auxiliary_names(plan)  # weight_scale_inv grids of FP8-block sources
+    extra = sorted(n for n in set(srcc.where) - set(by) - aux if not fp8_source.is_ignored_buffer(n))
+    if extra:
+        raise CheckpointError(f"source checkpoint has {len(extra)} tensor(s) the plan does not know, e.g. "
+                              f"'{extra[0]}'", f"the plan was compiled for '{plan.model}'; is this its checkpoint?")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,7 +172,8 @@ def output_layout(plan: Plan, srcc: SourceCheckpoint) -> dict[str, list[list[str
     """Output shard (same file name as the source shard) -> ordered work units (lists of HF names)."""
     from .quantize import work_units
 
-    order = [n for s in srcc.shards for n in _shard_names(srcc, s)]
+    names = {t.hf_name for t in plan.tensors}  # scale_inv grids / buffers of the source are not work units
+    order = [n for s in srcc.shards for n in _shard_names(srcc, s) if n in names]
     layout: dict[str, list[list[str]]] = {s: [] for s in srcc.shards}
     for unit in work_units(plan, order):
         layout[srcc.where[unit[-1]]].append(unit)
@@ -343,6 +346,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
 
 
 def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:
+    from . import fp8_source
     from .quantize import check_supported, checkpoint_tensors
 
     work = _work_dir(dst)
@@ -387,13 +391,13 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
                 for unit in units:
-                    members = [(by[n], reader.get(n).to(device)) for n in unit]
-                    for t, _ in members:
-                        report.bytes_in += t.bytes_before
-                    out = checkpoint_tensors(members, BACKEND)
+                    for n in unit:
+                        report.bytes_in += by[n].bytes_before
+                    # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
+                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, device, checkpoint_tensors)
                     for name, _dt, _shape in _specs_for_unit(plan, unit):
                         writer.write(name, out[name])
-                    del members, out
+                    del out
                     prog.advance(len(unit))
                 writer.close()  # fsyncs the shard
             finally:
@@ -600,6 +604,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     """Re-derive every output byte from the source and compare. Returns a list of problems ([] = verified)."""
     import torch
 
+    from . import fp8_source
     from .quantize import NonFiniteWeight, checkpoint_tensors
 
     dst = Path(dst)
@@ -634,7 +639,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
         for shard, units in layout.items():
             for unit in units:
                 try:
-                    out = checkpoint_tensors([(by[n], reader.get(n)) for n in unit], BACKEND)
+                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", checkpoint_tensors)
                 except NonFiniteWeight as err:  # the plan cannot hold this source: no output can verify
                     problems.append(str(err))
                     prog.advance(len(unit))

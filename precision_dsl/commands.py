@@ -248,6 +248,13 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
     summary.add_row(Text("total", style="bold"), _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
     con.print(summary)
+    src = {}
+    for t in plan.tensors:
+        if t.source_precision is not None and t.source_precision.is_quantized:
+            src[t.source_precision.short()] = src.get(t.source_precision.short(), 0) + 1
+    for fmt, n in src.items():
+        con.print(f"source: {n} linears are stored {escape(fmt)} in the checkpoint (config.json quantization_config); "
+                  "bytes before count them as stored")
     roles, main, mtp = role_summary(plan)
     by_role = Table(title="parameters by role (main model" + (", MTP apart" if mtp else "") + ")",
                     title_justify="left", header_style="bold")
@@ -277,6 +284,24 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # diff
 # ---------------------------------------------------------------------------------------------------------------
+def _print_families() -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .arch.families import FAMILIES
+
+    table = Table(title="supported model families (dispatch: config.json `architectures` first, `model_type` second)",
+                  title_justify="left", header_style="bold")
+    for col in ("family", "HF architectures", "model_type", "example (bundled)", "public models covered"):
+        table.add_column(col, overflow="fold")
+    for f in FAMILIES:
+        table.add_row(*map(escape, (f.model_type, ", ".join(f.architectures), ", ".join((f.model_type, *f.aliases)),
+                                    f.example or "-", f.models)))
+    console().print(table)
+    console().print("policyc arch MODEL lists a model's tensors; MODEL is a bundled name, a config.json or a "
+                     "checkpoint directory")
+
+
 def diff_plans(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     """(hf_name, precision in A, precision in B) for every tensor whose precision or share group differs."""
     bmap = b.by_name()
@@ -423,14 +448,19 @@ def register(app: typer.Typer) -> None:
         guard(body)
 
     @app.command("arch")
-    def arch_cmd(model: str = typer.Argument("tiny-moe", help="bundled name, config.json or checkpoint directory"),
+    def arch_cmd(model: Optional[str] = typer.Argument(
+                     None, help="bundled name, config.json or checkpoint directory; omit to list the families"),
                  as_json: bool = typer.Option(False, "--json", help="every tensor as JSON lines"),
                  name: Optional[str] = typer.Option(None, "--name", help="only tensors whose HF name matches")) -> None:
-        """List the checkpoint tensors of a model: HF name, shape, role, Megatron name, SGLang prefix."""
+        """List the supported model families (no argument), or the checkpoint tensors of a model: HF name, shape,
+        role, Megatron name, SGLang prefix."""
 
         def body():
             from rich.table import Table
 
+            if model is None:
+                _print_families()
+                return
             arch = load_arch(model)
             ts = [t for t in arch.tensors if not name or fnmatch.fnmatchcase(t.hf_name, name)]
             if name and not ts:
@@ -439,8 +469,15 @@ def register(app: typer.Typer) -> None:
                 for t in ts:
                     sys.stdout.write(t.model_dump_json() + "\n")
                 return
-            table = Table(title=f"{arch.name} ({arch.model_type}): {len(arch.tensors)} tensors, "
-                                f"{arch.total_params / 1e9:.2f}B parameters", title_justify="left", header_style="bold")
+            how = arch.model_type
+            if arch.architecture or arch.source_model_type:
+                how += " via " + " / ".join(x for x in (arch.architecture, arch.source_model_type and
+                                                       f"model_type {arch.source_model_type}") if x)
+            fp8 = [t.source_format for t in arch.tensors if t.source_format is not None]
+            src = f"; the release stores {len(fp8)} linears as {fp8[0].short()}" if fp8 else ""
+            table = Table(title=f"{arch.name} ({how}): {len(arch.tensors)} tensors, "
+                                f"{arch.total_params / 1e9:.2f}B parameters{src}", title_justify="left",
+                          header_style="bold")
             for col in ("hf name", "shape", "role", "megatron", "sglang prefix"):
                 table.add_column(col, overflow="fold")
             for t in ts[:2000]:

@@ -10,13 +10,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from functools import lru_cache
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__
 from .arch.base import CheckpointTensor
-from .precision import DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat
+from .precision import CHECKPOINT_DTYPES, DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat, hp
+
+
+@lru_cache(maxsize=None)
+def _hp_of_dtype(dtype: str) -> TensorFormat:
+    return hp(CHECKPOINT_DTYPES.get(dtype, ("bf16", 2))[0])
 
 
 class RuleRef(BaseModel):
@@ -76,6 +82,19 @@ class TensorPlan(CheckpointTensor, BaseModel):
     # policy, and are left out of content_hash (names and shapes already pin the model).
     fused_group: Optional[str] = None  # FUSED_SIBLINGS key (TensorInfo.fused_group): engines run these as one GEMM
     source_dtype: str = DEFAULT_SOURCE_DTYPE  # dtype of the source checkpoint tensor (precision.CHECKPOINT_DTYPES)
+    # What a dtype cannot say for a quantized source: its storage format. For the linears of an FP8-block release
+    # (DeepSeek-V3, Kimi-K2: config.json quantization_config, arch/source.py) source_dtype is float8_e4m3fn and this
+    # is fp8_block/e4m3 with the release's block and scale kind (a `<module>.weight_scale_inv` grid); None for
+    # tensors stored plainly in source_dtype. The converter holds the checkpoint's headers to it, dequantizes or
+    # passes through (backends/fp8_source.py).
+    source_format: Optional[TensorFormat] = None
+
+    @property
+    def source_precision(self) -> TensorFormat:
+        """How the source stores this tensor, as a format: `source_format`, or the high-precision `source_dtype`."""
+        if self.source_format is not None:
+            return self.source_format
+        return _hp_of_dtype(self.source_dtype)
 
     @property
     def weight(self) -> TensorFormat:

@@ -36,8 +36,8 @@ from .lang import ast
 from .lang.formats import precision_from_spec
 from .lang.parser import parse_policy as _parse_text
 from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
-from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, FormatError, Precision, source_bytes,
-                        storage_bytes)
+from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, SOURCE_DTYPE_OF_FORMAT, FormatError,
+                        Precision, source_bytes, storage_bytes)
 from .resources import find_policy, policies_dir, policy_hint
 
 PolicySource = Union[str, Path, ast.Policy]
@@ -492,12 +492,17 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         after = bytes_cache.get(bkey)
         if after is None:
             after = bytes_cache[bkey] = storage_bytes(p.weight, shape)
+        sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
         plans.append(template.model_copy(update=dict(
             hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
             sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
             shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
-            bytes_before=source_bytes(t.dtype, shape), bytes_after=after,
-            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group, source_dtype=t.dtype)))
+            bytes_before=source_bytes(t.dtype, shape, sf), bytes_after=after,
+            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
+            source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
+    if arch.source_quantization and not any(t.source_format for t in tensors):
+        notes.append(f"the checkpoint's quantization_config says quant_method '{arch.source_quantization}', which "
+                     "policyc cannot describe: bytes before are counted in torch_dtype and `convert` will refuse it")
     return Plan.model_construct(
         policy_name=comp.flat.root.name, policy_files=tuple(comp.flat.files), model=arch.name,
         model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,

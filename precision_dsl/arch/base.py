@@ -11,6 +11,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from ..precision import TensorFormat
+
 # ---------------------------------------------------------------------------------------------------------------
 # Roles. A role is "<group>.<member>"; selectors in the policy language match a whole group ("routed_experts"),
 # a member ("routed_experts.gate"), or a set of members ("routed_experts.{gate, up}").
@@ -111,6 +113,10 @@ class TensorInfo(CheckpointTensor, BaseModel):
     megatron_part: Optional[str] = None  # how the HF tensor sits inside the Megatron one: "gate"|"up"|"q"|"k"|"v"
     sglang_prefix: Optional[str] = None  # SGLang module prefix, e.g. model.layers.3.mlp.experts (FusedMoE)
     fused_group: Optional[str] = None  # key of FUSED_SIBLINGS this tensor belongs to, if any
+    # How the source checkpoint STORES this tensor when that differs from `dtype` (the logical dtype training sees):
+    # an FP8-block release (DeepSeek-V3, Kimi-K2: quantization_config quant_method fp8) stores most linears as
+    # e4m3 + a `<module>.weight_scale_inv` fp32 grid. None: stored as `dtype`. Set by arch/source.py.
+    source_format: Optional[TensorFormat] = None
 
     @property
     def is_linear(self) -> bool:
@@ -134,6 +140,9 @@ class Architecture(BaseModel):
     num_experts: int = 0
     num_shared_experts: int = 0
     first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
+    source_model_type: Optional[str] = None  # config.json model_type when it differs (kimi_k2 -> deepseek_v3)
+    architecture: Optional[str] = None  # the HF architecture class the family was chosen by, if the config names one
+    source_quantization: Optional[str] = None  # quantization_config.quant_method of the release (fp8: FP8-block)
     hidden_size: int
     config: dict  # the raw config.json (for backends that need more fields)
     tensors: tuple[TensorInfo, ...]
