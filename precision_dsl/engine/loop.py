@@ -67,6 +67,11 @@ class RunConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
     temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
     broken_contract: Optional[Literal["per_tensor", "unshared"]] = None
+    # rollout numerics: "independent" = its own quantizers + quantized-domain bf16 GEMMs (rollout_gemm.py);
+    # "mirror" = the trainer's reference quantizers and fp32 GEMM (mismatch ~0 by construction)
+    rollout_numerics: Literal["independent", "mirror"] = "independent"
+    # Miles' R3: the trainer's log-prob pass uses the rollout's recorded MoE top-k experts (routing.py)
+    routing_replay: bool = False
     check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
     out: Optional[Path] = None
 
@@ -134,8 +139,8 @@ def make_rollout(cfg: RunConfig, model_dir: Path, plan, trainer_config) -> Rollo
     or in this process. The loop below only sees the Rollout protocol."""
     if cfg.rollout_device:
         return RemoteRollout(model_dir, plan, trainer_device="cuda:0" if cfg.device == "cuda" else cfg.device,
-                             rollout_device=cfg.rollout_device, etp=cfg.rollout_etp)
-    return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp)
+                             rollout_device=cfg.rollout_device, etp=cfg.rollout_etp, numerics=cfg.rollout_numerics)
+    return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp, numerics=cfg.rollout_numerics)
 
 
 def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
@@ -191,7 +196,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     for step in range(1, cfg.steps + 1):
         # 1. prompts, each repeated n times (one GRPO group per prompt)
         problems = task.sample(rng, cfg.prompts_per_step)
-        prompts = [[tok.bos_id] + tok.encode(p.prompt) for p in problems for _ in range(n)]
+        prompts = [tok.encode_prompt(p.prompt) for p in problems for _ in range(n)]  # chat template if any
 
         # 2. rollout: the separate engine samples with its KV cache and its own (received) weights
         t0 = time.perf_counter()
@@ -209,7 +214,16 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         # 5. trainer log-probs of the sampled tokens (plan-quantized forward, autograd through QLinearFunction)
         t0 = time.perf_counter()
         mask = batch.response_mask.float()
-        logp = sequence_logprobs(trainer, batch)
+        routing = None
+        if batch.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
+            from .routing import RoutingReplay
+
+            routing = RoutingReplay(batch.routing, batch.attention_mask[:, :-1], replay=cfg.routing_replay)
+        trainer.routing = routing
+        try:
+            logp = sequence_logprobs(trainer, batch)
+        finally:
+            trainer.routing = None
         old = logp.detach()  # single update per batch: old policy = current trainer
         t1 = time.perf_counter()
         with torch.no_grad():
@@ -244,7 +258,8 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             response_tokens=batch.num_response_tokens, time_rollout_s=t_rollout, time_train_s=t_train,
             time_reference_s=t_ref, time_weight_update_s=t_update,
             rollout_tokens_per_s=batch.num_response_tokens / max(t_rollout, 1e-9), weight_update_bytes=nbytes,
-            quantized_weights_identical=identical, quantized_weights_differing=differing)
+            quantized_weights_identical=identical, quantized_weights_differing=differing,
+            routing_disagreement=routing.disagreement() if routing else None)
         result.steps.append(m)
         if on_step:
             on_step(m)
