@@ -172,8 +172,10 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
+    from .report import plan_is_emulated
+
     result = RunResult(config=cfg, policy_name=plan.policy_name, plan_hash=plan.content_hash(),
-                       rollout_plan_hash=rollout_plan.content_hash())
+                       rollout_plan_hash=rollout_plan.content_hash(), emulated=plan_is_emulated(plan))
     if on_start:
         on_start(result)
 

@@ -92,7 +92,7 @@ class Qwen3MoeConfig:
             num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
             head_dim=head_dim, num_experts=d["num_experts"], num_experts_per_tok=d["num_experts_per_tok"],
             norm_topk_prob=bool(d.get("norm_topk_prob", True)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
