@@ -162,6 +162,25 @@ def _parallel(plan, out: Path, jobs: int, device: str, progress: _Progress, summ
     manager.shutdown()
 
 
+def summarize_dir(out: Path, *, quiet: bool = False, jobs: int = 1) -> dict:
+    """Summarize the finished runs found under `out` (e.g. after an ablation was cut short): every `*/summary.json`."""
+    import json
+
+    summaries: dict[str, list[dict]] = {}
+    meta = {}
+    for f in sorted(Path(out).glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        stem = f.parent.name.rsplit("-s", 1)[0]
+        label = stem.replace("__broken-", " (broken ") + (")" if "__broken-" in stem else "")
+        summaries.setdefault(label, []).append(s)
+        meta = s
+    if not summaries:
+        raise FileNotFoundError(f"{out}: no finished runs (*/summary.json)")
+    seeds = max(len(v) for v in summaries.values())
+    return summarize(out, summaries, seeds=seeds, steps=meta["steps"], model=meta.get("model", "tiny-moe"),
+                     quiet=quiet, jobs=jobs, rollout_numerics=meta.get("rollout_numerics", "independent"))
+
+
 def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps: int, model: str,
               quiet: bool = False, jobs: int = 1, rollout_numerics: str = "independent") -> dict:
     """Table + figure + ablation.json from the run directories' summaries (re-runnable on a finished ablation)."""

@@ -201,13 +201,18 @@ def register(app: typer.Typer) -> None:
                                  "so phase times are then not comparable)"),
         rollout_numerics: str = typer.Option("independent", "--rollout-numerics"),
         routing_replay: bool = typer.Option(False, "--routing-replay"),
+        summarize_only: bool = typer.Option(False, "--summarize-only", help="only redraw the table/figure from "
+                                            "the finished runs under --out"),
     ) -> None:
         """Run several policies x seeds and draw one figure like the MXFP8/NVFP4 RL blog: reward and mismatch per
         config, time per phase; print a table of final reward mean±std and mismatch."""
 
         def body():
-            from .ablate import ablate
+            from .ablate import ablate, summarize_dir
 
+            if summarize_only:
+                summarize_dir(out, jobs=jobs)
+                return
             out_dir = _fresh_out_dir(out, "ablation", overwrite)
             ablate(policies, seeds=seeds, steps=steps, out=out_dir, broken_contract=broken_contract or (),
                    device=device, prompts=prompts, lr=lr, model=model, task=task, digits=digits, jobs=jobs,

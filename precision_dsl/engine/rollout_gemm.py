@@ -151,14 +151,32 @@ def _fp8_blocked_cpu(a: Operand, b: Operand) -> torch.Tensor:
     return out
 
 
-def _fp8_scaled_mm(a: Operand, b: Operand) -> torch.Tensor:
-    """torch._scaled_mm (cuBLASLt FP8 tensor cores). Per-tensor scales, or 1x128 x 128x128 blocks (SM90)."""
+def _fp8_scaled_mm(a: Operand, b: Operand, paths: dict) -> torch.Tensor:
+    """torch._scaled_mm (cuBLASLt FP8 tensor cores). Per-tensor scales, or 1x128 x 128x128 blocks (SM90 only).
+    The block-scale layouts cuBLASLt wants (M x K/128 outer-dim-major for A; the 128x128 grid of B = W^T) are found
+    once per process by checking candidates against the spelled-out math (`_fp8_blocked_cpu`), then reused."""
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
         return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
-    # DeepSeek-style: scale_a [M, K/128] (outer-dim-major), scale_b [N/128, K/128] -> cuBLASLt BLOCKWISE scaling
-    return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.t().contiguous().t(),
-                            scale_b=b.scale_inv.t().contiguous().t(), out_dtype=torch.bfloat16).float()
+    sa, sb = a.scale_inv, b.scale_inv  # [M, K/128], [N/128, K/128]
+    cands = {"a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
+                                                                         sb.t().contiguous()),
+             "a_c/b_t": (sa.contiguous(), sb.t()), "a_om/b": (sa.t().contiguous().t(), sb)}
+    chosen = paths.get("_fp8_block_layout")
+    if chosen is None:
+        want = _fp8_blocked_cpu(a, b)
+        for name, (xa, xb) in cands.items():
+            try:
+                y = torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
+            except RuntimeError:
+                continue
+            if ((y - want).norm() / want.norm().clamp(min=1e-30)) < 1e-2:
+                paths["_fp8_block_layout"] = chosen = name
+                break
+        else:
+            raise RuntimeError("no torch._scaled_mm block-scale layout reproduces the block-scaled math here")
+    xa, xb = cands[chosen]
+    return torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
 
 
 def gemm(a: Operand, b: Operand, paths: Optional[dict] = None) -> torch.Tensor:
@@ -167,7 +185,7 @@ def gemm(a: Operand, b: Operand, paths: Optional[dict] = None) -> torch.Tensor:
         path = "fp8-blocked-cpu"
         if a.values.is_cuda:
             try:
-                y, path = _fp8_scaled_mm(a, b), "fp8-scaled_mm"
+                y, path = _fp8_scaled_mm(a, b, paths if paths is not None else {}), "fp8-scaled_mm"
             except RuntimeError:
                 y = _fp8_blocked_cpu(a, b)  # shapes/arch cuBLASLt refuses: same math, spelled out
         else:
