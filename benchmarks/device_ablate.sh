@@ -38,11 +38,11 @@ EOF
 echo "calibrated: $STEPS steps per run"; tail -3 $W/calib.log
 
 echo "== ablation + routing replay, concurrently [$(( $(date +%s) - T0 ))s]"
-timeout $(( ABL_SECONDS + 150 )) python3 -m precision_dsl.cli ablate $POL --broken-contract per_tensor \
+timeout $(( ABL_SECONDS + 110 )) python3 -m precision_dsl.cli ablate $POL --broken-contract per_tensor \
     --broken-contract unshared --seeds 3 --steps $STEPS --model $W/moe-43m --device cuda --jobs 11 --prompts 32 \
     --out $W/abl > $W/abl.log 2>&1 &
 A=$!
-timeout $(( ABL_SECONDS + 150 )) python3 -m precision_dsl.cli ablate bf16 mxfp8-dequant-backward \
+timeout $(( ABL_SECONDS + 110 )) python3 -m precision_dsl.cli ablate bf16 mxfp8-dequant-backward \
     nvfp4-pertoken-dequant-backward --routing-replay --seeds 3 --steps $STEPS --model $W/moe-43m --device cuda \
     --jobs 4 --prompts 32 --out $W/r3 > $W/r3.log 2>&1 &
 B=$!
