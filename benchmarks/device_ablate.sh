@@ -31,20 +31,20 @@ STEPS=$(python3 - <<EOF
 import json
 recs = [json.loads(l) for l in open("$W/calib/metrics.jsonl")][2:]
 t = sum(r["time_rollout_s"] + r["time_train_s"] + r["time_reference_s"] + r["time_weight_update_s"] for r in recs) / len(recs)
-# 36 runs on 16 CPU cores / one GPU: assume ~7x aggregate throughput of a single launch-bound process
-print(max(8, min(60, int($ABL_SECONDS * 7 / (36 * t)))))
+# 36 runs on 16 CPU cores / one GPU: measured 2026-12-01: ~3.5x the throughput of one process
+print(max(8, min(60, int($ABL_SECONDS * 3.5 / (36 * t)))))
 EOF
 )
 echo "calibrated: $STEPS steps per run"; tail -3 $W/calib.log
 
 echo "== ablation + routing replay, concurrently [$(( $(date +%s) - T0 ))s]"
 timeout $(( ABL_SECONDS + 110 )) python3 -m precision_dsl.cli ablate $POL --broken-contract per_tensor \
-    --broken-contract unshared --seeds 3 --steps $STEPS --model $W/moe-43m --device cuda --jobs 11 --prompts 32 \
+    --broken-contract unshared --seeds 3 --steps $STEPS --model $W/moe-43m --device cuda --jobs 11 --prompts 32 --lr 5e-5 \
     --out $W/abl > $W/abl.log 2>&1 &
 A=$!
 timeout $(( ABL_SECONDS + 110 )) python3 -m precision_dsl.cli ablate bf16 mxfp8-dequant-backward \
     nvfp4-pertoken-dequant-backward --routing-replay --seeds 3 --steps $STEPS --model $W/moe-43m --device cuda \
-    --jobs 4 --prompts 32 --out $W/r3 > $W/r3.log 2>&1 &
+    --jobs 4 --prompts 32 --lr 5e-5 --out $W/r3 > $W/r3.log 2>&1 &
 B=$!
 wait $A; echo "ablate rc=$?"; wait $B; echo "r3 rc=$?"
 for d in abl r3; do

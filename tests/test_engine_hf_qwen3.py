@@ -88,7 +88,8 @@ def test_policyc_run_trains_a_real_qwen3_dir_end_to_end(qwen3_dir, tmp_path):
                       '    attn: mxfp8 backward=dequantized\n    mlp: mxfp8 backward=dequantized\n}\n')
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", str(policy), "--model", str(qwen3_dir), "--task", str(data), "--steps", "3",
-                                 "--prompts", "4", "--samples", "4", "--lr", "1e-2", "--out", str(out)],
+                                 "--prompts", "4", "--samples", "4", "--lr", "1e-2", "--max-new-tokens", "6",
+                                 "--out", str(out)],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -107,7 +108,8 @@ def test_bf16_run_is_not_labelled_emulated(qwen3_dir, tmp_path):
     data.write_text(json.dumps({"prompt": "add one and one", "label": "2"}) + "\n")
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", "bf16", "--model", str(qwen3_dir), "--task", str(data), "--steps", "1",
-                                 "--prompts", "2", "--samples", "2", "--out", str(out)], catch_exceptions=False)
+                                 "--prompts", "2", "--samples", "2", "--max-new-tokens", "4",
+                                 "--out", str(out)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "emulated" not in r.output.lower()
     assert "emulated" not in json.loads((out / "summary.json").read_text())["note"]

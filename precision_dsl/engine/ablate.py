@@ -106,8 +106,9 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
         broken_contract = [broken_contract]
     con = Console(stderr=True, highlight=False, quiet=quiet)
     plan: list[tuple[str, int, RunConfig]] = []
-    for policy, broken in _configs(policies, broken_contract or ()):
-        for seed in range(seeds):
+    # seed-major order: an ablation cut short still has every config, with fewer seeds
+    for seed in range(seeds):
+        for policy, broken in _configs(policies, broken_contract or ()):
             plan.append((_label(policy, broken), seed, RunConfig(
                 policy=policy, model=model, task=task, digits=digits, steps=steps, seed=seed, device=device,
                 prompts_per_step=prompts, lr=lr, broken_contract=broken, rollout_numerics=rollout_numerics,
@@ -115,7 +116,9 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
     con.print(f"ablate: {len(plan)} runs ({len(plan) // seeds} configs x {seeds} seeds) x {steps} steps on {model} "
               f"({device}, {jobs} at a time)", markup=False)
     progress = _Progress(con, len(plan) * steps, len(plan))
-    summaries: dict[str, list[dict]] = {label: [] for label, _, _ in plan}
+    summaries: dict[str, list[dict]] = {}
+    for label, _, _ in plan:
+        summaries.setdefault(label, [])
     try:
         if jobs == 1:
             class _Direct:  # in-process "queue": report straight to the progress display

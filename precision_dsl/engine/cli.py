@@ -126,6 +126,8 @@ def register(app: typer.Typer) -> None:
                                                   "mirror (the trainer's quantizers and fp32 GEMM)"),
         routing_replay: bool = typer.Option(False, "--routing-replay", help="replay the rollout's MoE routing in "
                                             "the trainer's log-prob pass (Miles R3)"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                     help="response length limit (default: the task's)"),
     ) -> None:
         """GRPO on the bundled tiny MoE: a plan-quantized trainer and a SEPARATE rollout engine that receives
         its quantized weights only through the live weight-update path. Writes metrics.jsonl, summary.json and
@@ -156,7 +158,7 @@ def register(app: typer.Typer) -> None:
                               kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
                               rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
                               force_layout=force_layout, rollout_numerics=rollout_numerics,
-                              routing_replay=routing_replay)
+                              routing_replay=routing_replay, max_new_tokens=max_new_tokens)
             name = policy_path(policy).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)

@@ -47,6 +47,7 @@ class RunConfig(BaseModel):
     digits: int = Field(2, ge=1, le=6)
     operators: str = Field("+", pattern=r"^[+*-]+$")
     steps: int = Field(60, ge=1, le=1_000_000)
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=4096)  # None: the task's own limit (JSONL: 64)
     seed: int = Field(0, ge=0, le=2**63 - 1)  # torch.manual_seed's range
     device: Literal["cpu", "cuda"] = "cpu"
     # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
@@ -159,7 +160,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     plan = load_plan(cfg.policy, arch)
     rollout_plan = broken_rollout_plan(plan, cfg.broken_contract) if cfg.broken_contract else plan
     tok = load_tokenizer(model_dir)
-    task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators)
+    task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators, max_new_tokens=cfg.max_new_tokens)
 
     _check_layout(cfg, plan, arch)
     trainer = load_model(model_dir).to(device).train()

@@ -289,9 +289,9 @@ class JsonlMathTask:
         return 1.0 if got is not None and normalise_answer(got) == normalise_answer(problem.answer) else 0.0
 
 
-def make_task(spec: str, digits: int = 2, operators: str = "+") -> Task:
+def make_task(spec: str, digits: int = 2, operators: str = "+", max_new_tokens: Optional[int] = None) -> Task:
     if spec == "arithmetic":
-        return ArithmeticTask(digits=digits, operators=operators)
+        return ArithmeticTask(digits=digits, operators=operators, max_new_tokens=max_new_tokens)
     if spec.endswith(".jsonl"):
-        return JsonlMathTask(Path(spec))
+        return JsonlMathTask(Path(spec), **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}))
     raise TaskError(f"unknown task {spec!r} (hint: --task arithmetic or --task PATH.jsonl)")
