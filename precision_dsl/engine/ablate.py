@@ -209,6 +209,7 @@ def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps:
                 "KL vs BF16 ref", "routing differs", "grad spikes", "s/step"):
         table.add_column(col)
     for label, ss in summaries.items():
+        ss = sorted(ss, key=lambda s: s["seed"])
         ends = [s["reward_end"] for s in ss]
         routing = [s["routing_disagreement_mean"] for s in ss if s.get("routing_disagreement_mean") is not None]
         row = {

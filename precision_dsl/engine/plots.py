@@ -103,7 +103,7 @@ def plot_ablation(runs: dict[str, list[list[dict]]], out_path: Path, title: str,
             vals.append(sum(r[key] for r in recs) / max(len(recs), 1))
         ax[2].bar([i + k * width for i in range(len(labels))], vals, width=width, label=name)
     ax[2].set_xticks([i + width for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=7)
-    ax[2].set(title="mean time per step and phase (s)" + (" - runs shared the machine concurrently"
+    ax[2].set(title="mean time per step and phase (s)" + ("\nruns shared the machine: not a speed comparison"
                                                           if concurrent else ""), ylabel="s")
     ax[2].legend(fontsize=7)
     fig.suptitle(title)
