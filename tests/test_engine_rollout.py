@@ -37,7 +37,7 @@ def test_quantized_weights_byte_identical_after_every_update(arch, policy):
     plan = load_plan(policy, arch)
     trainer = load_model(TINY)
     executor = TrainerExecutor(plan, trainer).install()
-    rollout = RolloutEngine(trainer.config, plan)
+    rollout = RolloutEngine(trainer.config, plan, numerics="mirror")  # inspects its dequantized buffers
     channel = LiveUpdateChannel(plan)
     g = torch.Generator().manual_seed(0)
     for update in range(3):
