@@ -27,9 +27,11 @@ def test_metrics_are_complete_and_sane():
     for m in res.steps:
         assert 0.0 <= m.reward_mean <= 1.0
         assert m.response_tokens > 0 and m.weight_update_bytes > 0
-        assert m.kl_ref_k3 >= 0 and m.mismatch_abs_logp >= 0 and m.grad_norm > 0
+        assert m.kl_ref_k3 >= 0 and m.mismatch_abs_logp >= 0 and m.grad_norm >= 0
         assert m.quantized_weights_identical is True
         assert all(getattr(m, k) > 0 for k in TIMING_KEYS)
+    # a step whose 4 groups all have equal rewards has zero advantages (and gradient): at least one step learns
+    assert any(m.grad_norm > 0 for m in res.steps)
 
 
 def test_bad_config_is_rejected():
