@@ -13,10 +13,7 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
-pytest.importorskip("transformers")
-pytest.importorskip("tokenizers")
+from conftest import StrictCliRunner
 
 SPECIALS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 WORDS = ["user", "assistant", "add", "one", "two", "and", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}", "so", "[UNK]"]
@@ -87,10 +84,9 @@ def test_policyc_run_trains_a_real_qwen3_dir_end_to_end(qwen3_dir, tmp_path):
     policy.write_text('policy "q3-mxfp8" {\n    target blackwell\n    default bf16\n'
                       '    attn: mxfp8 backward=dequantized\n    mlp: mxfp8 backward=dequantized\n}\n')
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["run", str(policy), "--model", str(qwen3_dir), "--task", str(data), "--steps", "2",
+    r = StrictCliRunner().invoke(app, ["run", str(policy), "--model", str(qwen3_dir), "--task", str(data), "--steps", "2",
                                  "--prompts", "4", "--samples", "4", "--lr", "1e-2", "--max-new-tokens", "6",
-                                 "--out", str(out)],
-                           catch_exceptions=False)
+                                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
@@ -107,9 +103,9 @@ def test_bf16_run_is_not_labelled_emulated(qwen3_dir, tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "add one and one", "label": "2"}) + "\n")
     out = tmp_path / "run"
-    r = CliRunner().invoke(app, ["run", "bf16", "--model", str(qwen3_dir), "--task", str(data), "--steps", "1",
+    r = StrictCliRunner().invoke(app, ["run", "bf16", "--model", str(qwen3_dir), "--task", str(data), "--steps", "1",
                                  "--prompts", "2", "--samples", "2", "--max-new-tokens", "4",
-                                 "--out", str(out)], catch_exceptions=False)
+                                 "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "emulated" not in r.output.lower()
     assert "emulated" not in json.loads((out / "summary.json").read_text())["note"]
