@@ -5,6 +5,10 @@ with non-zero but clearly improvable reward. SFT stops at the first evaluation w
 accuracy reaches --target (default 0.3), so RL has room to climb. Same seed -> same weights (CPU, fp32).
 
     python examples/warmstart_tiny_moe.py            # ~1-3 min on 2 CPU cores
+
+Other Qwen3-MoE configs (e.g. the H200 ablation's benchmarks/models/moe-48m): `--model-dir DIR` takes config.json +
+vocab.json from DIR and writes DIR/model.safetensors (or --out); `--device cuda` trains on a GPU (not bitwise
+reproducible there); `--max-seconds` bounds the wall time.
 """
 
 from __future__ import annotations
@@ -59,23 +63,29 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--out", type=Path, default=bundled_model_dir("tiny-moe") / "model.safetensors")
+    ap.add_argument("--model-dir", type=Path, default=bundled_model_dir("tiny-moe"))
+    ap.add_argument("--out", type=Path, default=None, help="default: MODEL_DIR/model.safetensors")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-seconds", type=float, default=None)
     a = ap.parse_args()
 
     torch.manual_seed(a.seed)
-    torch.use_deterministic_algorithms(True)
-    mdir = bundled_model_dir("tiny-moe")
+    if a.device == "cpu":
+        torch.use_deterministic_algorithms(True)
+    mdir = a.model_dir
+    out = a.out or mdir / "model.safetensors"
     cfg = Qwen3MoeConfig.from_file(mdir / "config.json")
     tok = load_tokenizer(mdir)
     task = ArithmeticTask(digits=a.digits, operators=a.operators)
     model = Qwen3MoeForCausalLM(cfg)
     model.reset_parameters(seed=a.seed)
+    model.to(a.device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0, betas=(0.9, 0.95))
     rng = random.Random(a.seed)
     t0 = time.time()
     acc = 0.0
     for step in range(1, a.max_steps + 1):
-        ids, att, tmask = sft_batch(task, tok, rng, a.batch)
+        ids, att, tmask = (t.to(a.device) for t in sft_batch(task, tok, rng, a.batch))
         logits = model(ids[:, :-1], attention_mask=att[:, :-1])
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         loss = -(lp * tmask[:, 1:]).sum() / tmask[:, 1:].sum()
@@ -87,10 +97,10 @@ def main():
             acc = sampled_accuracy(model, task, tok, seed=10_000 + a.seed)
             print(f"step {step:5d}  loss {loss.item():.4f}  sampled acc {acc:.3f}  ({time.time() - t0:.0f}s)",
                   flush=True)
-            if acc >= a.target:
+            if acc >= a.target or (a.max_seconds and time.time() - t0 > a.max_seconds):
                 break
-    save_model(model, a.out)
-    print(f"wrote {a.out} (sampled accuracy {acc:.3f} on {task.name}, seed {a.seed})")
+    save_model(model.cpu(), out)
+    print(f"wrote {out} (sampled accuracy {acc:.3f} on {task.name}, seed {a.seed}, {time.time() - t0:.0f}s)")
 
 
 if __name__ == "__main__":

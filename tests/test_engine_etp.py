@@ -34,7 +34,8 @@ def test_partitioned_fake_quant_is_per_shard():
 
 
 def _cfg(**kw) -> RunConfig:
-    base = dict(policy=NVFP4, steps=2, seed=5, prompts_per_step=4, samples_per_prompt=4)
+    # mirror rollout numerics: the only difference left between trainer and rollout is the ETP scale scope
+    base = dict(policy=NVFP4, steps=2, seed=5, prompts_per_step=4, samples_per_prompt=4, rollout_numerics="mirror")
     base.update(kw)
     return RunConfig(**base)
 

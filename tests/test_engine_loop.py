@@ -27,9 +27,11 @@ def test_metrics_are_complete_and_sane():
     for m in res.steps:
         assert 0.0 <= m.reward_mean <= 1.0
         assert m.response_tokens > 0 and m.weight_update_bytes > 0
-        assert m.kl_ref_k3 >= 0 and m.mismatch_abs_logp >= 0 and m.grad_norm > 0
+        assert m.kl_ref_k3 >= 0 and m.mismatch_abs_logp >= 0 and m.grad_norm >= 0
         assert m.quantized_weights_identical is True
         assert all(getattr(m, k) > 0 for k in TIMING_KEYS)
+    # a step whose 4 groups all have equal rewards has zero advantages (and gradient): at least one step learns
+    assert any(m.grad_norm > 0 for m in res.steps)
 
 
 def test_bad_config_is_rejected():
@@ -45,7 +47,8 @@ def test_loop_on_cuda_keeps_contract():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     for policy in ("nvfp4-pertoken-dequant-backward", "mxfp8-e2e"):
-        res = run(RunConfig(policy=policy, steps=2, device="cuda", prompts_per_step=4, samples_per_prompt=4))
+        res = run(RunConfig(policy=policy, steps=2, device="cuda", prompts_per_step=4, samples_per_prompt=4,
+                            rollout_numerics="mirror"))
         # trainer quantizes on the GPU, the weight-update sender on the CPU: the bytes must still be identical
         assert all(m.quantized_weights_identical for m in res.steps)
         assert sum(m.mismatch_abs_logp for m in res.steps) / 2 < 2e-3

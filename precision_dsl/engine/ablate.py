@@ -1,5 +1,11 @@
-"""`policyc ablate`: several policies x seeds (+ optionally one broken-contract run) -> one figure + a table, like the
-MXFP8/NVFP4 RL blog's ablation (reward per config, mismatch per config, phase times)."""
+"""`policyc ablate`: several policies x seeds (+ broken-contract runs) -> one figure + a table, like the MXFP8/NVFP4
+RL blog's ablation (reward per config, train-rollout mismatch per config against BF16, phase times).
+
+Runs execute one after the other (`jobs=1`) or in `jobs` spawned processes (each run is independent and seeded, so
+the numbers do not depend on `jobs`; only the phase times do: concurrent runs share the CPU cores / the GPU).
+Progress is shown while it runs: a live bar over all steps of all runs on a terminal, one line per finished run and
+every ~10% otherwise (logs, CI).
+"""
 
 from __future__ import annotations
 
@@ -7,75 +13,238 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rich.console import Console
-from rich.table import Table
-
-from .loop import RunConfig, run
-from .metrics import read_jsonl, write_json_atomic
-from .plans import DEFAULT_POLICY, policy_path
-from .plots import plot_ablation
-from .report import EMULATED_NOTE, run_summary, write_run
+MISMATCH_BOUND = {"independent": 5e-2, "mirror": 2e-3}  # documented bound for consistent contracts (tests)
 
 
 def _label(policy: str, broken: Optional[str]) -> str:
+    from .plans import policy_path
+
     name = policy_path(policy).stem
     return f"{name} (broken {broken})" if broken else name
 
 
-def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken_contract: Optional[str] = None,
-           device: str = "cpu", prompts: int = 16, lr: float = 3e-4, quiet: bool = False) -> dict:
-    con = Console(stderr=True, highlight=False, quiet=quiet, markup=False)
+def _run_dir(out: Path, label: str, seed: int) -> Path:
+    return out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
+
+
+def _one_run(cfg_json: str, run_dir: str, label: str, queue, threads: int) -> tuple[str, dict]:
+    """Worker body (also used in-process for jobs=1): run, write the run directory, report every step."""
+    import torch
+
+    from .loop import RunConfig, run
+    from .report import run_summary, write_run
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = RunConfig.model_validate_json(cfg_json)
+    res = run(cfg, on_step=lambda m: queue.put((label, cfg.seed, m.step, m.reward_mean, m.mismatch_abs_logp)))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_run(res, Path(run_dir))
+    return label, run_summary(res)
+
+
+class _Progress:
+    """Live progress over all runs (rich bar on a terminal; plain lines otherwise)."""
+
+    def __init__(self, con, total_steps: int, n_runs: int):
+        import time
+
+        self.con, self.total, self.n_runs = con, total_steps, n_runs
+        self.done_steps, self.done_runs, self.t0, self.next_pct = 0, 0, time.perf_counter(), 10
+        self.bar = None
+        if con.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("[bold]ablate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                TextColumn("{task.fields[info]}"), console=con)
+            self.bar.start()
+            self.task = self.bar.add_task("ablate", total=total_steps, info="starting")
+
+    def step(self, label: str, seed: int, step: int, reward: float, mismatch: float) -> None:
+        import time
+
+        self.done_steps += 1
+        info = f"{label} s{seed} step {step}: reward {reward:.2f} |Δlogp| {mismatch:.1e}"
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, info=info)
+        elif 100 * self.done_steps >= self.next_pct * self.total:
+            self.con.print(f"[{time.perf_counter() - self.t0:.0f}s] {100 * self.done_steps // self.total}% of "
+                           f"steps · {self.done_runs}/{self.n_runs} runs done · last: {info}", markup=False)
+            self.next_pct += 10
+
+    def run_done(self, label: str, s: dict) -> None:
+        self.done_runs += 1
+        msg = (f"done {self.done_runs}/{self.n_runs}: {label} seed {s['seed']} reward {s['reward_start']:.2f} -> "
+               f"{s['reward_end']:.2f}, mean |Δlogp| {s['mismatch_abs_logp_mean']:.2e}")
+        (self.bar.console if self.bar is not None else self.con).print(msg, markup=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _configs(policies: Sequence[str], broken_contract: Sequence[str]) -> list[tuple[str, Optional[str]]]:
+    from .plans import DEFAULT_POLICY
+
     configs: list[tuple[str, Optional[str]]] = [(p, None) for p in policies]
-    if broken_contract:
+    for broken in broken_contract:
         nvfp4 = [p for p in policies if "nvfp4" in p]
         target = next((p for p in nvfp4 if DEFAULT_POLICY in p), nvfp4[0] if nvfp4 else policies[-1])
-        configs.append((target, broken_contract))
-    runs: dict[str, list[list[dict]]] = {}
-    summaries: dict[str, list[dict]] = {}
-    for policy, broken in configs:
-        label = _label(policy, broken)
-        for seed in range(seeds):
-            cfg = RunConfig.checked(None, policy=policy, steps=steps, seed=seed, device=device,
-                                    prompts_per_step=prompts, lr=lr, broken_contract=broken)
-            con.print(f"{label} seed {seed}: {steps} steps", markup=False)
-            res = run(cfg)
-            run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_run(res, run_dir)
-            runs.setdefault(label, []).append(read_jsonl(run_dir / "metrics.jsonl"))
-            summaries.setdefault(label, []).append(run_summary(res))
+        configs.append((target, broken))
+    return configs
 
-    fig = plot_ablation(runs, out / "ablation.png", f"tiny-moe GRPO ablation ({seeds} seed(s), {steps} steps; "
-                                                   "emulated numerics)")
+
+def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
+           broken_contract: Sequence[str] | str | None = (), device: str = "cpu", prompts: int = 16,
+           lr: float = 3e-4, quiet: bool = False, model: str = "tiny-moe", task: str = "arithmetic", digits: int = 2,
+           jobs: int = 1, rollout_numerics: str = "independent", routing_replay: bool = False) -> dict:
+    from rich.console import Console
+
+    from .loop import RunConfig
+
+    if isinstance(broken_contract, str):
+        broken_contract = [broken_contract]
+    con = Console(stderr=True, highlight=False, quiet=quiet)
+    plan: list[tuple[str, int, RunConfig]] = []
+    # seed-major order: an ablation cut short still has every config, with fewer seeds
+    for seed in range(seeds):
+        for policy, broken in _configs(policies, broken_contract or ()):
+            plan.append((_label(policy, broken), seed, RunConfig(
+                policy=policy, model=model, task=task, digits=digits, steps=steps, seed=seed, device=device,
+                prompts_per_step=prompts, lr=lr, broken_contract=broken, rollout_numerics=rollout_numerics,
+                routing_replay=routing_replay)))
+    con.print(f"ablate: {len(plan)} runs ({len(plan) // seeds} configs x {seeds} seeds) x {steps} steps on {model} "
+              f"({device}, {jobs} at a time)", markup=False)
+    progress = _Progress(con, len(plan) * steps, len(plan))
+    summaries: dict[str, list[dict]] = {}
+    for label, _, _ in plan:
+        summaries.setdefault(label, [])
+    try:
+        if jobs == 1:
+            class _Direct:  # in-process "queue": report straight to the progress display
+                def put(self, item):
+                    progress.step(*item)
+
+            direct = _Direct()
+            for label, seed, cfg in plan:
+                _, s = _one_run(cfg.model_dump_json(), str(_run_dir(out, label, seed)), label, direct, 0)
+                summaries[label].append(s)
+                progress.run_done(label, s)
+        else:
+            _parallel(plan, out, jobs, device, progress, summaries)
+    finally:
+        progress.close()
+    return summarize(out, summaries, seeds=seeds, steps=steps, model=model, quiet=quiet, jobs=jobs,
+                     rollout_numerics=rollout_numerics)
+
+
+def _parallel(plan, out: Path, jobs: int, device: str, progress: _Progress, summaries: dict) -> None:
+    import multiprocessing as mp
+    import os
+    import queue as _q
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    manager = ctx.Manager()
+    q = manager.Queue()
+    threads = 1 if device == "cpu" else max(1, (os.cpu_count() or 2) // jobs)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        pending = {pool.submit(_one_run, cfg.model_dump_json(), str(_run_dir(out, label, seed)), label, q, threads)
+                   for label, seed, cfg in plan}
+        while pending:
+            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    progress.step(*q.get_nowait())
+                except _q.Empty:
+                    break
+            for f in done:
+                label, s = f.result()  # a failed run raises here, with its own message
+                summaries[label].append(s)
+                progress.run_done(label, s)
+    manager.shutdown()
+
+
+def summarize_dir(out: Path, *, quiet: bool = False, jobs: int = 1) -> dict:
+    """Summarize the finished runs found under `out` (e.g. after an ablation was cut short): every `*/summary.json`."""
+    import json
+
+    summaries: dict[str, list[dict]] = {}
+    meta = {}
+    for f in sorted(Path(out).glob("*/summary.json")):
+        s = json.loads(f.read_text())
+        stem = f.parent.name.rsplit("-s", 1)[0]
+        label = stem.replace("__broken-", " (broken ") + (")" if "__broken-" in stem else "")
+        summaries.setdefault(label, []).append(s)
+        meta = s
+    if not summaries:
+        raise FileNotFoundError(f"{out}: no finished runs (*/summary.json)")
+    seeds = max(len(v) for v in summaries.values())
+    return summarize(out, summaries, seeds=seeds, steps=meta["steps"], model=meta.get("model", "tiny-moe"),
+                     quiet=quiet, jobs=jobs, rollout_numerics=meta.get("rollout_numerics", "independent"))
+
+
+def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps: int, model: str,
+              quiet: bool = False, jobs: int = 1, rollout_numerics: str = "independent") -> dict:
+    """Table + figure + ablation.json from the run directories' summaries (re-runnable on a finished ablation)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .metrics import read_jsonl, write_json_atomic
+    from .plots import plot_ablation
+
+    con = Console(stderr=True, highlight=False, quiet=quiet)
+    runs = {label: [read_jsonl(_run_dir(out, label, s["seed"]) / "metrics.jsonl")
+                    for s in sorted(ss, key=lambda s: s["seed"])] for label, ss in summaries.items()}
+    bound = MISMATCH_BOUND.get(rollout_numerics)
+    name = Path(model).name
+    fig = plot_ablation(runs, out / "ablation.png",
+                        f"{name} GRPO ablation ({seeds} seed(s), {steps} steps; rollout numerics: {rollout_numerics})",
+                        mismatch_bound=bound, concurrent=jobs > 1)
+    bf16 = summaries.get("bf16")
+    bf16_mis = statistics.fmean(s["mismatch_abs_logp_mean"] for s in bf16) if bf16 else None
     rows = []
     table = Table(title="final reward (mean of last steps) and train-rollout mismatch")
-    for col in ("config", "reward start", "reward end mean±std", "mean |Δlogp|", "k3 KL(rollout‖train)",
-                "KL vs BF16 ref", "grad spikes", "s/step"):
+    for col in ("config", "reward start", "reward end mean±std", "mean |Δlogp|", "× BF16", "k3 KL(rollout‖train)",
+                "KL vs BF16 ref", "routing differs", "grad spikes", "s/step"):
         table.add_column(col)
     for label, ss in summaries.items():
+        ss = sorted(ss, key=lambda s: s["seed"])
         ends = [s["reward_end"] for s in ss]
+        routing = [s["routing_disagreement_mean"] for s in ss if s.get("routing_disagreement_mean") is not None]
         row = {
             "config": label,
             "reward_start": statistics.fmean(s["reward_start"] for s in ss),
             "reward_end_mean": statistics.fmean(ends),
             "reward_end_std": statistics.stdev(ends) if len(ends) > 1 else 0.0,
+            "reward_end_per_seed": ends,
             "mismatch_abs_logp": statistics.fmean(s["mismatch_abs_logp_mean"] for s in ss),
+            "mismatch_abs_logp_per_seed": [s["mismatch_abs_logp_mean"] for s in ss],
             "mismatch_k3": statistics.fmean(s["mismatch_k3_mean"] for s in ss),
             "kl_ref_k3_end": statistics.fmean(s["kl_ref_k3_end"] for s in ss),
+            "routing_disagreement": statistics.fmean(routing) if routing else None,
             "grad_spikes": sum(s["grad_spikes"] for s in ss),
+            "weights_identical_every_step": all(s["quantized_weights_identical_every_step"] for s in ss),
             "s_per_step": statistics.fmean((s["time_rollout_s"] + s["time_train_s"] + s["time_weight_update_s"])
                                            / max(s["steps"], 1) for s in ss),
         }
+        row["mismatch_vs_bf16"] = row["mismatch_abs_logp"] / bf16_mis if bf16_mis else None
         rows.append(row)
         table.add_row(label, f"{row['reward_start']:.3f}", f"{row['reward_end_mean']:.3f}±{row['reward_end_std']:.3f}",
-                      f"{row['mismatch_abs_logp']:.2e}", f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
+                      f"{row['mismatch_abs_logp']:.2e}",
+                      "-" if row["mismatch_vs_bf16"] is None else f"{row['mismatch_vs_bf16']:.2f}",
+                      f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
+                      "-" if row["routing_disagreement"] is None else f"{row['routing_disagreement']:.2%}",
                       str(row["grad_spikes"]), f"{row['s_per_step']:.2f}")
-    out_con = Console(highlight=False, quiet=quiet, markup=False)
+    out_con = Console(highlight=False, quiet=quiet)
     if not out_con.is_terminal:
-        out_con.width = 160  # logs: do not squeeze the table to 80 columns
+        out_con.width = 190  # logs: do not squeeze the table to 80 columns
     out_con.print(table)
-    con.print(EMULATED_NOTE)
-    result = {"seeds": seeds, "steps": steps, "rows": rows, "figure": str(fig)}
+    notes = sorted({s["note"] for ss in summaries.values() for s in ss})
+    for n in notes:
+        con.print(n, markup=False)
+    result = {"seeds": seeds, "steps": steps, "model": model, "rollout_numerics": rollout_numerics,
+              "mismatch_bound": bound, "jobs": jobs, "rows": rows, "figure": str(fig), "notes": notes}
     write_json_atomic(out / "ablation.json", result)
-    con.print(f"wrote {fig} and {out / 'ablation.json'}")
+    con.print(f"wrote {fig} and {out / 'ablation.json'}", markup=False)
     return result

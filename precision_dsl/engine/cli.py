@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .report import EMULATED_NOTE, write_run
+from .report import write_run
 
 
 def _guard(body):
@@ -121,6 +121,13 @@ def register(app: typer.Typer) -> None:
                                                "'trainer:tp=4,ep=8 rollout:tp=8,ep=8'"),
         launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out"),
+        rollout_numerics: str = typer.Option("independent", "--rollout-numerics",
+                                             help="independent (own quantizers + bf16 quantized-domain GEMMs) | "
+                                                  "mirror (the trainer's quantizers and fp32 GEMM)"),
+        routing_replay: bool = typer.Option(False, "--routing-replay", help="replay the rollout's MoE routing in "
+                                            "the trainer's log-prob pass (Miles R3)"),
+        max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                     help="response length limit (default: the task's)"),
     ) -> None:
         """GRPO on the bundled tiny MoE: a plan-quantized trainer and a SEPARATE rollout engine that receives
         its quantized weights only through the live weight-update path. Writes metrics.jsonl, summary.json and
@@ -150,7 +157,8 @@ def register(app: typer.Typer) -> None:
                               device=device, prompts_per_step=prompts, samples_per_prompt=samples, lr=lr,
                               kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
                               rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
-                              force_layout=force_layout)
+                              force_layout=force_layout, rollout_numerics=rollout_numerics,
+                              routing_replay=routing_replay, max_new_tokens=max_new_tokens)
             name = policy_path(policy).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)
@@ -158,9 +166,11 @@ def register(app: typer.Typer) -> None:
             con.print("[bold]policyc run[/] " + escape(f"{name} on {model} · task {task} · {steps} steps · seed "
                                                        f"{seed} · {device}" + (f" · rollout process on "
                                                        f"{rollout_device}" if rollout_device else "")
-                                                       + f"\n{EMULATED_NOTE}"), markup=True)
+                                                       + (" · routing replay" if routing_replay else "")),
+                      markup=True)
             result = _live_run(cfg, name)
             s = write_run(result, out_dir)
+            con.print(s["note"])
             con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else
                       f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"),
                       markup=True)
@@ -179,21 +189,35 @@ def register(app: typer.Typer) -> None:
         seeds: int = typer.Option(1, "--seeds", min=1),
         steps: int = typer.Option(100, "--steps", min=1),
         out: Path = typer.Option(Path("runs/ablation"), "--out"),
-        broken_contract: Optional[str] = typer.Option(
-            None, "--broken-contract", help="also run the first NVFP4 per-token policy with this broken contract"),
+        broken_contract: Optional[List[str]] = typer.Option(
+            None, "--broken-contract", help="also run the first NVFP4 per-token policy with this broken contract "
+                                            "(repeatable: per_tensor, unshared)"),
         device: str = typer.Option("cpu", "--device"),
         prompts: int = typer.Option(16, "--prompts"),
         lr: float = typer.Option(3e-4, "--lr"),
         overwrite: bool = typer.Option(False, "--overwrite"),
+        model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3(-MoE) directory"),
+        task: str = typer.Option("arithmetic", "--task"),
+        digits: int = typer.Option(2, "--digits"),
+        jobs: int = typer.Option(1, "--jobs", min=1, help="runs in parallel (processes; on one GPU they share it, "
+                                 "so phase times are then not comparable)"),
+        rollout_numerics: str = typer.Option("independent", "--rollout-numerics"),
+        routing_replay: bool = typer.Option(False, "--routing-replay"),
+        summarize_only: bool = typer.Option(False, "--summarize-only", help="only redraw the table/figure from "
+                                            "the finished runs under --out"),
     ) -> None:
         """Run several policies x seeds and draw one figure like the MXFP8/NVFP4 RL blog: reward and mismatch per
         config, time per phase; print a table of final reward mean±std and mismatch."""
 
         def body():
-            from .ablate import ablate
+            from .ablate import ablate, summarize_dir
 
+            if summarize_only:
+                summarize_dir(out, jobs=jobs)
+                return
             out_dir = _fresh_out_dir(out, "ablation", overwrite)
-            ablate(policies, seeds=seeds, steps=steps, out=out_dir, broken_contract=broken_contract, device=device,
-                   prompts=prompts, lr=lr)
+            ablate(policies, seeds=seeds, steps=steps, out=out_dir, broken_contract=broken_contract or (),
+                   device=device, prompts=prompts, lr=lr, model=model, task=task, digits=digits, jobs=jobs,
+                   rollout_numerics=rollout_numerics, routing_replay=routing_replay)
 
         _guard(body)

@@ -47,6 +47,7 @@ class RunConfig(BaseModel):
     digits: int = Field(2, ge=1, le=6)
     operators: str = Field("+", pattern=r"^[+*-]+$")
     steps: int = Field(60, ge=1, le=1_000_000)
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=4096)  # None: the task's own limit (JSONL: 64)
     seed: int = Field(0, ge=0, le=2**63 - 1)  # torch.manual_seed's range
     device: Literal["cpu", "cuda"] = "cpu"
     # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
@@ -67,6 +68,11 @@ class RunConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
     temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
     broken_contract: Optional[Literal["per_tensor", "unshared"]] = None
+    # rollout numerics: "independent" = its own quantizers + quantized-domain bf16 GEMMs (rollout_gemm.py);
+    # "mirror" = the trainer's reference quantizers and fp32 GEMM (mismatch ~0 by construction)
+    rollout_numerics: Literal["independent", "mirror"] = "independent"
+    # Miles' R3: the trainer's log-prob pass uses the rollout's recorded MoE top-k experts (routing.py)
+    routing_replay: bool = False
     check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
     out: Optional[Path] = None
 
@@ -134,8 +140,8 @@ def make_rollout(cfg: RunConfig, model_dir: Path, plan, trainer_config) -> Rollo
     or in this process. The loop below only sees the Rollout protocol."""
     if cfg.rollout_device:
         return RemoteRollout(model_dir, plan, trainer_device="cuda:0" if cfg.device == "cuda" else cfg.device,
-                             rollout_device=cfg.rollout_device, etp=cfg.rollout_etp)
-    return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp)
+                             rollout_device=cfg.rollout_device, etp=cfg.rollout_etp, numerics=cfg.rollout_numerics)
+    return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp, numerics=cfg.rollout_numerics)
 
 
 def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
@@ -154,7 +160,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     plan = load_plan(cfg.policy, arch)
     rollout_plan = broken_rollout_plan(plan, cfg.broken_contract) if cfg.broken_contract else plan
     tok = load_tokenizer(model_dir)
-    task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators)
+    task = make_task(cfg.task, digits=cfg.digits, operators=cfg.operators, max_new_tokens=cfg.max_new_tokens)
 
     _check_layout(cfg, plan, arch)
     trainer = load_model(model_dir).to(device).train()
@@ -167,8 +173,10 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
+    from .report import plan_is_emulated
+
     result = RunResult(config=cfg, policy_name=plan.policy_name, plan_hash=plan.content_hash(),
-                       rollout_plan_hash=rollout_plan.content_hash())
+                       rollout_plan_hash=rollout_plan.content_hash(), emulated=plan_is_emulated(plan))
     if on_start:
         on_start(result)
 
@@ -191,7 +199,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     for step in range(1, cfg.steps + 1):
         # 1. prompts, each repeated n times (one GRPO group per prompt)
         problems = task.sample(rng, cfg.prompts_per_step)
-        prompts = [[tok.bos_id] + tok.encode(p.prompt) for p in problems for _ in range(n)]
+        prompts = [tok.encode_prompt(p.prompt) for p in problems for _ in range(n)]  # chat template if any
 
         # 2. rollout: the separate engine samples with its KV cache and its own (received) weights
         t0 = time.perf_counter()
@@ -209,7 +217,16 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         # 5. trainer log-probs of the sampled tokens (plan-quantized forward, autograd through QLinearFunction)
         t0 = time.perf_counter()
         mask = batch.response_mask.float()
-        logp = sequence_logprobs(trainer, batch)
+        routing = None
+        if batch.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
+            from .routing import RoutingReplay
+
+            routing = RoutingReplay(batch.routing, batch.attention_mask[:, :-1], replay=cfg.routing_replay)
+        trainer.routing = routing
+        try:
+            logp = sequence_logprobs(trainer, batch)
+        finally:
+            trainer.routing = None
         old = logp.detach()  # single update per batch: old policy = current trainer
         t1 = time.perf_counter()
         with torch.no_grad():
@@ -244,7 +261,8 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             response_tokens=batch.num_response_tokens, time_rollout_s=t_rollout, time_train_s=t_train,
             time_reference_s=t_ref, time_weight_update_s=t_update,
             rollout_tokens_per_s=batch.num_response_tokens / max(t_rollout, 1e-9), weight_update_bytes=nbytes,
-            quantized_weights_identical=identical, quantized_weights_differing=differing)
+            quantized_weights_identical=identical, quantized_weights_differing=differing,
+            routing_disagreement=routing.disagreement() if routing else None)
         result.steps.append(m)
         if on_step:
             on_step(m)

@@ -33,6 +33,8 @@ class StepMetrics(BaseModel):
     weight_update_bytes: int
     quantized_weights_identical: Optional[bool] = None  # trainer vs rollout bytes, every quantized tensor
     quantized_weights_differing: int = 0
+    # fraction of (real token, MoE layer) pairs whose trainer top-k expert set differs from the rollout's
+    routing_disagreement: Optional[float] = None
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:

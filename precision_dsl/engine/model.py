@@ -71,9 +71,11 @@ class Qwen3MoeConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source: str = "config.json") -> "Qwen3MoeConfig":
-        if d.get("model_type") not in ("qwen3_moe", None):
+        if d.get("model_type") not in ("qwen3_moe", "qwen3", None):
             raise ModelLoadError(f"{source}: model_type is {d.get('model_type')!r}; the embedded engine implements "
-                                 "qwen3_moe only (hint: use --engine miles for other architectures)")
+                                 "qwen3_moe and qwen3 only (hint: use --engine miles for other architectures)")
+        if d.get("model_type") == "qwen3":  # dense Qwen3: every layer is a DenseMLP
+            d = {**d, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0}
         required = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "num_experts", "num_experts_per_tok"]
         missing = [k for k in required if k not in d]
@@ -90,7 +92,7 @@ class Qwen3MoeConfig:
             num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
             head_dim=head_dim, num_experts=d["num_experts"], num_experts_per_tok=d["num_experts_per_tok"],
             norm_topk_prob=bool(d.get("norm_topk_prob", True)), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             decoder_sparse_step=int(d.get("decoder_sparse_step", 1) or 1),
             mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
@@ -149,7 +151,7 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
     emb = torch.cat([ang, ang], dim=-1)[:, None]  # [B, 1, T, D]
     cos, sin = emb.cos(), emb.sin()
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)  # bf16 model (rollout): stays bf16
 
 
 class Attention(nn.Module):
@@ -183,11 +185,12 @@ class Attention(nn.Module):
         qi = torch.arange(s - t, s, device=x.device)[:, None]
         ki = torch.arange(s, device=x.device)[None, :]
         allowed = (ki <= qi)[None, None] & key_mask[:, None, None, :s].bool()
-        att = (q @ k.transpose(-1, -2)) / math.sqrt(self.hd)
+        # scores and softmax in fp32, P cast to V's dtype for PV (FlashAttention's regime; no-op for an fp32 model)
+        att = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(self.hd)
         att = att.masked_fill(~allowed, float("-inf"))
         # fully-masked rows (query at a left-pad slot) would be NaN: give them a uniform distribution instead
         att = torch.where(allowed.any(-1, keepdim=True), att, torch.zeros_like(att))
-        y = torch.softmax(att, dim=-1) @ v
+        y = torch.softmax(att, dim=-1).to(v.dtype) @ v
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.nh * self.hd))
 
 
@@ -210,6 +213,7 @@ class SparseMoeBlock(nn.Module):
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, f"{prefix}.experts.{e}", owner)
             for e in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.prefix = prefix
         object.__setattr__(self, "_owner", owner)
 
     def forward(self, x):
@@ -218,16 +222,19 @@ class SparseMoeBlock(nn.Module):
         logits = flat @ self._owner.hp_param(self.gate.weight).t()
         probs = torch.softmax(logits, dim=-1)
         topw, topi = probs.topk(self.top_k, dim=-1)
+        if self._owner.routing is not None:  # record (rollout) or replay (trainer) the expert choice: routing.py
+            topi = self._owner.routing(self.prefix, topi.view(b, t, -1)).reshape(b * t, -1)
+            topw = probs.gather(-1, topi)
         if self.norm_topk:
             topw = topw / topw.sum(-1, keepdim=True)
-        out = torch.zeros_like(flat)
+        out = torch.zeros_like(flat, dtype=torch.float32)  # combine in fp32 (a bf16 rollout casts back below)
         for e, expert in enumerate(self.experts):  # token-dropless dispatch, one GEMM group per expert
             rows, slot = (topi == e).nonzero(as_tuple=True)
             if rows.numel() == 0:
                 continue
             y = expert(flat[rows]) * topw[rows, slot, None]
-            out = out.index_add(0, rows, y)
-        return out.view(b, t, h)
+            out = out.index_add(0, rows, y.float())
+        return out.to(x.dtype).view(b, t, h)
 
 
 class DenseMLP(Expert):
@@ -263,8 +270,12 @@ class Qwen3MoeForCausalLM(nn.Module):
         self.config = cfg
         self.linear_executor: LinearExecutor = _fp32_linear
         self.hp_param: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # MoE routing hook (prefix, top-k indices [B, T, k]) -> indices to use; None = the model's own top-k
+        self.routing: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None
         self.model = Qwen3MoeModel(cfg, self)
-        self.lm_head = PlanLinear(cfg.hidden_size, cfg.vocab_size, "lm_head.weight", self)
+        # tied embeddings (small Qwen3s): no lm_head tensor in the checkpoint, the plan or the weight update
+        self.lm_head = None if cfg.tie_word_embeddings else PlanLinear(cfg.hidden_size, cfg.vocab_size,
+                                                                          "lm_head.weight", self)
         self.reset_parameters(seed=0)
 
     # -- init ------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def plot_run(records: list[dict], out_dir: Path, title: str) -> list[Path]:
     totals = sorted(bottom)
     if totals:  # a shared CPU produces rare 10x outliers: keep the typical step readable
         ax[2].set_ylim(0, 3 * totals[len(totals) // 2])
-    ax[2].set(title="time per phase (s, emulated; y clipped at 3x median)", xlabel="step")
+    ax[2].set(title="time per phase (s; y clipped at 3x median)", xlabel="step")
     ax[2].legend()
     fig.suptitle(title)
     path = Path(out_dir) / "run.png"
@@ -67,27 +67,34 @@ def plot_run(records: list[dict], out_dir: Path, title: str) -> list[Path]:
     return [path]
 
 
-def plot_ablation(runs: dict[str, list[list[dict]]], out_path: Path, title: str) -> Path:
-    """runs: config label -> list (one per seed) of metric records. Mean curve with min-max band across seeds."""
+def plot_ablation(runs: dict[str, list[list[dict]]], out_path: Path, title: str,
+                  mismatch_bound: float | None = None, concurrent: bool = False) -> Path:
+    """runs: config label -> list (one per seed) of metric records. Mean curve with min-max band across seeds; every
+    panel has its own legend; the documented mismatch bound for consistent contracts is drawn."""
     plt = _plt()
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
+    fig, ax = plt.subplots(1, 3, figsize=(19, 5.2))
     labels = list(runs)
     for label in labels:
         seeds = runs[label]
         n = min(len(s) for s in seeds)
         steps = [r["step"] for r in seeds[0][:n]]
+        style = "--" if "broken" in label else "-"
         for i, key in enumerate(("reward_mean", "mismatch_abs_logp")):
             curves = [smooth([r[key] for r in s[:n]]) for s in seeds]
             mean = [sum(c[j] for c in curves) / len(curves) for j in range(n)]
-            (line,) = ax[i].plot(steps, mean, label=label)
+            (line,) = ax[i].plot(steps, mean, style, label=label)
             if len(curves) > 1:
                 lo = [min(c[j] for c in curves) for j in range(n)]
                 hi = [max(c[j] for c in curves) for j in range(n)]
                 ax[i].fill_between(steps, lo, hi, alpha=0.15, color=line.get_color())
-    ax[0].set(title="reward (moving avg 10, band = seeds min-max)", xlabel="step")
-    ax[1].set(title="train-rollout mismatch mean |Δlogp|", xlabel="step")
-    ax[1].set_yscale("symlog", linthresh=1e-6)
-    ax[0].legend(fontsize=8)
+    ax[0].set(title="reward (moving avg 10; band = min-max over seeds)", xlabel="step", ylabel="reward")
+    ax[1].set(title="train-rollout mismatch: mean |Δlogp| of sampled tokens", xlabel="step")
+    ax[1].set_yscale("log")
+    if mismatch_bound is not None:
+        ax[1].axhline(mismatch_bound, color="k", linestyle=":", linewidth=1.2,
+                      label=f"documented bound, consistent contracts ({mismatch_bound:g})")
+    ax[0].legend(fontsize=7)
+    ax[1].legend(fontsize=7)
     width = 0.8 / len(PHASES)
     for k, (key, name) in enumerate(PHASES):
         vals = []
@@ -95,9 +102,10 @@ def plot_ablation(runs: dict[str, list[list[dict]]], out_path: Path, title: str)
             recs = [r for s in runs[label] for r in s]
             vals.append(sum(r[key] for r in recs) / max(len(recs), 1))
         ax[2].bar([i + k * width for i in range(len(labels))], vals, width=width, label=name)
-    ax[2].set_xticks([i + width for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
-    ax[2].set(title="mean time per step and phase (s, emulated)")
-    ax[2].legend()
+    ax[2].set_xticks([i + width for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=7)
+    ax[2].set(title="mean time per step and phase (s)" + ("\nruns shared the machine: not a speed comparison"
+                                                          if concurrent else ""), ylabel="s")
+    ax[2].legend(fontsize=7)
     fig.suptitle(title)
     _save(fig, Path(out_path))
     plt.close(fig)

@@ -83,7 +83,8 @@ def _bcast(obj=None, src: int = 0):
 def _to_cpu(batch: SampleBatch) -> SampleBatch:
     return SampleBatch(tokens=batch.tokens.cpu(), attention_mask=batch.attention_mask.cpu(),
                        response_mask=batch.response_mask.cpu(), logprobs=batch.logprobs.cpu(),
-                       prompt_len=batch.prompt_len)
+                       prompt_len=batch.prompt_len,
+                       routing={k: v.cpu() for k, v in batch.routing.items()} if batch.routing else None)
 
 
 def _q_to_cpu(v):
@@ -96,12 +97,14 @@ def _q_to_cpu(v):
     return v
 
 
-def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: int = 1) -> None:
+def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: int = 1,
+                   numerics: str = "independent") -> None:
     """Rank 1: a RolloutEngine that only ever receives weights from the process group."""
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _init_group(1, port, device)
     plan = Plan.from_json(plan_json)
-    engine = RolloutEngine(Qwen3MoeConfig.from_file(Path(model_dir) / "config.json"), plan, device=device, etp=etp)
+    engine = RolloutEngine(Qwen3MoeConfig.from_file(Path(model_dir) / "config.json"), plan, device=device, etp=etp,
+                           numerics=numerics)
     generator = torch.Generator()
     try:
         while True:
@@ -162,7 +165,7 @@ class RemoteRollout:
     """Rank-0 proxy of a RolloutEngine running in a spawned process on `rollout_device`."""
 
     def __init__(self, model_dir: Path, plan: Plan, *, trainer_device: str, rollout_device: str,
-                 bucket_bytes: int = 64 << 20, etp: int = 1):
+                 bucket_bytes: int = 64 << 20, etp: int = 1, numerics: str = "independent"):
         if _backend_for(trainer_device) != _backend_for(rollout_device):
             raise RemoteRolloutError(f"trainer on {trainer_device} and rollout on {rollout_device}: both must be "
                                      "CUDA devices (NCCL) or both CPU (gloo)")
@@ -176,7 +179,8 @@ class RemoteRollout:
         self.plan, self.trainer_device, self.rollout_device = plan, trainer_device, rollout_device
         port = _free_port()
         ctx = mp.get_context("spawn")
-        self.proc = ctx.Process(target=rollout_worker, args=(str(model_dir), plan.to_json(), rollout_device, port, etp),
+        self.proc = ctx.Process(target=rollout_worker, args=(str(model_dir), plan.to_json(), rollout_device, port, etp,
+                                                                  numerics),
                                 daemon=True)
         self.proc.start()
         _init_group(0, port, trainer_device)
@@ -208,7 +212,7 @@ class RemoteRollout:
         dev = torch.device(self.trainer_device)
         return SampleBatch(tokens=batch.tokens.to(dev), attention_mask=batch.attention_mask.to(dev),
                            response_mask=batch.response_mask.to(dev), logprobs=batch.logprobs.to(dev),
-                           prompt_len=batch.prompt_len)
+                           prompt_len=batch.prompt_len, routing=batch.routing)
 
     def close(self) -> None:
         if getattr(self, "proc", None) is None:

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (quantize -> dequantize -> FP32 GEMM) with the bit-exact "
                  "reference quantizers; times are NOT Blackwell speeds")
+ROLLOUT_NOTES = {
+    "independent": "rollout: its own quantizers + quantized-domain bf16-input/fp32-accumulate GEMMs over the received "
+                   "bytes, bf16 model (engine/rollout_gemm.py)",
+    "mirror": "rollout: the trainer's reference quantizers and fp32 GEMM (mirror)",
+}
+
+
+def numerics_note(emulated: bool, rollout_numerics: str = "independent") -> str:
+    """What a run's numbers are: a BF16 plan is not 'emulated' (nothing is quantized)."""
+    trainer = EMULATED_NOTE if emulated else "numerics: BF16 (trainer: fp32 compute over bf16 operands)"
+    return f"{trainer}; {ROLLOUT_NOTES.get(rollout_numerics, rollout_numerics)}"
+
+
+def plan_is_emulated(plan) -> bool:
+    return any(t.precision.weight.is_quantized or t.precision.activation.is_quantized for t in plan.tensors)
 
 
 def write_run(result, out: Path) -> dict:
@@ -19,7 +35,10 @@ def write_run(result, out: Path) -> dict:
     summary = run_summary(result)
     write_json_atomic(out / "summary.json", summary)
     title = f"{result.policy_name}{' [BROKEN ' + result.config.broken_contract + ']' if result.config.broken_contract else ''}"
-    plot_run(read_jsonl(out / "metrics.jsonl"), out, title + " — tiny-moe GRPO (emulated numerics)")
+    model = Path(result.config.model).name
+    kind = "emulated numerics" if result.emulated else "BF16"
+    plot_run(read_jsonl(out / "metrics.jsonl"), out,
+             f"{title} — {model} GRPO ({kind}; rollout numerics: {result.config.rollout_numerics})")
     return summary
 
 
@@ -40,5 +59,9 @@ def run_summary(result) -> dict:
         "time_weight_update_s": sum(m.time_weight_update_s for m in s),
         "rollout_tokens_per_s": sum(m.response_tokens for m in s) / max(sum(m.time_rollout_s for m in s), 1e-9),
         "quantized_weights_identical_every_step": all(m.quantized_weights_identical is not False for m in s),
-        "wall_s": result.wall_s, "note": EMULATED_NOTE,
+        "routing_disagreement_mean": (statistics.fmean(r) if (r := [m.routing_disagreement for m in s
+                                                                      if m.routing_disagreement is not None]) else None),
+        "routing_replay": result.config.routing_replay, "rollout_numerics": result.config.rollout_numerics,
+        "model": result.config.model,
+        "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics),
     }

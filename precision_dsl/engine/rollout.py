@@ -5,6 +5,11 @@ handshake that refuses a mismatching plan, (2)
 dequantizes them into its own buffers (its parameters start as NaN, so a missed update cannot go unnoticed), and
 (3) samples with a KV cache, quantizing GEMM inputs exactly as its plan says (per-token NVFP4, MXFP8 1x32, ...).
 The received QuantizedTensors are kept (`received`) so tests can assert byte equality with the trainer's.
+
+Numerics (`numerics=`): "independent" (default) computes like an inference server, with its own quantizers and
+GEMMs over the received bytes and a bf16 model (rollout_gemm.py), so trainer-rollout agreement is measured, not
+built in; "mirror" reuses the trainer's reference quantizers and fp32 GEMM (isolates contract violations: with a
+consistent contract the mismatch is then ~1e-6 by construction).
 """
 
 from __future__ import annotations
@@ -51,14 +56,27 @@ class RolloutExecutor:
         return xq @ w.t()
 
 
+NUMERICS = ("independent", "mirror")
+
+
 class RolloutEngine:
-    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1):
+    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1,
+                 numerics: str = "independent"):
+        if numerics not in NUMERICS:
+            raise ValueError(f"rollout numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.plan = plan
-        self.model = Qwen3MoeForCausalLM(cfg).to(device).requires_grad_(False).eval()
+        self.numerics = numerics
+        dtype = torch.bfloat16 if numerics == "independent" else torch.float32
+        self.model = Qwen3MoeForCausalLM(cfg).to(device=device, dtype=dtype).requires_grad_(False).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))
-        self.model.linear_executor = RolloutExecutor(plan, self.model, etp)
+        if numerics == "independent":
+            from .rollout_gemm import IndependentRolloutExecutor
+
+            self.model.linear_executor = IndependentRolloutExecutor(plan, self.model.linear_names(), etp)
+        else:
+            self.model.linear_executor = RolloutExecutor(plan, self.model, etp)
         self.received: dict[str, object] = {}
         self.version = 0
         self.device = device
@@ -76,12 +94,17 @@ class RolloutEngine:
         unknown = set(tensors) - set(params)
         if unknown:
             raise KeyError(f"weight update carries unknown tensor {sorted(unknown)[0]}")
+        independent = self.numerics == "independent"
+        linear = set(self.model.linear_names()) if independent else set()
         for name, v in tensors.items():
-            if isinstance(v, torch.Tensor):
-                params[name].copy_(v.to(torch.float32))
+            if not isinstance(v, torch.Tensor):
+                self.received[name] = v
+            if name in linear:  # the GEMM reads its operand from the received bytes, not from the parameter
+                self.model.linear_executor.load(name, v, self.device)
+            elif isinstance(v, torch.Tensor):
+                params[name].copy_(v.to(params[name].dtype))
             else:
                 params[name].copy_(numerics.dequantize(v, torch.float32))
-                self.received[name] = v
         self.version = version
 
     @torch.no_grad()
@@ -89,16 +112,26 @@ class RolloutEngine:
                  generator: torch.Generator, temperature: float = 1.0) -> SampleBatch:
         if self.version == 0:
             raise RuntimeError("rollout engine has no weights yet (call update_weights first)")
-        return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                      generator=generator, temperature=temperature)
+        from .routing import RoutingRecorder
+
+        recorder = RoutingRecorder()
+        self.model.routing = recorder  # every MoE layer's top-k, for routing replay (R3) in the trainer
+        try:
+            batch = sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                           generator=generator, temperature=temperature)
+        finally:
+            self.model.routing = None
+        batch.routing = recorder.result()
+        return batch
 
 
 class LocalRollout(RolloutEngine):
     """The rollout engine in the trainer's process: weights still travel through the weight-update path (packed,
     hash-checked), in memory."""
 
-    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1):
-        super().__init__(cfg, plan, device=device, etp=etp)
+    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1,
+                 numerics: str = "independent"):
+        super().__init__(cfg, plan, device=device, etp=etp, numerics=numerics)
         self.channel = LiveUpdateChannel(plan)
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ responses are written to the right. A response ends at its first EOS (included) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -19,6 +19,7 @@ class SampleBatch:
     response_mask: torch.Tensor  # [B, P + R] 1 = a sampled response token (the tokens whose log-probs matter)
     logprobs: torch.Tensor  # [B, P + R] sampler's log-prob of each response token (0 elsewhere)
     prompt_len: int
+    routing: Optional[dict] = None  # MoE prefix -> [B, P + R - 1, k] rollout top-k experts (routing.py)
 
     @property
     def num_response_tokens(self) -> int:

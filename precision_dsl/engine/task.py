@@ -39,6 +39,8 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
@@ -55,6 +57,9 @@ class CharTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self.index.get(c, self.unk_id) for c in text]
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return [self.bos_id] + self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         out = []
         for i in ids:
@@ -70,11 +75,97 @@ class CharTokenizer:
         return len(self.vocab)
 
 
-def load_tokenizer(model_dir: Path) -> CharTokenizer:
+def _read_json(path: Path) -> dict:
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TaskError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
+    if not isinstance(d, dict):
+        raise TaskError(f"{path}: expected a JSON object")
+    return d
+
+
+class HFTokenizer:
+    """A checkpoint's own tokenizer: `tokenizer.json` through the `tokenizers` library, special tokens from
+    `tokenizer_config.json` (falling back to config.json ids), and its `chat_template` (rendered with jinja2 in a
+    sandbox, as transformers' apply_chat_template does: trim_blocks, lstrip_blocks) for prompts when present."""
+
+    def __init__(self, model_dir: Path):
+        from tokenizers import Tokenizer
+
+        model_dir = Path(model_dir)
+        try:
+            self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises its own exception type for malformed files
+            raise TaskError(f"{model_dir / 'tokenizer.json'}: not a readable tokenizers file ({e})") from None
+        tc_path, cfg_path = model_dir / "tokenizer_config.json", model_dir / "config.json"
+        tc = _read_json(tc_path) if tc_path.exists() else {}
+        cfg = _read_json(cfg_path) if cfg_path.exists() else {}
+        self.chat_template = tc.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in self.chat_template if isinstance(t, dict)}
+            self.chat_template = named.get("default") or next(iter(named.values()), None)
+
+        def special(key: str) -> Optional[int]:
+            v = tc.get(key)
+            if isinstance(v, dict):
+                v = v.get("content")
+            if isinstance(v, str) and self.tok.token_to_id(v) is not None:
+                return self.tok.token_to_id(v)
+            i = cfg.get(key + "_id")
+            return i[0] if isinstance(i, list) and i else i
+
+        self.eos_token = tc.get("eos_token") if isinstance(tc.get("eos_token"), str) else None
+        self.bos_token = tc.get("bos_token") if isinstance(tc.get("bos_token"), str) else None
+        eos = special("eos_token")
+        if eos is None:
+            raise TaskError(f"{model_dir}: no eos token (hint: set eos_token in tokenizer_config.json or "
+                            "eos_token_id in config.json)")
+        self.eos_id: int = eos
+        pad = special("pad_token")
+        self.pad_id: int = eos if pad is None else pad
+        self.bos_id: Optional[int] = special("bos_token")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        if self.chat_template:
+            from jinja2.exceptions import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            def raise_exception(msg):
+                raise TemplateError(msg)
+
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = raise_exception
+            try:
+                rendered = env.from_string(self.chat_template).render(
+                    messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            except TemplateError as e:
+                raise TaskError(f"chat_template: {e}") from None
+            return self.encode(rendered)
+        return ([self.bos_id] if self.bos_id is not None else []) + self.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        ids = list(ids)
+        if self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def __len__(self) -> int:
+        return self.tok.get_vocab_size()
+
+
+def load_tokenizer(model_dir: Path):
+    """The model directory's own tokenizer (`tokenizer.json`) if it has one, else the char tokenizer (vocab.json)."""
+    if (Path(model_dir) / "tokenizer.json").exists():
+        return HFTokenizer(model_dir)
     path = Path(model_dir) / "vocab.json"
     if not path.exists():
-        raise TaskError(f"{path}: missing (hint: the embedded engine's char tokenizer needs vocab.json; the bundled "
-                        "tiny-moe ships one)")
+        raise TaskError(f"{path}: missing (hint: a HF checkpoint brings tokenizer.json; the bundled tiny-moe ships "
+                        "a char vocab.json)")
     try:
         vocab = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -198,9 +289,9 @@ class JsonlMathTask:
         return 1.0 if got is not None and normalise_answer(got) == normalise_answer(problem.answer) else 0.0
 
 
-def make_task(spec: str, digits: int = 2, operators: str = "+") -> Task:
+def make_task(spec: str, digits: int = 2, operators: str = "+", max_new_tokens: Optional[int] = None) -> Task:
     if spec == "arithmetic":
-        return ArithmeticTask(digits=digits, operators=operators)
+        return ArithmeticTask(digits=digits, operators=operators, max_new_tokens=max_new_tokens)
     if spec.endswith(".jsonl"):
-        return JsonlMathTask(Path(spec))
+        return JsonlMathTask(Path(spec), **({"max_new_tokens": max_new_tokens} if max_new_tokens else {}))
     raise TaskError(f"unknown task {spec!r} (hint: --task arithmetic or --task PATH.jsonl)")

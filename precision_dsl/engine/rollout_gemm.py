@@ -1,0 +1,241 @@
+"""The rollout engine's own GEMM path over the RECEIVED quantized weights (independent of the trainer's numerics).
+
+The trainer (qlinear.py) dequantizes both operands to fp32 (element x block scale x global scale, folded) and runs an
+fp32 GEMM with an fp32 output; the rest of its model runs in fp32. This engine computes the way an inference server
+does (SGLang + cuBLAS / CUTLASS / FlashInfer):
+
+* operands are decoded from the received BYTES into their *block-scaled elements* only: E4M3 x 2^(E-127) (MXFP8) and
+  E2M1 x E4M3 (NVFP4) have at most 6 significant bits, so they are exact in bf16; the NVFP4 second-level scales
+  (S_dec of each token row, S_dec of the weight) stay out of the operands and are applied in the epilogue (the
+  `alpha` of a block-scaled tensor-core GEMM);
+* the GEMM takes bf16 operands, accumulates in fp32 (bf16 x bf16 products are exact in fp32, so on CPU an fp32 GEMM
+  over bf16-valued operands IS a bf16-input / fp32-accumulate GEMM; on CUDA cuBLAS with an fp32 output), applies
+  the epilogue scales in fp32 and rounds the output to bf16;
+* FP8 (per-tensor, or 1x128 activations x 128x128 weights as DeepSeek-V3 / TE Float8BlockScaling): on CUDA native
+  FP8 tensor cores through torch._scaled_mm (cuBLASLt; 1x128 x 128x128 block scaling is SM90-only); on CPU the
+  same math spelled out: per-128-wide K-block partial products over the raw fp8 elements, each multiplied by its
+  activation-block x weight-tile scale, accumulated block by block in fp32;
+* activations are quantized with this engine's own quantizers (rollout_quant.py, golden-tested), and everything
+  between GEMMs (residual stream, RMSNorm, attention, router, softmax) runs in bf16 (RolloutEngine casts the model).
+
+Byte identity of the received weights stays the contract (checked by the loop); trainer-rollout log-prob agreement
+is therefore a measured property, as between Megatron/TE and SGLang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..precision import FormatKind, TensorFormat
+from . import rollout_quant as rq
+from .numerics import EngineFormatError
+
+
+@dataclass
+class Operand:
+    """One GEMM operand as the rollout's kernels consume it."""
+
+    kind: str  # "bf16" (bf16 values, maybe block-scaled) | "fp8" (raw fp8 elements + fp32 scale_inv)
+    values: torch.Tensor  # [R, K] bf16, or float8 data
+    gscale: Optional[torch.Tensor] = None  # fp32 epilogue scale: [R] per row, [1] per tensor, None
+    scale_inv: Optional[torch.Tensor] = None  # fp8: [1] per tensor, [R, K/128] (1x128) or [R/128, K/128] (tiles)
+    block: tuple[int, int] = (1, 1)  # fp8 scale granularity along (rows, K)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    return rq.pow2_from_e8m0(e.to(torch.int32), negate=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weights: received bytes -> operand (once per weight update)
+# ---------------------------------------------------------------------------------------------------------------
+def weight_operand(q, device) -> Operand:
+    """A received formats.QuantizedTensor (or BF16 tensor) -> Operand. Reads only the stored bytes + fmt."""
+    if isinstance(q, torch.Tensor):
+        return Operand("bf16", q.to(device=device, dtype=torch.bfloat16))
+    fmt: TensorFormat = q.fmt
+    data = q.data.to(device)
+    n, k = q.shape[0], q.shape[-1]
+    if fmt.kind == FormatKind.MXFP8:
+        if tuple(fmt.block or (1, 32)) != (1, 32) or q.axis != "row":
+            raise EngineFormatError(f"MXFP8 weight {fmt.block} {q.axis}: unsupported by the independent rollout GEMM")
+        vals = data.view(rq.F8[fmt.element]).float().view(n, k // 32, 32) * _pow2(q.scale.to(device))[..., None]
+        return Operand("bf16", vals.view(n, k).to(torch.bfloat16))
+    if fmt.kind == FormatKind.NVFP4:
+        sf = q.scale.to(device).view(torch.float8_e4m3fn).float()
+        if sf.shape[0] != n:  # 16x16 tiles: one byte per tile
+            sf = sf.repeat_interleave(16, 0)[:n]
+        vals = rq.e2m1_values(data).view(n, k // 16, 16) * sf[..., None]
+        return Operand("bf16", vals.view(n, k).to(torch.bfloat16), gscale=q.global_scale.to(device).float())
+    if fmt.kind in (FormatKind.FP8_BLOCK, FormatKind.FP8):
+        block = tuple(fmt.block or (128, 128)) if fmt.kind == FormatKind.FP8_BLOCK else (n, k)
+        return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=q.scale.to(device).float(), block=block)
+    raise EngineFormatError(f"{fmt.short()} weights: unsupported by the independent rollout GEMM")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# activations: this engine's own quantizers (rollout_quant)
+# ---------------------------------------------------------------------------------------------------------------
+def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "") -> Operand:
+    """Quantize a [M, K] activation as the plan says, with rollout_quant. Unquantized -> bf16."""
+    x16 = x2.to(torch.bfloat16)
+    if not fmt.is_quantized:
+        return Operand("bf16", x16)
+    m, k = x16.shape
+    try:
+        if fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32):
+            data, e = rq.mxfp8(x16, fmt.element)
+            vals = data.view(rq.F8[fmt.element]).float().view(m, k // 32, 32) * _pow2(e)[..., None]
+            return Operand("bf16", vals.view(m, k).to(torch.bfloat16))
+        if fmt.kind == FormatKind.NVFP4 and tuple(fmt.block or (1, 16)) == (1, 16):
+            data, sf, _, s_dec = rq.nvfp4(x16, per_row=fmt.global_scale == "row")
+            vals = rq.e2m1_values(data).view(m, k // 16, 16) * sf.view(torch.float8_e4m3fn).float()[..., None]
+            return Operand("bf16", vals.view(m, k).to(torch.bfloat16), gscale=s_dec)
+        if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or (1, 128))[0] == 1:
+            bc = tuple(fmt.block or (1, 128))[1]
+            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fmt.scale_dtype == "pow2")
+            return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv, block=(1, bc))
+        if fmt.kind == FormatKind.FP8:
+            data, s_inv = rq.fp8_block(x16, fmt.element, (m, k), False)  # one block = the tensor (current scaling)
+            return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv.reshape(1), block=(m, k))
+    except ValueError as e:
+        raise EngineFormatError(f"{what or 'activation'}: {e}") from None
+    raise EngineFormatError(f"{what or 'activation'}: {fmt.short()} activations are unsupported by the independent "
+                            "rollout (hint: --rollout-numerics mirror)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GEMMs: fp32 result (epilogue applied); the caller rounds to bf16
+# ---------------------------------------------------------------------------------------------------------------
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] x b [N, K]^T with bf16 operands, fp32 accumulation and fp32 result."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            return torch.mm(a, b.t()).float()  # older torch: bf16 output (rounded once more)
+    return a.float() @ b.float().t()  # exact bf16 products, fp32 accumulation
+
+
+def _as_bf16(op: Operand) -> Operand:
+    """An fp8 operand met by a bf16 one (mixed policies): dequantize its fp8 blocks in fp32, round to bf16."""
+    if op.kind == "bf16":
+        return op
+    r, k = op.values.shape
+    br, bc = op.block
+    s = op.scale_inv
+    if s.numel() > 1:
+        s = s.repeat_interleave(br, 0)[:r].repeat_interleave(bc, 1)[:, :k]
+    return Operand("bf16", (op.values.float() * s).to(torch.bfloat16))
+
+
+def _fp8_blocked_cpu(a: Operand, b: Operand) -> torch.Tensor:
+    """Per-K-block partial products of raw fp8 elements, scaled per (activation block, weight tile), accumulated in
+    fp32 block by block (the DeepSeek-V3 / cuBLASLt block-scaled GEMM, spelled out)."""
+    m, k = a.values.shape
+    n = b.values.shape[0]
+    bk = b.block[1] if b.scale_inv.numel() > 1 else (a.block[1] if a.scale_inv.numel() > 1 else k)
+    av, bv = a.values.float(), b.values.float()
+    sa = a.scale_inv if a.scale_inv.numel() > 1 else a.scale_inv.reshape(1, 1).expand(m, -(-k // bk))
+    if b.scale_inv.numel() > 1:
+        sb = b.scale_inv.repeat_interleave(b.block[0], 0)[:n]  # [N, K/bk]
+    else:
+        sb = b.scale_inv.reshape(1, 1).expand(n, -(-k // bk))
+    out = torch.zeros(m, n, dtype=torch.float32, device=av.device)
+    for j, k0 in enumerate(range(0, k, bk)):
+        part = av[:, k0:k0 + bk] @ bv[:, k0:k0 + bk].t()
+        out += part * sa[:, j:j + 1] * sb[:, j][None, :]
+    return out
+
+
+def _fp8_scaled_mm(a: Operand, b: Operand, paths: dict) -> torch.Tensor:
+    """torch._scaled_mm (cuBLASLt FP8 tensor cores). Per-tensor scales, or 1x128 x 128x128 blocks (SM90 only).
+    The block-scale layouts cuBLASLt wants (M x K/128 outer-dim-major for A; the 128x128 grid of B = W^T) are found
+    once per process by checking candidates against the spelled-out math (`_fp8_blocked_cpu`), then reused."""
+    if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
+        return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
+                                scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
+    sa, sb = a.scale_inv, b.scale_inv  # [M, K/128], [N/128, K/128]
+    cands = {"a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
+                                                                         sb.t().contiguous()),
+             "a_c/b_t": (sa.contiguous(), sb.t()), "a_om/b": (sa.t().contiguous().t(), sb)}
+    chosen = paths.get("_fp8_block_layout")
+    if chosen is None:
+        want = _fp8_blocked_cpu(a, b)
+        for name, (xa, xb) in cands.items():
+            try:
+                y = torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
+            except RuntimeError:
+                continue
+            if ((y - want).norm() / want.norm().clamp(min=1e-30)) < 1e-2:
+                paths["_fp8_block_layout"] = chosen = name
+                break
+        else:
+            raise RuntimeError("no torch._scaled_mm block-scale layout reproduces the block-scaled math here")
+    xa, xb = cands[chosen]
+    return torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
+
+
+def gemm(a: Operand, b: Operand, paths: Optional[dict] = None) -> torch.Tensor:
+    """fp32 [M, N] = a @ b^T with the epilogue (second-level scales) applied."""
+    if a.kind == "fp8" and b.kind == "fp8":
+        path = "fp8-blocked-cpu"
+        if a.values.is_cuda:
+            try:
+                y, path = _fp8_scaled_mm(a, b, paths if paths is not None else {}), "fp8-scaled_mm"
+            except RuntimeError:
+                y = _fp8_blocked_cpu(a, b)  # shapes/arch cuBLASLt refuses: same math, spelled out
+        else:
+            y = _fp8_blocked_cpu(a, b)
+    else:
+        a16, b16 = _as_bf16(a), _as_bf16(b)
+        y, path = _mm_bf16(a16.values, b16.values), "bf16-blockscaled"
+        if a16.gscale is not None:
+            y = y * (a16.gscale[:, None] if a16.gscale.numel() > 1 else a16.gscale)
+        if b16.gscale is not None:
+            y = y * (b16.gscale[None, :] if b16.gscale.numel() > 1 else b16.gscale)
+    if paths is not None:
+        paths[path] = paths.get(path, 0) + 1
+    return y
+
+
+class IndependentRolloutExecutor:
+    """The rollout model's linear executor: received-weight operands (prepared once per update), activations
+    quantized by rollout_quant, GEMM by `gemm`, output rounded to bf16. Expert-TP (`parts`) splits a row-parallel
+    expert down_proj along K: each rank quantizes its slice with its own per-token scales, computes a partial
+    GEMM, and the partials are summed in fp32 (the all-reduce)."""
+
+    def __init__(self, plan, linear_names, etp: int = 1):
+        by = plan.by_name()
+        self.act = {n: by[n].precision.activation for n in linear_names}
+        self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in linear_names}
+        self.weights: dict[str, Operand] = {}
+        self.paths: dict[str, int] = {}
+
+    def load(self, name: str, received, device) -> None:
+        self.weights[name] = weight_operand(received, device)
+
+    def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
+        wop = self.weights[hf_name]
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        parts = self.parts[hf_name]
+        if parts == 1:
+            y = gemm(activation_operand(x2, self.act[hf_name], hf_name), wop, self.paths)
+        else:
+            k = x2.shape[1]
+            if k % parts:
+                raise EngineFormatError(f"{hf_name}: K={k} does not split into {parts} expert-TP partitions")
+            step = k // parts
+            y = None
+            for i in range(parts):
+                sl = slice(i * step, (i + 1) * step)
+                part_w = Operand(wop.kind, wop.values[:, sl], wop.gscale)
+                if wop.kind != "bf16":
+                    raise EngineFormatError(f"{hf_name}: expert-TP emulation needs a bf16/MXFP8/NVFP4 weight")
+                yi = gemm(activation_operand(x2[:, sl], self.act[hf_name], hf_name), part_w, self.paths)
+                y = yi if y is None else y + yi
+        return y.to(torch.bfloat16).reshape(*shape[:-1], y.shape[-1])
