@@ -122,6 +122,15 @@ def check(script: Path, user_args: list[str]) -> tuple[bool, str]:
 
     _declare_te(script.read_text())
     script_argv = train_argv(script)
+
+    def size(flag):
+        return int(script_argv[script_argv.index(flag) + 1]) if flag in script_argv else 1
+
+    if "--actor-num-gpus-per-node" not in user_args:  # the smallest trainer world the layout fits (dp x tp >= ep)
+        tp, pp, ep = size("--tensor-model-parallel-size"), size("--pipeline-model-parallel-size"), \
+            size("--expert-model-parallel-size")
+        user_args = ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(tp * pp * max(1, -(-ep // tp))),
+                     *user_args]
     argv = script_argv + user_args  # user_args stand for the script's "$@" (data / model-shape flags)
     old = sys.argv
     sys.argv = ["train.py", *argv]
