@@ -85,7 +85,7 @@ def register(app: typer.Typer) -> None:
 
         def body():
             from ..commands import build_plan, load_arch
-            from ..console import console, fail
+            from ..console import UserError, console
             from ..engine.gate import run_gate
 
             from .common import plan_hash, write_tree_atomic
@@ -98,9 +98,9 @@ def register(app: typer.Typer) -> None:
             if not res.ok(strict):
                 print_diagnostics(res.diagnostics, console(stderr=True))
                 errs = res.errors(strict)
-                raise fail(_Coded(f"emit refused: {len(errs)} problem(s) (the same gate as `policyc check`); "
-                                  "nothing written", "fix the policy or the layout, or emit only the other "
-                                                     "backends with --backend", 1))
+                raise UserError(f"emit refused: {len(errs)} problem(s) (the same gate as `policyc check`); "
+                                "nothing written", "fix the policy or the layout, or emit only the other "
+                                                   "backends with --backend", 1)
             write_tree_atomic(out, res.artifacts, force=force)
             print_diagnostics(res.diagnostics, con)
             con.print(f"wrote {len(res.artifacts)} files to {out} (plan {plan_hash(plan)[:19]}...)")

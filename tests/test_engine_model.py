@@ -122,7 +122,7 @@ def test_pickle_only_and_bad_config_are_refused(tmp_path):
     cfg = json.loads((TINY / "config.json").read_text())
     cfg["model_type"] = "llama"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="qwen3_moe only"):
+    with pytest.raises(ModelLoadError, match="qwen3_moe and qwen3 only"):
         load_model(d)
     (d / "config.json").write_text("{ not json")
     with pytest.raises(ModelLoadError, match=r"config.json:1:3: invalid JSON"):

@@ -126,7 +126,9 @@ def _check_layout(cfg: RunConfig, plan, arch) -> None:
     """The same static checks `policyc check --parallel` runs, for the expert-TP layout of this run."""
     if cfg.trainer_etp == 1 and cfg.rollout_etp == 1:
         return
-    layout = ParallelLayout(trainer=ParallelSide(etp=cfg.trainer_etp), rollout=ParallelSide(etp=cfg.rollout_etp))
+    # the rollout's expert TP as SGLang derives it (moe_tp = tp / ep): an emulated rollout ETP of n is tp=n, ep=1
+    layout = ParallelLayout(trainer=ParallelSide(etp=cfg.trainer_etp),
+                            rollout=ParallelSide(tp=cfg.rollout_etp, ep=1, etp=cfg.rollout_etp))
     errors = [d for d in check(plan, arch, layout) if d.severity == "error"]
     if errors and not cfg.force_layout:
         first = errors[0]
