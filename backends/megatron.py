@@ -153,9 +153,9 @@ def _module_tensors(plan: Plan) -> dict[str, list[TensorPlan]]:
     return mods
 
 
-def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan) -> None:
-    """TE computes one amax per TE weight tensor (per TP shard): fc1 = [gate; up] of one expert, qkv = [q; k; v]."""
-    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, groups: dict) -> None:
+    """TE computes one amax per TE weight tensor (per TP shard): fc1 = [gate; up] of one expert, qkv = [q; k; v].
+    `groups`: HF name -> its share-scale group (built once per plan, not per module)."""
     by_param: dict[str, list[TensorPlan]] = defaultdict(list)
     for t in members:
         by_param[t.megatron_name].append(t)
@@ -183,11 +183,12 @@ def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan) -> No
 
 def _module_recipes(plan: Plan) -> dict[str, Recipe]:
     out: dict[str, Recipe] = {}
+    groups = None
     for module, members in _module_tensors(plan).items():
         first = members[0]
         rec = _recipe_for(first)
         for t in members[1:]:
-            if t.precision != first.precision:
+            if t.precision is not first.precision and t.precision != first.precision:
                 what = ("all routed experts of a layer (TEGroupedLinear)" if ".experts." in module
                         else "the fused module")
                 raise UnsupportedByBackend(
@@ -196,7 +197,9 @@ def _module_recipes(plan: Plan) -> dict[str, Recipe]:
                     f"this one is {t.precision.short()}",
                     hint="give every tensor of the fused Megatron module the same precision")
         if rec.name == "nvfp4":
-            _check_nvfp4_scope(module, members, plan)
+            if groups is None:
+                groups = {m: g for g in plan.share_scale_groups for m in g.members}
+            _check_nvfp4_scope(module, members, plan, groups)
         out[module] = rec
     return out
 

@@ -45,15 +45,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..plan import Plan, TensorPlan
 
 from .common import PLAN_FILE, PlanMismatch
 from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
@@ -167,6 +168,8 @@ def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1
     * expert weights: split over expert-TP (etp ranks), local index k on EP rank r is global r * E_local + k;
     * everything else (norms, router, MLA down-projections, which megatron-core keeps duplicated): replicated,
       checked equal across ranks."""
+    import torch
+
     experts_local = None
     by_coord: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
     for s in shards:
@@ -202,6 +205,8 @@ def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1
 
 
 def _cat(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    import torch
+
     if len(pieces) == 1:
         return pieces[0]
     if _ROW_PARALLEL_RE.search(name):
@@ -215,16 +220,23 @@ def _cat(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # wire messages
 # ---------------------------------------------------------------------------------------------------------------
-_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8,
-                                                    torch.float8_e4m3fn, torch.float8_e5m2, torch.int64)}
+def _dtypes() -> dict:
+    import torch
+
+    return {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8,
+                                                     torch.float8_e4m3fn, torch.float8_e5m2, torch.int64)}
 
 
 def _digest(t: torch.Tensor) -> str:
+    import torch
+
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     """(meta {names, dtypes, shapes}, one flat uint8 buffer) for a bucket: what a broadcast transport moves."""
+    import torch
+
     names = list(tensors)
     flats = [tensors[n].contiguous().reshape(-1).view(torch.uint8) for n in names]
     # A unit may mix devices (quantized data on the GPU, a constant such as NVFP4 input_scale made on the CPU):
@@ -239,11 +251,14 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
 
 
 def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    import torch
+
+    dtypes = _dtypes()
     out, off = {}, 0
     for n, dt, shape, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["nbytes"]):
-        if dt not in _DTYPES:
+        if dt not in dtypes:
             raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
-        out[n] = buf[off:off + nb].clone().view(_DTYPES[dt]).reshape(shape)
+        out[n] = buf[off:off + nb].clone().view(dtypes[dt]).reshape(shape)
         off += nb
     if off != buf.numel():
         raise WeightUpdateError(f"bucket declares {off} bytes but carries {buf.numel()}")
@@ -321,6 +336,8 @@ class TorchDistributedTransport:
         self._bcast_obj(("close", summary))
 
     def recv(self, timeout: Optional[float] = None):
+        import torch
+
         kind, meta = self._bcast_obj(None)
         if kind == "close":
             return kind, meta, None
@@ -472,26 +489,29 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
     (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
     from .common import Artifact, dump_json, plan_stamp
-    from .quantize import check_supported, output_specs
+    from .quantize import check_all_supported, output_specs
     from .safetensors_io import DTYPE_SIZES
 
-    for t in plan.tensors:
-        check_supported(t, "weight_update")
+    check_all_supported(plan.tensors, "weight_update")
     params: dict[str, dict] = {}
     sizes: dict[str, int] = {}
+    prod = math.prod
     for t in plan.tensors:
         specs = output_specs(t)
-        sizes[t.hf_name] = sum(DTYPE_SIZES[dt] * math.prod(sh) for _, dt, sh in specs)
-        key = t.megatron_name or t.hf_name
-        entry = params.setdefault(key, {"hf": [], "outputs": []})
-        entry["hf"].append(t.hf_name)
-        entry["outputs"].extend([[n, dt, list(sh)] for n, dt, sh in specs])
+        outs = [[n, dt, list(sh)] for n, dt, sh in specs]
+        sizes[t.hf_name] = sum([DTYPE_SIZES[dt] * prod(sh) for _, dt, sh in specs])
+        entry = params.get(t.megatron_name or t.hf_name)
+        if entry is None:
+            params[t.megatron_name or t.hf_name] = {"hf": [t.hf_name], "outputs": outs}
+        else:
+            entry["hf"].append(t.hf_name)
+            entry["outputs"].extend(outs)
     atoms = atomic_groups(plan)
     groups = [sorted(ns) for ns in atoms.values() if len(ns) > 1]
     order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
     buckets, size = 0, 0
-    for ns in sorted(atoms.values(), key=lambda ns: max(order[n] for n in ns)):
-        nb = sum(sizes[n] for n in ns)
+    for ns in sorted(atoms.values(), key=lambda ns: max([order[n] for n in ns])):
+        nb = sum([sizes[n] for n in ns])
         if size and size + nb > bucket_bytes:
             buckets, size = buckets + 1, 0
         size += nb

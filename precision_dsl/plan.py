@@ -133,20 +133,23 @@ class Plan(BaseModel):
     # -- contract ------------------------------------------------------------------------------------------------
     def content_hash(self) -> str:
         """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes."""
-        # One line per tensor, precision JSON cached per distinct Precision (they are few and shared by thousands of
-        # tensors): a 46k-tensor DeepSeek-V3 plan hashes in well under 0.1 s.
-        dumped: dict[Precision, str] = {}
+        # One line per tensor; the precision JSON is cached per Precision *object* (a plan shares a handful of them
+        # across thousands of tensors; keying by value would hash the nested pydantic models 46k times, ~0.5 s on
+        # DeepSeek-V3). The ids stay valid: the plan holds every Precision for the duration.
+        dumped: dict[int, str] = {}
         h = hashlib.sha256(json.dumps({"target": self.target}, sort_keys=True).encode())
         lines = []
+        append = lines.append
         for t in self.tensors:
-            p = dumped.get(t.precision)
+            prec = t.precision
+            p = dumped.get(id(prec))
             if p is None:
-                p = dumped[t.precision] = json.dumps(t.precision.model_dump(mode="json"), sort_keys=True,
-                                                     separators=(",", ":"))
-            lines.append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
-                         f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
+                p = dumped[id(prec)] = json.dumps(prec.model_dump(mode="json"), sort_keys=True,
+                                                  separators=(",", ":"))
+            append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
+                   f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
         for g in self.share_scale_groups:
-            lines.append(f"G|{g.id}|{','.join(g.members)}")
+            append(f"G|{g.id}|{','.join(g.members)}")
         blob = "\n".join(lines).encode()
         h.update(blob)
         return "sha256:" + h.hexdigest()
@@ -173,15 +176,23 @@ class Plan(BaseModel):
     def quantized(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.is_linear and t.weight.is_quantized]
 
-    def to_json(self, indent: Optional[int] = None) -> str:
-        """JSON with the content hash as the first key. Compact by default (pydantic's Rust serializer: a 46k-tensor
-        DeepSeek-V3 plan serializes in ~0.4 s); `indent` pretty-prints through the json module (slower)."""
-        head = '{"content_hash":' + json.dumps(self.content_hash())
-        if indent is None:
-            body = self.model_dump_json()
-            return head + ("," + body[1:] if body != "{}" else "}")
-        d = {"content_hash": self.content_hash(), **self.model_dump(mode="json")}
-        return json.dumps(d, indent=indent)
+    def to_json(self, indent: Optional[int] = None, content_hash: Optional[str] = None) -> str:
+        """JSON with the content hash as the first key (`content_hash`: a hash the caller already computed for this
+        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_resolve.py),
+        built from per-object cached fragments because a plan shares a few Precision / RuleRef objects among
+        tens of thousands of tensors (DeepSeek-V3: 47 MB in ~0.15 s instead of ~0.8 s); `indent` pretty-prints
+        through the json module (slower)."""
+        ch = content_hash or self.content_hash()
+        if indent is not None:
+            d = {"content_hash": ch, **self.model_dump(mode="json")}
+            return json.dumps(d, indent=indent)
+        empty = self.model_construct(**{**dict(self), "tensors": (), "share_scale_groups": ()})
+        shell = empty.model_dump_json()
+        slot = '"tensors":[],"share_scale_groups":[]'
+        assert shell.count(slot) == 1
+        body = shell.replace(slot, '"tensors":[' + _tensors_json(self.tensors) + '],"share_scale_groups":['
+                             + _groups_json(self.share_scale_groups) + "]")
+        return '{"content_hash":' + json.dumps(ch) + ("," + body[1:] if body != "{}" else "}")
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -196,3 +207,49 @@ class Plan(BaseModel):
         if expected is not None and expected != plan.content_hash():
             raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
         return plan
+
+
+# ---- fast compact JSON (same bytes as pydantic's serializer) ----------------------------------------------------------
+_enc = json.encoder.encode_basestring  # C; escapes like serde_json ('"', '\\', control chars), keeps non-ASCII
+
+
+def _opt_str(v: Optional[str]) -> str:
+    return "null" if v is None else _enc(v)
+
+
+def _opt_int(v: Optional[int]) -> str:
+    return "null" if v is None else str(v)
+
+
+def _cached(cache: dict, obj) -> str:
+    s = cache.get(id(obj))
+    if s is None:
+        s = cache[id(obj)] = obj.model_dump_json() if obj is not None else "null"
+    return s
+
+
+def _tensors_json(tensors) -> str:
+    prec: dict = {}
+    refs: dict = {}
+    over: dict = {}
+    out = []
+    append = out.append
+    for t in tensors:
+        o = t.overridden
+        oj = over.get(id(o))
+        if oj is None:
+            oj = over[id(o)] = "[" + ",".join(_cached(refs, r) for r in o) + "]"
+        append(f'{{"hf_name":{_enc(t.hf_name)},"megatron_name":{_opt_str(t.megatron_name)},'
+               f'"megatron_part":{_opt_str(t.megatron_part)},"sglang_prefix":{_opt_str(t.sglang_prefix)},'
+               f'"role":{_enc(t.role)},"layer":{_opt_int(t.layer)},"expert":{_opt_int(t.expert)},'
+               f'"mtp":{_opt_int(t.mtp)},"shape":[{",".join(map(str, t.shape))}],'
+               f'"is_linear":{"true" if t.is_linear else "false"},"precision":{_cached(prec, t.precision)},'
+               f'"share_scale_group":{_opt_str(t.share_scale_group)},"bytes_before":{t.bytes_before},'
+               f'"bytes_after":{t.bytes_after},"decided_by":{_cached(refs, t.decided_by)},"overridden":{oj}}}')
+    return ",".join(out)
+
+
+def _groups_json(groups) -> str:
+    refs: dict = {}
+    return ",".join(f'{{"id":{_enc(g.id)},"members":[{",".join(map(_enc, g.members))}],'
+                    f'"declared_at":{_cached(refs, g.declared_at)}}}' for g in groups)
