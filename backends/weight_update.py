@@ -254,6 +254,16 @@ def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     import torch
 
     dtypes = _dtypes()
+    if "offsets" in meta:  # GPU update program layout: aligned regions; the buffer is ours, so views, no copies
+        if meta["total"] != buf.numel():
+            raise WeightUpdateError(f"bucket declares {meta['total']} bytes but carries {buf.numel()}")
+        out = {}
+        for n, dt, shape, off, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["offsets"],
+                                         meta["nbytes"]):
+            if dt not in dtypes:
+                raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
+            out[n] = buf[off:off + nb].view(dtypes[dt]).reshape(shape)
+        return out
     out, off = {}, 0
     for n, dt, shape, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["nbytes"]):
         if dt not in dtypes:
@@ -271,22 +281,61 @@ def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
 class InProcessTransport:
     """A queue between a sender and a receiver in the same process (or threads)."""
 
-    def __init__(self):
+    gpu_program = True  # CUDA senders take the GPU update program (copy stream, see send_gpu_bucket)
+
+    def __init__(self, persistent: bool = False):
+        """persistent: GPU buckets land in receiver buffers kept from one update to the next (bucket k of every
+        update overwrites the same memory, as a rollout engine updates its weights in place; views received
+        earlier then show the new weights; receive each update before the next is sent). Default: fresh
+        buffers per update."""
         self._q: "queue.Queue" = queue.Queue()
+        self.persistent = persistent
+        self._dst: dict = {}
+        self._k = 0
 
     # sender side
     def open(self, plan_hash: str) -> None:
-        self._q.put(("open", {"plan_hash": plan_hash}, None))
+        self._k = 0
+        self._q.put(("open", {"plan_hash": plan_hash}, None, None))
 
     def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
-        self._q.put(("bucket", meta, buf.clone()))
+        self._q.put(("bucket", meta, buf.clone(), None))
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Copy a GPU bucket into a fresh receiver-side buffer on a separate copy stream (ordered after the work
+        that filled it), so the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes
+        the sender's stream wait for the copy before it reuses `buf`; nothing blocks the host."""
+        import torch
+
+        cur = torch.cuda.current_stream(buf.device)
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(buf.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            dst = self._dst.get(self._k) if self.persistent else None
+            if dst is None or dst.numel() != buf.numel():
+                dst = torch.empty_like(buf)
+                if self.persistent:
+                    self._dst[self._k] = dst
+            self._k += 1
+            dst.copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        dst.record_stream(cur)  # the receiver reads it on the current stream
+        self._q.put(("bucket", meta, dst, ev))
+        return _StreamWait(ev)
 
     def close(self, summary: dict) -> None:
-        self._q.put(("close", summary, None))
+        self._q.put(("close", summary, None, None))
 
     # receiver side
     def recv(self, timeout: Optional[float] = None):
-        return self._q.get(timeout=timeout)
+        kind, meta, buf, ev = self._q.get(timeout=timeout)
+        if ev is not None:
+            import torch
+
+            torch.cuda.current_stream(buf.device).wait_event(ev)
+        return kind, meta, buf
 
     def handshake(self, plan_hash: str) -> None:
         kind, meta, _ = self.recv(timeout=60)
@@ -296,12 +345,24 @@ class InProcessTransport:
             raise PlanMismatch("weight update receiver", plan_hash, meta["plan_hash"])
 
 
+class _StreamWait:
+    def __init__(self, ev):
+        self.ev = ev
+
+    def wait(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.ev)
+
+
 class TorchDistributedTransport:
     """Broadcast over a torch.distributed process group from rank `src` (gloo on CPU, NCCL on GPU: tensors are moved
     to `device` before the collective). Every rank first all-gathers its plan hash, so all ranks refuse together."""
 
-    def __init__(self, group=None, src: int = 0, device: str = "cpu"):
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group=None, src: int = 0, device: str = "cpu", gpu_program: bool = False):
+        # gpu_program: CUDA senders use the GPU update program (layout once, async NCCL broadcasts of
+        # double-buffered buckets). Off by default until it has run on a two-GPU machine (issue 12).
+        self.group, self.src, self.device, self.gpu_program = group, src, device, gpu_program
 
     def _dist(self):
         import torch.distributed as dist
@@ -332,13 +393,31 @@ class TorchDistributedTransport:
         b = buf.to(self.device)
         self._dist().broadcast(b, src=self.src, group=self.group)
 
+    def send_layout(self, metas: list) -> None:
+        """GPU update program: every bucket's layout in one object broadcast, then buffers only."""
+        self._bcast_obj(("layout", metas))
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Asynchronous broadcast of a GPU bucket (NCCL orders it after the work that filled `buf`); the returned
+        work's wait() makes the sender's stream - not the host - wait before `buf` is reused."""
+        return self._dist().broadcast(buf, src=self.src, group=self.group, async_op=True)
+
     def close(self, summary: dict) -> None:
         self._bcast_obj(("close", summary))
 
     def recv(self, timeout: Optional[float] = None):
         import torch
 
+        pending = getattr(self, "_pending", None)
+        if pending:
+            meta = pending.pop(0)
+            buf = torch.empty(meta["total"], dtype=torch.uint8, device=self.device)
+            self._dist().broadcast(buf, src=self.src, group=self.group)
+            return "bucket", meta, buf
         kind, meta = self._bcast_obj(None)
+        if kind == "layout":
+            self._pending = list(meta)
+            return self.recv(timeout)
         if kind == "close":
             return kind, meta, None
         buf = torch.empty(sum(meta["nbytes"]), dtype=torch.uint8, device=self.device)
@@ -568,9 +647,88 @@ class WeightSender:
                 out.update(checkpoint_tensors(members, backend="weight_update"))
             yield out
 
-    def send(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None) -> SendReport:
-        """Quantize everything first (so NaN/Inf or a missing tensor aborts before anything is sent), then bucket
-        and send. Memory: the quantized model (<= the BF16 size) is held once."""
+    # -- GPU update program (backends/update_program.py) ------------------------------------------------------------
+    def program(self):
+        """The plan's update compiled into buckets of grouped launches (built once per sender)."""
+        if getattr(self, "_program", None) is None:
+            from .update_program import UpdateProgram
+
+            members = atomic_groups(self.plan)
+            by = self.plan.by_name()
+            units = [[by[n] for n in sorted(ns, key=self._order.__getitem__)] for ns in members.values()]
+            units.sort(key=lambda u: self._order[u[-1].hf_name])
+            self._program = UpdateProgram(self.plan, units, self.bucket_bytes)
+        return self._program
+
+    def prepare(self, items: Iterable[tuple[str, torch.Tensor]]) -> "PreparedUpdate":
+        """Bind the trainer's weights once (names mapped, segments stacked - zero-copy where the weights are views
+        of grouped buffers) so that every later `send(prepared)` only launches kernels. The binding holds views
+        of the weights: valid while the trainer updates them in place (as optimizers do)."""
+        hf: dict = {}
+        for name, x in items:
+            for n, y in self.names.to_hf(name, x):
+                if n in hf:
+                    raise WeightUpdateError(f"weight '{n}' was sent twice in one update")
+                hf[n] = y
+        missing = [t.hf_name for t in self.plan.tensors if t.hf_name not in hf]
+        if missing:
+            raise WeightUpdateError(f"the GPU update program needs every plan tensor; {missing[0]} is missing",
+                                    "send complete models, or pass CPU tensors for the per-unit path")
+        return PreparedUpdate(self.program().bind(hf), hf)
+
+    def _fast_ok(self, items) -> bool:
+        if not getattr(self.transport, "gpu_program", False):
+            return False
+        if isinstance(items, PreparedUpdate):
+            return True
+        from precision_dsl import kernels
+
+        return kernels.available()
+
+    def send(self, items, weight_version: Optional[str] = None) -> SendReport:
+        """Send one update. `items`: (name, tensor) pairs, or a `prepare`d binding. CUDA weights with an
+        in-process or torch.distributed transport take the GPU update program (grouped kernels, double-buffered
+        buckets, one host sync); NaN/Inf there is found on the GPU while buckets move, and the closing message
+        tells the receiver to refuse the update (it raises NonFiniteWeight; nothing is applied). Other cases take
+        the per-unit path: quantize everything first (NaN/Inf or a missing tensor aborts before anything is
+        sent), then bucket and send."""
+        if not isinstance(items, PreparedUpdate):
+            items = list(items)
+            on_gpu = bool(items) and all(getattr(x, "is_cuda", False) for _, x in items)
+            if on_gpu and self._fast_ok(items) and self._complete(items):
+                items = self.prepare(items)
+        if isinstance(items, PreparedUpdate):
+            return self._send_program(items, weight_version)
+        return self._send_units(items, weight_version)
+
+    def _complete(self, items) -> bool:
+        n = sum(len(self.names.meg.get(name, ())) or 1 for name, _ in items)
+        return n == len(self.plan.tensors)
+
+    def _send_program(self, prep: "PreparedUpdate", weight_version: Optional[str]) -> SendReport:
+        prog = self.program()
+        plan_hash = _plan_hash(self.plan)
+        if hasattr(self.transport, "weight_version"):
+            self.transport.weight_version = weight_version
+        self.transport.open(plan_hash)
+        if hasattr(self.transport, "send_layout"):
+            self.transport.send_layout(prog.metas)
+        bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
+                            check_equal=self.check_equal)
+        n_bad = int(bad.item())  # the update's one host synchronisation
+        report = SendReport(plan_hash=plan_hash, buckets=len(prog.buckets), tensors=prog.tensors, bytes=prog.bytes,
+                            bucket_names=prog.bucket_names)
+        bad_name = _first_nonfinite(self.plan, prep.tensors) if n_bad else None
+        self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
+                              "weight_version": weight_version, "digests": None,
+                              "fingerprints": fps.tolist() if fps is not None else None,
+                              "nonfinite": n_bad, "nonfinite_tensor": bad_name})
+        if n_bad:
+            raise NonFiniteWeight(bad_name or "?", n_bad)
+        return report
+
+    def _send_units(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None
+                    ) -> SendReport:
         plan_hash = _plan_hash(self.plan)
         units = list(self.quantize_all(items))
         report = SendReport(plan_hash=plan_hash)
@@ -607,6 +765,79 @@ class WeightSender:
         return report
 
 
+class _BucketViews(dict):
+    """{name: tensor} over received GPU-program buckets; each view is made when first looked up (a 30B-parameter
+    NVFP4 update carries ~75k checkpoint tensors: building them all eagerly costs more than moving the bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self._buckets: list = []  # (meta, buf, {name: i})
+        self._where: dict = {}  # name -> bucket number (dict.fromkeys / dict(zip) run at C speed)
+
+    def add(self, meta: dict, buf) -> None:
+        names = meta["names"]
+        self._buckets.append((meta, buf, dict(zip(names, range(len(names))))))
+        self._where.update(dict.fromkeys(names, len(self._buckets) - 1))
+
+    def update_from(self, other: dict) -> None:
+        self._where.update(dict.fromkeys(other, -1))
+        super().update(other)
+
+    def _make(self, n):
+        meta, buf, idx = self._buckets[self._where[n]]
+        i = idx[n]
+        off, nb = meta["offsets"][i], meta["nbytes"][i]
+        v = buf[off:off + nb].view(_dtypes()[meta["dtypes"][i]]).reshape(meta["shapes"][i])
+        dict.__setitem__(self, n, v)
+        return v
+
+    def __getitem__(self, n):
+        if dict.__contains__(self, n):
+            return dict.__getitem__(self, n)
+        if n in self._where:
+            return self._make(n)
+        raise KeyError(n)
+
+    def get(self, n, default=None):
+        return self[n] if n in self._where else default
+
+    def __contains__(self, n) -> bool:
+        return n in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def keys(self):
+        return self._where.keys()
+
+    def items(self):
+        return ((n, self[n]) for n in self._where)
+
+    def values(self):
+        return (self[n] for n in self._where)
+
+
+@dataclass
+class PreparedUpdate:
+    """Trainer weights bound to a sender's GPU update program (WeightSender.prepare)."""
+
+    bound: object
+    tensors: dict
+
+
+def _first_nonfinite(plan: Plan, tensors: dict) -> Optional[str]:
+    import torch
+
+    for t in plan.tensors:
+        x = tensors.get(t.hf_name)
+        if x is not None and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            return t.hf_name
+    return None
+
+
 class WeightReceiver:
     """Receiving end for InProcessTransport / TorchDistributedTransport."""
 
@@ -618,16 +849,40 @@ class WeightReceiver:
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
         self.transport.handshake(_plan_hash(self.plan))
+        bufs: list = []
+        lazy = _BucketViews()
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()
             if kind == "close":
                 self.summary = meta
                 break
-            self.raw.update(unpack_bucket(meta, buf))
+            if "offsets" in meta:  # GPU program layout: views made on first access, not per tensor here
+                bufs.append(buf)
+                lazy.add(meta, buf)
+            else:
+                self.raw.update(unpack_bucket(meta, buf))
+        if len(lazy):
+            lazy.update_from(self.raw)
+            self.raw = lazy
+        if self.summary.get("nonfinite"):
+            raise NonFiniteWeight(self.summary.get("nonfinite_tensor") or "?", self.summary["nonfinite"])
         if self.summary.get("tensors") != len(self.raw):
             raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
                                        f"the sender sent {self.summary.get('tensors')}")
+        fps = self.summary.get("fingerprints")
+        if self.check_equal and fps is not None:
+            import torch
+
+            from precision_dsl.kernels import triton_segments
+
+            mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device if bufs else "cpu")
+            for k, b in enumerate(bufs):
+                triton_segments.fingerprint(b, mine[k:k + 1])
+            bad = [k for k, (a, b) in enumerate(zip(mine.tolist(), fps)) if a != b]
+            if bad or len(bufs) != len(fps):
+                raise WeightUpdateMismatch(f"bucket(s) {bad or 'count'} differ between sender and receiver "
+                                           "(on-GPU fingerprints)")
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)
