@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind
 
 from .common import module_of
 from .quantize import needs_shared_amax, output_specs
@@ -244,7 +244,7 @@ class UpdateProgram:
         reference code may synchronise with the host, stay eager."""
         import torch
 
-        from precision_dsl.kernels import triton_segments as ks
+        from ..kernels import triton_segments as ks
 
         dev = bound.device
         if bound.pool is None or bound.pool[0].numel() < self.max_bucket:
@@ -303,8 +303,8 @@ class UpdateProgram:
     def _fill(self, seg: Segment, x, buf, bad, dev) -> None:
         import torch
 
-        from precision_dsl.kernels import triton_fp8_block, triton_mxfp8
-        from precision_dsl.kernels import triton_segments as ks
+        from ..kernels import triton_fp8_block, triton_mxfp8
+        from ..kernels import triton_segments as ks
 
         def region(i, j, dtype=torch.uint8):
             r = seg.regions[(i, j)]

@@ -681,7 +681,7 @@ class WeightSender:
             return False
         if isinstance(items, PreparedUpdate):
             return True
-        from precision_dsl import kernels
+        from .. import kernels
 
         return kernels.available()
 
@@ -874,7 +874,7 @@ class WeightReceiver:
         if self.check_equal and fps is not None:
             import torch
 
-            from precision_dsl.kernels import triton_segments
+            from ..kernels import triton_segments
 
             mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device if bufs else "cpu")
             for k, b in enumerate(bufs):

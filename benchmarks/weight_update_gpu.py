@@ -97,7 +97,7 @@ def _timed(fn, reps):
 def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True):
     import torch
 
-    from backends.weight_update import InProcessTransport, WeightReceiver, WeightSender
+    from precision_dsl.backends.weight_update import InProcessTransport, WeightReceiver, WeightSender
     from precision_dsl.arch import load_architecture
     from precision_dsl.resolve import resolve
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from enum import Enum
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -213,14 +214,6 @@ class Plan(BaseModel):
 _enc = json.encoder.encode_basestring  # C; escapes like serde_json ('"', '\\', control chars), keeps non-ASCII
 
 
-def _opt_str(v: Optional[str]) -> str:
-    return "null" if v is None else _enc(v)
-
-
-def _opt_int(v: Optional[int]) -> str:
-    return "null" if v is None else str(v)
-
-
 def _cached(cache: dict, obj) -> str:
     s = cache.get(id(obj))
     if s is None:
@@ -228,24 +221,47 @@ def _cached(cache: dict, obj) -> str:
     return s
 
 
+def _value_json(v, cache: dict) -> str:
+    """Compact JSON of one field value as pydantic writes it: nested models (Precision, RuleRef) and tuples of
+    them cached per object (a plan shares a few among tens of thousands of tensors)."""
+    if isinstance(v, Enum):
+        return _enc(v.value)
+    if isinstance(v, tuple) and all(type(x) is int for x in v):
+        return "[" + ",".join(map(str, v)) + "]"  # shapes: per tensor, not worth caching
+    s = cache.get(id(v))
+    if s is None:
+        if isinstance(v, BaseModel):
+            s = v.model_dump_json()
+        elif isinstance(v, tuple):
+            s = "[" + ",".join(_value_json(x, cache) for x in v) + "]"
+        else:
+            raise TypeError(type(v))
+        cache[id(v)] = s
+    return s
+
+
+_SCALAR = {str: _enc, int: str, type(None): lambda v: "null", bool: lambda v: "true" if v else "false"}
+
+
 def _tensors_json(tensors) -> str:
-    prec: dict = {}
-    refs: dict = {}
-    over: dict = {}
+    """Every TensorPlan field, in declaration order (so fields added to TensorPlan are picked up); a value of a
+    type not handled above falls back to pydantic for that tensor."""
+    names = list(TensorPlan.model_fields)
+    heads = [f'"{n}":' for n in names]
+    cache: dict = {}
     out = []
     append = out.append
     for t in tensors:
-        o = t.overridden
-        oj = over.get(id(o))
-        if oj is None:
-            oj = over[id(o)] = "[" + ",".join(_cached(refs, r) for r in o) + "]"
-        append(f'{{"hf_name":{_enc(t.hf_name)},"megatron_name":{_opt_str(t.megatron_name)},'
-               f'"megatron_part":{_opt_str(t.megatron_part)},"sglang_prefix":{_opt_str(t.sglang_prefix)},'
-               f'"role":{_enc(t.role)},"layer":{_opt_int(t.layer)},"expert":{_opt_int(t.expert)},'
-               f'"mtp":{_opt_int(t.mtp)},"shape":[{",".join(map(str, t.shape))}],'
-               f'"is_linear":{"true" if t.is_linear else "false"},"precision":{_cached(prec, t.precision)},'
-               f'"share_scale_group":{_opt_str(t.share_scale_group)},"bytes_before":{t.bytes_before},'
-               f'"bytes_after":{t.bytes_after},"decided_by":{_cached(refs, t.decided_by)},"overridden":{oj}}}')
+        d = t.__dict__
+        try:
+            parts = []
+            for h, n in zip(heads, names):
+                v = d[n]
+                f = _SCALAR.get(type(v))
+                parts.append(h + (f(v) if f is not None else _value_json(v, cache)))
+            append("{" + ",".join(parts) + "}")
+        except TypeError:
+            append(t.model_dump_json())
     return ",".join(out)
 
 

@@ -29,7 +29,7 @@ class _CpuTransport:
     """InProcessTransport stand-in for the interpreter run (no CUDA streams on CPU)."""
 
     def __init__(self):
-        from backends.weight_update import InProcessTransport
+        from precision_dsl.backends.weight_update import InProcessTransport
 
         self.inner = InProcessTransport()
         self.open, self.close, self.recv, self.handshake = (self.inner.open, self.inner.close, self.inner.recv,
@@ -40,7 +40,7 @@ class _CpuTransport:
 
 
 def _transport(persistent: bool = False):
-    from backends.weight_update import InProcessTransport
+    from precision_dsl.backends.weight_update import InProcessTransport
 
     return _CpuTransport() if _INTERP else InProcessTransport(persistent=persistent)
 
@@ -72,7 +72,7 @@ def _weights(arch, grouped: bool, seed: int = 0):
 
 def _reference(plan, weights):
     """What the converter writes for these weights (CPU, reference quantizers), per unit."""
-    from backends.quantize import checkpoint_tensors, work_units
+    from precision_dsl.backends.quantize import checkpoint_tensors, work_units
 
     by = plan.by_name()
     names = [t.hf_name for t in plan.tensors]
@@ -92,7 +92,7 @@ def _plan(policy):
 @pytest.mark.parametrize("grouped", [True, False])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_program_bytes_equal_converter_bytes(policy, grouped):
-    from backends.weight_update import WeightReceiver, WeightSender
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender
     from precision_dsl.arch import load_architecture
 
     plan = _plan(policy)
@@ -124,8 +124,8 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
 
 
 def test_nonfinite_aborts_both_ends():
-    from backends.quantize import NonFiniteWeight
-    from backends.weight_update import WeightReceiver, WeightSender
+    from precision_dsl.backends.quantize import NonFiniteWeight
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender
     from precision_dsl.arch import load_architecture
 
     plan = _plan("nvfp4-pertoken-dequant-backward")
