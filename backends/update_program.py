@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from ..plan import Plan, TensorPlan
 from ..precision import FormatKind
-
-from .common import module_of
 from .quantize import needs_shared_amax, output_specs
 from .safetensors_io import DTYPE_SIZES
 
@@ -96,12 +93,12 @@ def _unit_kind(unit: list) -> str:
     kind = kinds.pop()
     if kind == "hp":
         return kind
+    if any(len(t.shape) != 2 for t in unit):
+        return "ref"
     ks = {t.shape[-1] for t in unit}
     ns = {t.shape[0] for t in unit}
-    fmts = {id(t.precision.weight) for t in unit} if len(unit) > 1 else {0}
-    if len(ks) != 1 or any(len(t.shape) != 2 for t in unit) or len({t.precision.weight for t in unit}) != 1:
+    if len(ks) != 1 or len({t.precision.weight for t in unit}) != 1:
         return "ref"
-    del fmts
     if kind == "nvfp4" and (len(ns) != 1 or next(iter(ks)) % 16):
         return "ref"
     if kind == "nvfp4" and len(unit) > 1 and not all(needs_shared_amax(t) for t in unit):
@@ -306,7 +303,7 @@ class UpdateProgram:
         from ..kernels import triton_fp8_block, triton_mxfp8
         from ..kernels import triton_segments as ks
 
-        def region(i, j, dtype=torch.uint8):
+        def region(i, j):
             r = seg.regions[(i, j)]
             return buf[r.offset:r.offset + r.nbytes]
 

@@ -251,8 +251,6 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
 
 
 def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
-    import torch
-
     dtypes = _dtypes()
     if "offsets" in meta:  # GPU update program layout: aligned regions; the buffer is ours, so views, no copies
         if meta["total"] != buf.numel():
