@@ -16,39 +16,10 @@ from .common import BACKENDS
 
 
 def _run(body):
-    """Run a command body; expected errors become `error: ...` + `hint: ...` and an exit code, never a traceback."""
-    from ..console import UserError, fail, guard
+    """Run a command body under the one CLI guard (console.guard: every PolicycError -> error + hint + exit code)."""
+    from ..console import guard
 
-    from .common import PlanMismatch, UnsupportedByBackend
-    from .safetensors_io import CheckpointError
-
-    def guarded():
-        try:
-            return body()
-        except UnsupportedByBackend as err:
-            raise fail(_Coded(str(err), err.hint or "change the policy for this tensor, or emit only the other "
-                                                      "backends with --backend", 1))
-        except PlanMismatch as err:
-            raise fail(_Coded(str(err), err.hint, 1))
-        except CheckpointError as err:
-            raise fail(_Coded(str(err), err.hint, 2))
-        except FileExistsError as err:
-            raise fail(UserError(str(err), "choose another --out or pass --force"))
-        except Exception as err:  # numerics / weight errors with a message for the user
-            from .quantize import NonFiniteWeight
-            from .weight_update import WeightUpdateError
-
-            if isinstance(err, (NonFiniteWeight, WeightUpdateError)):
-                raise fail(_Coded(str(err), getattr(err, "hint", ""), 1))
-            raise
-
-    return guard(guarded)
-
-
-class _Coded(Exception):
-    def __init__(self, message: str, hint: str, code: int):
-        super().__init__(message)
-        self.hint, self.code = hint, code
+    return guard(body)
 
 
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
@@ -64,6 +35,37 @@ def emit_artifacts(plan, backends: Optional[list[str]] = None):
     return arts
 
 
+def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
+    from ..console import UserError
+
+    bad = [b for b in backend or [] if b not in BACKENDS]
+    if bad:
+        raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKENDS)}")
+    return list(backend) if backend else None
+
+
+def checked_te_version(v: Optional[str]) -> None:
+    from ..console import UserError
+
+    from .versions import parse_version
+
+    if v is not None:
+        try:
+            parse_version(v)
+        except ValueError:
+            raise UserError(f"cannot read --te-version '{v}'", "write it like 2.17.0") from None
+
+
+def print_diagnostics(diags, con) -> None:
+    from rich.markup import escape
+
+    for d in diags:
+        colour = "red" if d.severity == "error" else "yellow"
+        con.print(f"[bold {colour}]{d.severity}[/] {escape('[' + d.code + ']')} {escape(d.message)}", markup=True)
+        if d.hint:
+            con.print(f"  [cyan]hint:[/] {escape(d.hint)}", markup=True)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("emit")
     def emit_cmd(policy: Path = typer.Argument(..., help="policy file"),
@@ -74,30 +76,42 @@ def register(app: typer.Typer) -> None:
                  backend: Optional[List[str]] = typer.Option(
                      None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
                                                    "default: all)"),
+                 te_version: Optional[str] = typer.Option(
+                     None, "--te-version", help="installed TransformerEngine version: refuse a plan that needs a "
+                                                "newer one (default: declare the minimum in the artifacts)"),
+                 strict: bool = typer.Option(False, "--strict", help="treat check warnings as errors"),
                  force: bool = typer.Option(False, "--force", help="replace an existing --out directory")):
-        """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash)."""
+        """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash).
+        Runs exactly the gate `policyc check` runs: nothing is written unless every check and backend passes."""
 
         def body():
-            from ..commands import build_plan
-            from ..console import UserError, console
+            from ..commands import build_plan, load_arch
+            from ..console import console, fail
+            from ..engine.gate import run_gate
 
             from .common import plan_hash, write_tree_atomic
 
-            bad = [b for b in backend or [] if b not in BACKENDS]
-            if bad:
-                raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKENDS)}")
+            chosen = chosen_backends(backend)
+            checked_te_version(te_version)
             plan = build_plan(policy, model, parallel)
-            arts = emit_artifacts(plan, list(backend) if backend else None)
-            write_tree_atomic(out, arts, force=force)
+            res = run_gate(plan, load_arch(model), chosen, te_version)
             con = console()
-            con.print(f"wrote {len(arts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
-            for a in arts:
+            if not res.ok(strict):
+                print_diagnostics(res.diagnostics, console(stderr=True))
+                errs = res.errors(strict)
+                raise fail(_Coded(f"emit refused: {len(errs)} problem(s) (the same gate as `policyc check`); "
+                                  "nothing written", "fix the policy or the layout, or emit only the other "
+                                                     "backends with --backend", 1))
+            write_tree_atomic(out, res.artifacts, force=force)
+            print_diagnostics(res.diagnostics, con)
+            con.print(f"wrote {len(res.artifacts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
+            for a in res.artifacts:
                 con.print(f"  {a.path:<42} {a.description}", markup=False)
 
         _run(body)
 
     @app.command("convert")
-    def convert_cmd(src: Path = typer.Argument(..., help="HF checkpoint directory (safetensors, BF16/FP32)"),
+    def convert_cmd(src: Path = typer.Argument(..., help="HF checkpoint directory (safetensors: BF16/FP16/FP32, or an FP8-block release such as DeepSeek-V3 / Kimi-K2)"),
                     policy: Path = typer.Option(..., "--policy", "-P", help="policy file"),
                     out: Path = typer.Option(..., "--out", "-o", help="output checkpoint directory"),
                     model: Optional[str] = typer.Option(None, "--model", "-m",
@@ -154,11 +168,13 @@ def register(app: typer.Typer) -> None:
             expected = None
             if policy is not None:
                 expected = plan_hash(build_plan(policy, model or str(source), parallel))
+            from rich.markup import escape
+
             problems = converter.verify(dst, source, expected_hash=expected)
             con = console()
             if problems:
                 for p in problems[:50]:
-                    con.print(f"[red]mismatch:[/] {p}", markup=True)
+                    con.print(f"[red]mismatch:[/] {escape(p)}", markup=True)
                 if len(problems) > 50:
                     con.print(f"... and {len(problems) - 50} more")
                 raise typer.Exit(1)

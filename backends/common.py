@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Iterable, Optional, Union
 
 from ..plan import Plan, TensorPlan
+from ..errors import PolicycError
 
 BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backend` choices, in emit order
 
@@ -28,7 +29,7 @@ BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backen
 PLAN_FILE = "policyc_plan.json"
 
 
-class UnsupportedByBackend(Exception):
+class UnsupportedByBackend(PolicycError):
     """`backend` cannot express the plan for `tensor` exactly because it lacks `capability`.
 
     Exit code 1 at the CLI (the policy is valid; this consumer cannot honour it)."""
@@ -39,11 +40,61 @@ class UnsupportedByBackend(Exception):
         self.backend = backend
         self.tensor = tensor
         self.capability = capability
-        self.hint = hint
+        self.hint = hint or "change the policy for this tensor, or emit only the other backends with --backend"
         super().__init__(f"backend '{backend}' cannot express the plan for tensor '{tensor}': {capability}")
 
 
-class PlanMismatch(Exception):
+class Problems:
+    """Collects UnsupportedByBackend findings instead of stopping at the first (sqlglot's ErrorLevel.RAISE: every
+    problem of an emitter is reported together). Findings with one cause (same backend + capability) over many
+    tensors are folded into one, naming the first tensor and how many more share it."""
+
+    def __init__(self):
+        self.items: list[UnsupportedByBackend] = []
+
+    def add(self, err: "UnsupportedByBackend") -> None:
+        for e in getattr(err, "errors", None) or [err]:
+            self.items.append(e)
+
+    def run(self, fn, *args, **kwargs):
+        """Call fn; an UnsupportedByBackend it raises is recorded and None returned."""
+        try:
+            return fn(*args, **kwargs)
+        except UnsupportedByBackend as err:
+            self.add(err)
+            return None
+
+    def folded(self) -> list["UnsupportedByBackend"]:
+        groups: dict[tuple, list[UnsupportedByBackend]] = {}
+        for e in self.items:
+            groups.setdefault((e.backend, e.capability), []).append(e)
+        out = []
+        for (backend, capability), es in groups.items():
+            more = len({e.tensor for e in es}) - 1
+            cap = capability + (f" (and {more} more tensor{'s' if more > 1 else ''} like it)" if more else "")
+            out.append(UnsupportedByBackend(backend, es[0].tensor, cap, es[0].hint))
+        return out
+
+    def raise_if_any(self) -> None:
+        errs = self.folded()
+        if len(errs) == 1:
+            raise errs[0]
+        if errs:
+            raise BackendErrors(errs)
+
+
+class BackendErrors(UnsupportedByBackend):
+    """Several UnsupportedByBackend at once. Behaves like the first one (backend/tensor/capability/hint) so callers
+    that handle a single error keep working; `errors` holds all of them and str() lists every one."""
+
+    def __init__(self, errors: list[UnsupportedByBackend]):
+        first = errors[0]
+        super().__init__(first.backend, first.tensor, first.capability, first.hint)
+        self.errors = list(errors)
+        Exception.__init__(self, f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+class PlanMismatch(PolicycError):
     """A consumer was handed an artifact / payload produced for a different plan (content hash differs)."""
 
     code = 1
@@ -70,8 +121,8 @@ _MEMO: dict[int, dict] = {}
 
 
 def per_plan(plan: Plan, what: str, compute):
-    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash is ~0.5 s on a 48-layer MoE and
-    every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
+    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash walks every tensor (46k on
+    DeepSeek-V3) and every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
     with the plan (weakref.finalize), so this is a cache, not state."""
     import weakref
 
@@ -112,7 +163,9 @@ def write_tree_atomic(out_dir: Path, files: Iterable[Artifact], force: bool = Fa
     after the rename, so a crash never leaves a half-written directory under the final name)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
-        raise FileExistsError(f"output directory '{out_dir}' already exists (pass --force to replace it)")
+        from .durable import OutputExists
+
+        raise OutputExists(f"output directory '{out_dir}' already exists (pass --force to replace it)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

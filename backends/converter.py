@@ -1,5 +1,6 @@
-"""Checkpoint converter: HF safetensors (BF16/FP16/FP32, single file or sharded) -> the quantized HF checkpoint
-SGLang 0.5.23 / vLLM load, with exactly the tensors the plan quantizes.
+"""Checkpoint converter: HF safetensors (BF16/FP16/FP32, or an FP8-block release such as DeepSeek-V3 / Kimi-K2:
+E4M3 + weight_scale_inv, see fp8_source.py; single file or sharded) -> the quantized HF checkpoint SGLang 0.5.23 /
+vLLM load, with exactly the tensors the plan quantizes.
 
 Output formats (tensor naming in backends/quantize.py; config from backends/sglang.py so the checkpoint and the
 server flags can never disagree):
@@ -13,10 +14,15 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
-  * atomic: everything is written into `.<dst>.policyc-partial/` next to DST and renamed at the end; an existing
-    DST is replaced only with force; the source directory is only read.
-  * resumable: every finished output shard gets a `<shard>.done` marker (CRC32 + size) in the partial dir; a
-    re-run with the same plan and source skips finished shards and produces a byte-identical result.
+  * crash-safe (kill -9 / full disk at any point; tests/test_convert_faults.py kills it at every filesystem
+    mutation): an exclusive lock `.<dst>.policyc-lock` (a second converter on the same DST is refused by name); all
+    work in `.<dst>.policyc-work/` whose `out/` only ever receives complete, fsynced files by rename; the commit is
+    one rename of `out/` to DST. An existing DST is replaced only with force, and is parked in the work dir until
+    the new output is in place (a crash between the two renames is undone by the next run). The source directory
+    is only read; side files are copied only if they are regular files inside it (no symlink escapes).
+  * resumable: every finished output shard gets an atomic `done/<shard>.json` marker (CRC32 + size), validated on
+    resume (a bad marker means "redo this shard"); a re-run with the same plan and source skips finished shards,
+    also after a crash in the final phase, and produces a byte-identical result.
   * cross-shard share-scale groups (gate in shard 1, up in shard 2) are quantized together and written in the
     shard of their last member.
 
@@ -31,6 +37,7 @@ Public API:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +46,9 @@ from typing import Callable, Optional
 from ..plan import Plan
 
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
-                     plan_stamp, replace_dir)
-from .safetensors_io import SOURCE_DTYPES, CheckpointError, StreamingWriter, read_header
+                     plan_stamp)
+from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
+from .safetensors_io import CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -86,10 +94,7 @@ def open_source(src: Path) -> SourceCheckpoint:
                               "pass the HF model directory (with config.json and *.safetensors)")
     index = src / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({err})") from None
+        weight_map = _read_index(index)
         shards = sorted(set(weight_map.values()))
     else:
         shards = sorted(p.name for p in src.glob("*.safetensors"))
@@ -101,7 +106,7 @@ def open_source(src: Path) -> SourceCheckpoint:
     dtypes: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for s in shards:
-        if "/" in s or "\\" in s or s.startswith("."):
+        if not s or "/" in s or "\\" in s or "\x00" in s or s.startswith("."):
             raise CheckpointError(f"{index}: shard name '{s}' is not a plain file name")
         path = src / s
         if not path.is_file():
@@ -119,23 +124,45 @@ def open_source(src: Path) -> SourceCheckpoint:
     return SourceCheckpoint(root=src, shards=shards, where=where, dtypes=dtypes, shapes=shapes)
 
 
+_INDEX_LIMIT = 256 << 20
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """weight_map of a safetensors index, type-checked: {tensor name: shard file name}."""
+    from ..jsonsafe import loads_bounded
+
+    try:
+        with open(index, "rb") as f:
+            raw = f.read(_INDEX_LIMIT + 1)
+    except OSError as err:
+        raise CheckpointError(f"{index}: cannot read: {err.strerror}") from None
+    obj = loads_bounded(raw, str(index), CheckpointError, max_bytes=_INDEX_LIMIT, max_depth=8)
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointError(f"{index}: not a valid safetensors index (weight_map must map tensor names to "
+                              "shard file names)")
+    return weight_map
+
+
 def _check_source_against_plan(srcc: SourceCheckpoint, plan: Plan) -> None:
+    from . import fp8_source
+
     by = plan.by_name()
-    extra = sorted(set(srcc.where) - set(by))
     missing = sorted(set(by) - set(srcc.where))
     if missing:
         raise CheckpointError(f"source checkpoint lacks {len(missing)} tensor(s) of the plan, e.g. '{missing[0]}'",
                               f"was the plan compiled for model '{plan.model}'? pass the matching --model")
-    if extra:
-        raise CheckpointError(f"source checkpoint has {len(extra)} tensor(s) the plan does not know, e.g. "
-                              f"'{extra[0]}'", f"the plan was compiled for '{plan.model}'; is this its checkpoint?")
     for name, t in by.items():
         if srcc.shapes[name] != tuple(t.shape):
             raise CheckpointError(f"tensor '{name}' has shape {srcc.shapes[name]} in the source, the plan says "
                                   f"{t.shape}")
-        if srcc.dtypes[name] not in SOURCE_DTYPES:
-            raise CheckpointError(f"tensor '{name}' is {srcc.dtypes[name]} in the source; the converter reads "
-                                  "BF16/FP16/FP32 checkpoints", "dequantize the checkpoint to BF16 first")
+        fp8_source.check_tensor(srcc, t)  # stored as the plan's source precision says (BF16 / FP8-block)
+    aux = fp8_source.auxiliary_names(plan)  # weight_scale_inv grids of FP8-block sources
+    extra = sorted(n for n in set(srcc.where) - set(by) - aux if not fp8_source.is_ignored_buffer(n))
+    if extra:
+        raise CheckpointError(f"source checkpoint has {len(extra)} tensor(s) the plan does not know, e.g. "
+                              f"'{extra[0]}'", f"the plan was compiled for '{plan.model}'; is this its checkpoint?")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -145,7 +172,8 @@ def output_layout(plan: Plan, srcc: SourceCheckpoint) -> dict[str, list[list[str
     """Output shard (same file name as the source shard) -> ordered work units (lists of HF names)."""
     from .quantize import work_units
 
-    order = [n for s in srcc.shards for n in _shard_names(srcc, s)]
+    names = {t.hf_name for t in plan.tensors}  # scale_inv grids / buffers of the source are not work units
+    order = [n for s in srcc.shards for n in _shard_names(srcc, s) if n in names]
     layout: dict[str, list[list[str]]] = {s: [] for s in srcc.shards}
     for unit in work_units(plan, order):
         layout[srcc.where[unit[-1]]].append(unit)
@@ -234,79 +262,150 @@ class _Reader:
         self._headers.clear()
 
 
-def _partial_dir(dst: Path) -> Path:
-    return dst.parent / f".{dst.name}.policyc-partial"
+def _work_dir(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.policyc-work"
+
+
+def _lock_path(dst: Path) -> Path:
+    return dst.parent / f".{dst.name}.policyc-lock"
+
+
+_partial_dir = _work_dir  # the name older tests and notes use
+_MARKER_LIMIT = 4096
+_STATE_LIMIT = 1 << 20
+
+
+def _read_json_marker(path: Path, limit: int):
+    """A marker/state file we wrote, parsed; None for anything else (absent, partial, garbage, wrong type): a bad
+    marker only ever means "redo this step", never an error."""
+    from ..jsonsafe import loads_bounded
+
+    raw = read_small(path, limit)
+    if raw is None:
+        return None
+    try:
+        obj = loads_bounded(raw, str(path), ValueError, max_bytes=limit, max_depth=8)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _shard_is_done(work: Path, shard: str) -> bool:
+    info = _read_json_marker(work / "done" / f"{shard}.json", _MARKER_LIMIT)
+    out_path = work / "out" / shard
+    if info is None or info.get("shard") != shard or type(info.get("size")) is not int \
+            or not isinstance(info.get("checksum"), str):
+        return False
+    try:
+        if not out_path.is_file() or out_path.is_symlink() or out_path.stat().st_size != info["size"]:
+            return False
+    except OSError:
+        return False
+    return file_checksum(out_path) == info["checksum"]
+
+
+def _recover(dst: Path, work: Path, state: dict) -> bool:
+    """Bring the on-disk state left by an interrupted run back to a consistent one (caller holds the lock).
+    Returns True when that run had already committed exactly this conversion (nothing left to do)."""
+    for stale in dst.parent.glob(f"{work.name}.trash-*"):  # a crash in the middle of `discard`
+        shutil.rmtree(stale, ignore_errors=True)
+    if not work.is_dir():
+        return False
+    previous = work / "previous"
+    if previous.is_dir():
+        if dst.exists():  # the --force swap finished (new output in place): the old one is garbage now
+            shutil.rmtree(previous)
+        else:  # killed between the two renames of --force: put the previous output back
+            os.rename(previous, dst)
+            fsync_dir(dst.parent)
+    if not (work / "out").is_dir():  # killed after the commit rename, before the clean-up
+        committed = _read_json_marker(work / "state.json", _STATE_LIMIT) == state and dst.is_dir()
+        discard(work)
+        return committed
+    return False
 
 
 def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: bool = False,
             on_shard_done: Optional[Callable[[str], None]] = None, device: str = "cpu") -> ConvertReport:
     """Convert `src` to `dst` under `plan` (see module docstring). `on_shard_done(shard)` is called after each
     finished shard (tests use it to simulate an interruption). `device="cuda"` quantizes on the GPU with the
-    fused Triton kernels (byte-identical to the CPU references); reading and writing stay streaming on the host."""
-    from .quantize import checkpoint_tensors
+    fused Triton kernels (byte-identical to the CPU references); reading and writing stay streaming on the host.
 
+    Crash safety (tests/test_convert_faults.py kills it at every filesystem mutation): all work happens in
+    `.<dst>.policyc-work/` under an exclusive lock `.<dst>.policyc-lock`; `out/` receives only complete, fsynced
+    files by rename; `done/<shard>.json` markers are written atomically after their shard and validated (size +
+    CRC32) on resume; the commit is `rename(out, dst)` (with --force, the old DST is first renamed to
+    `work/previous` and restored by the next run if the commit never happened)."""
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise CheckpointError(f"output '{dst}' overlaps the source '{src}'", "write the output to another directory")
-    if dst.exists() and not force:
-        raise FileExistsError(f"output directory '{dst}' already exists (pass --force to replace it)")
+    if not dst.parent.is_dir():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    with OutputLock(_lock_path(dst), dst):
+        return _convert_locked(src, plan, dst, force, progress, on_shard_done, device)
+
+
+def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:
+    from . import fp8_source
+    from .quantize import check_supported, checkpoint_tensors
+
+    work = _work_dir(dst)
     srcc = open_source(src)
+    state = {"plan_hash": plan_hash(plan), "source": str(src), "fingerprint": srcc.fingerprint()}
+    report = ConvertReport(dst=dst)
+    if _recover(dst, work, state):
+        report.shards_resumed = list(srcc.shards)
+        return report
+    if dst.exists() and not force:
+        raise OutputExists(f"output directory '{dst}' already exists (pass --force to replace it)")
     _check_source_against_plan(srcc, plan)
     qfiles = quantization_files(plan)  # raises UnsupportedByBackend before any work
-    from .quantize import check_supported
-
     for t in plan.tensors:
         check_supported(t, BACKEND)
     layout = output_layout(plan, srcc)
     by = plan.by_name()
 
-    part = _partial_dir(dst)
-    state = {"plan_hash": plan_hash(plan), "source": str(src), "fingerprint": srcc.fingerprint()}
-    if part.exists():
-        try:
-            old = json.loads((part / _STATE_FILE).read_text())
-        except (OSError, json.JSONDecodeError):
-            old = None
-        if old != state:
-            shutil.rmtree(part)
-    part.mkdir(parents=True, exist_ok=True)
-    (part / _STATE_FILE).write_text(json.dumps(state))
+    if work.exists() and _read_json_marker(work / "state.json", _STATE_LIMIT) != state:
+        discard(work)  # another plan / source / a torn state file: nothing in it can be trusted
+    if not work.exists():
+        work.mkdir()
+        # out/ before state.json: a valid state.json without out/ then means "committed" (see _recover)
+        for sub in ("out", "done"):
+            (work / sub).mkdir()
+        write_atomic(work / "state.json", json.dumps(state).encode())
+    out_dir = work / "out"
 
-    report = ConvertReport(dst=dst)
     reader = _Reader(srcc)
-    total = len(srcc.where)
-    prog = _progress(progress, total)
+    prog = _progress(progress, len(srcc.where))
     try:
         for shard, units in layout.items():
-            out_path = part / shard
-            marker = part / f"{shard}.done"
-            if marker.exists() and out_path.exists():
-                info = json.loads(marker.read_text())
-                if info.get("size") == out_path.stat().st_size and info.get("checksum") == file_checksum(out_path):
-                    report.shards_resumed.append(shard)
-                    prog.advance(sum(len(u) for u in units))
-                    continue
-            marker.unlink(missing_ok=True)
+            if _shard_is_done(work, shard):
+                report.shards_resumed.append(shard)
+                prog.advance(sum(len(u) for u in units))
+                continue
+            marker = work / "done" / f"{shard}.json"
+            if marker.is_dir() and not marker.is_symlink():  # not ours: a marker is only ever a file
+                shutil.rmtree(marker)
             specs = [s for u in units for s in _specs_for_unit(plan, u)]
-            tmp_path = part / f"{shard}.writing"
+            tmp_path = work / f"{shard}.writing"
             writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
                 for unit in units:
-                    members = [(by[n], reader.get(n).to(device)) for n in unit]
-                    for t, _ in members:
-                        report.bytes_in += t.bytes_before
-                    out = checkpoint_tensors(members, BACKEND)
+                    for n in unit:
+                        report.bytes_in += by[n].bytes_before
+                    # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
+                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, device, checkpoint_tensors)
                     for name, _dt, _shape in _specs_for_unit(plan, unit):
                         writer.write(name, out[name])
-                    del members, out
+                    del out
                     prog.advance(len(unit))
-                writer.close()
-            except BaseException:
+                writer.close()  # fsyncs the shard
+            finally:
                 writer.abort()
-                tmp_path.unlink(missing_ok=True)
-                raise
-            tmp_path.replace(out_path)
-            marker.write_text(json.dumps({"checksum": writer.checksum(), "size": writer.size}))
+            os.replace(tmp_path, out_dir / shard)
+            write_atomic(marker,
+                         json.dumps({"shard": shard, "checksum": writer.checksum(), "size": writer.size}).encode(),
+                         tmp_dir=work)
             report.shards_written.append(shard)
             if on_shard_done is not None:
                 on_shard_done(shard)
@@ -314,41 +413,85 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         reader.close()
         prog.stop()
 
-    # index, configs, plan, side files
+    # index, configs, plan, side files: each one atomic, so a crash here redoes only this phase
     weight_map: dict[str, str] = {}
     total_size = 0
     for shard, units in layout.items():
         for u in units:
             for name, dt, shape in _specs_for_unit(plan, u):
                 weight_map[name] = shard
-        total_size += (part / shard).stat().st_size
+        total_size += (out_dir / shard).stat().st_size
     report.bytes_out = total_size
-    (part / INDEX_FILE).write_text(dump_json({"metadata": {"total_size": total_size,
-                                                           "policyc_plan": plan_hash(plan)},
-                                              "weight_map": dict(sorted(weight_map.items()))}, compact=True))
-    cfg_path = src / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    files: dict[str, bytes] = {
+        INDEX_FILE: dump_json({"metadata": {"total_size": total_size, "policyc_plan": plan_hash(plan)},
+                               "weight_map": dict(sorted(weight_map.items()))}, compact=True).encode()}
+    config = read_source_config(src)
     if qfiles["quantization_config"] is not None:
         config["quantization_config"] = qfiles["quantization_config"]
     else:
         config.pop("quantization_config", None)
-    (part / "config.json").write_text(dump_json(config))
+    files["config.json"] = dump_json(config).encode()
     if qfiles["hf_quant_config"] is not None:
-        (part / "hf_quant_config.json").write_text(dump_json(qfiles["hf_quant_config"]))
-    (part / PLAN_FILE).write_text(plan.to_json(indent=None) + "\n")
+        files["hf_quant_config.json"] = dump_json(qfiles["hf_quant_config"]).encode()
+    files[PLAN_FILE] = (plan.to_json(indent=None) + "\n").encode()
+    for name, data in files.items():
+        write_atomic(out_dir / name, data, tmp_dir=work)
+    keep = set(layout) | set(files)
     for p in sorted(src.iterdir()):
-        if not p.is_file() or p.suffix == ".safetensors" or p.name in _NOT_COPIED or p.name.startswith("."):
+        if p.suffix == ".safetensors" or p.name in _NOT_COPIED or p.name.startswith("."):
             continue
         if p.suffix in _PICKLE_SUFFIXES:
             report.skipped_files.append(p.name)  # pickled weights are never read nor copied
             continue
-        shutil.copyfile(p, part / p.name)
+        fd = open_regular(p, src)
+        if fd is None:  # symlink leaving the source, FIFO, device, directory: never followed, never copied
+            if not p.is_dir() or p.is_symlink():
+                report.skipped_files.append(p.name)
+            continue
+        try:
+            copy_regular(fd, out_dir / p.name, work)
+        finally:
+            os.close(fd)
+        keep.add(p.name)
         report.copied_files.append(p.name)
-    for p in part.iterdir():
-        if p.name.endswith(".done") or p.name == _STATE_FILE:
+    for p in out_dir.iterdir():  # a side file of an earlier attempt that the source no longer has
+        if p.name not in keep:
             p.unlink()
-    replace_dir(part, dst)
+    fsync_dir(out_dir)
+
+    # commit
+    if dst.exists():  # --force (checked above): the old output waits in work/ until the new one is in place
+        os.rename(dst, work / "previous")
+        fsync_dir(work)
+    os.rename(out_dir, dst)
+    fsync_dir(dst.parent)
+    discard(work)
     return report
+
+
+def read_source_config(src: Path) -> dict:
+    """The source's config.json (regular file inside SRC only), as a dict; {} when there is none."""
+    from ..jsonsafe import loads_bounded
+
+    path = Path(src) / "config.json"
+    if not os.path.lexists(path):
+        return {}
+    fd = open_regular(path, src)
+    if fd is None:
+        raise CheckpointError(f"{path} is not a regular file inside the source directory (a symlink leaving it?)",
+                              "copy the checkpoint with its files dereferenced, e.g. `cp -rL`")
+    try:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_CONFIG_LIMIT + 1)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror}") from None
+    config = loads_bounded(raw, str(path), CheckpointError, max_bytes=_CONFIG_LIMIT)
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: top level is not a JSON object")
+    return config
+
+
+_CONFIG_LIMIT = 16 << 20
 
 
 class _NoProgress:
@@ -387,9 +530,33 @@ def read_plan(dst: Path) -> Plan:
     if not path.is_file():
         raise CheckpointError(f"'{dst}' has no {PLAN_FILE}: it was not written by `policyc convert`")
     try:
-        return Plan.from_json(path.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{path}: {err}") from None
+        with open(path, "rb") as f:
+            text = f.read(_PLAN_LIMIT + 1).decode("utf-8")
+        if len(text) > _PLAN_LIMIT:
+            raise ValueError(f"larger than {_PLAN_LIMIT} bytes")
+        return Plan.from_json(text)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror}") from None
+    except (ValueError, RecursionError, TypeError, AttributeError) as err:  # pydantic errors are ValueErrors
+        raise CheckpointError(f"{path}: not a valid plan ({_first_line(err)})") from None
+
+
+_PLAN_LIMIT = 1 << 30
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+
+
+def _read_json_file(path: Path, limit: int = _CONFIG_LIMIT):
+    from ..jsonsafe import loads_bounded
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror}") from None
+    return loads_bounded(raw, str(path), CheckpointError, max_bytes=limit)
 
 
 def _dst_tensors(dst: Path) -> dict[str, tuple[str, str]]:
@@ -437,7 +604,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     """Re-derive every output byte from the source and compare. Returns a list of problems ([] = verified)."""
     import torch
 
-    from .quantize import checkpoint_tensors
+    from . import fp8_source
+    from .quantize import NonFiniteWeight, checkpoint_tensors
 
     dst = Path(dst)
     plan = read_plan(dst)
@@ -454,14 +622,15 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     for n in sorted(expected_names - set(have)):
         problems.append(f"missing tensor '{n}'")
     qfiles = quantization_files(plan)
-    cfg_path = dst / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    config = read_source_config(dst)
     if config.get("quantization_config") != qfiles["quantization_config"]:
         problems.append("config.json quantization_config differs from the plan's")
     if qfiles["hf_quant_config"] is not None:
         hq = dst / "hf_quant_config.json"
-        if not hq.is_file() or json.loads(hq.read_text()) != qfiles["hf_quant_config"]:
+        if not hq.is_file() or _read_json_file(hq) != qfiles["hf_quant_config"]:
             problems.append("hf_quant_config.json differs from the plan's")
+    elif os.path.lexists(dst / "hf_quant_config.json"):  # a loader may read it: it must not be there
+        problems.append("hf_quant_config.json is present but the plan has no ModelOpt config")
     by = plan.by_name()
     reader = _Reader(srcc)
     out_reader = _Reader(open_source(dst))
@@ -469,7 +638,12 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     try:
         for shard, units in layout.items():
             for unit in units:
-                out = checkpoint_tensors([(by[n], reader.get(n)) for n in unit], BACKEND)
+                try:
+                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", checkpoint_tensors)
+                except NonFiniteWeight as err:  # the plan cannot hold this source: no output can verify
+                    problems.append(str(err))
+                    prog.advance(len(unit))
+                    continue
                 for name, ref in out.items():
                     if name not in have:
                         continue

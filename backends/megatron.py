@@ -1,31 +1,42 @@
-"""Megatron-core (>= 0.16) + TransformerEngine (>= 2.14) trainer backend.
+"""Megatron-core (>= 0.16.0, verified against 0.16.1) + TransformerEngine trainer backend.
 
 Emits, for one plan:
   * global flags: --fp8-format/--fp8-recipe (tensorwise|blockwise|mxfp8), --fp4-format e2m1/--fp4-recipe nvfp4,
     --first-last-layers-bf16 --num-layers-at-start-in-bf16 N --num-layers-at-end-in-bf16 M (always explicit:
-    Megatron's defaults are 1/1), --fp8-param-gather / --fp4-param-gather when the whole trainer is one format;
-  * a per-module `--te-precision-config-file` YAML (TEQuantizationParams configs + ordered glob matchers on
+    Megatron's defaults are 1/1), --fp8-param-gather / --fp4-param-gather when the whole trainer is one format,
+    --moe-router-dtype fp32 for an fp32 router, the parallel sizes and, for a layer count the pipeline does not
+    divide, --decoder-first/last-pipeline-num-layers (Megatron-LM core_v0.16.1 validate_args otherwise asserts
+    num_layers % pp == 0);
+  * ONE per-module `--te-precision-config-file` YAML (TEQuantizationParams configs + ordered glob matchers on
     Megatron module names, first match wins; megatron/core/quantization/quant_config.py). Matchers only override
     modules whose autocast is already quantized (override_quantized_autocast=True, override_nonquantized=False),
-    so first/last BF16 layers stay BF16 whatever the matchers say. Module layer indices are LOCAL to a pipeline
-    stage: a layer-agnostic YAML is emitted when every module kind has one recipe outside the first/last BF16
-    layers; otherwise one YAML per PP stage with explicit local indices;
+    so first/last BF16 layers stay BF16 whatever the matchers say. megatron-core matches the module path of
+    GPTModel.named_modules(), whose layer index is LOCAL to the pipeline stage, and Megatron gives every rank the
+    same command line: a layer-specific rule is emitted with stage-local indices when it means the same thing on
+    every stage, and refused by name otherwise (megatron-core 0.16.1 has only GlobMatcher, no global-layer match);
   * TE env vars: NVTE_BACKWARD_OVERRIDE (high_precision|dequantized), NVFP4 1x16 weights / no RHT / no stochastic
-    rounding / row-scaled (per-token) activations, NVTE_FP8_BLOCK_SCALING_FP32_SCALES, NVTE_USE_FAST_MATH=0.
+    rounding / row-scaled (per-token) activations, NVTE_FP8_BLOCK_SCALING_FP32_SCALES; env.sh also unsets
+    NVTE_USE_FAST_MATH and NVTE_NVFP4_4OVER6 (TE's defaults are the exact ones; a leftover user value is not).
 
-Exactness rules (raise UnsupportedByBackend otherwise):
+Exactness rules (collected and raised together as UnsupportedByBackend):
   * a TE recipe quantizes both GEMM inputs with one format -> weight and activation kinds must match;
   * fused Megatron modules (linear_qkv = q,k,v; linear_fc1 = gate,up; TEGroupedLinear = all routed experts of a
     layer) run one recipe -> all their HF tensors need one precision;
   * NVFP4: TE takes the amax of the whole TE weight (fc1 = [gate; up] of one expert) per TP shard -> the plan's
     global scale must be a share-scale group equal to the fused members, and that dim must not be TP-split;
   * env vars are process-wide -> one backward mode, one NVFP4 activation scope, one FP8-block scale dtype;
-  * embedding / output_layer are not TE modules in megatron-core 0.16 -> cannot be quantized.
+  * embedding / output_layer are not TE modules in megatron-core 0.16 -> cannot be quantized;
+  * MTP under FP4: megatron-core 0.16.1 opens no quantized autocast for the MTP layer unless config.fp8
+    (multi_token_prediction.py "currently ignoring FP4 in MTP layers") -> quantized MTP modules need an FP8 global;
+  * high-precision exceptions: router fp32 -> --moe-router-dtype fp32 (one flag for all layers); expert_bias is
+    always fp32 in megatron-core (router.py _maintain_float32_expert_bias); any other fp32 / fp16 tensor has no
+    megatron-core 0.16.1 option under --bf16 -> refused by name, never dropped;
+  * with --te-version, a capability the installed TE lacks (backends/versions.py) is refused by name.
 
 Public API:
-  trainer_config(plan) -> TrainerConfig
-  emit(plan) -> list[Artifact]   # megatron/args.txt, megatron/flags.json, megatron/env.sh,
-                                 # megatron/te_precision.yaml or megatron/te_precision.stage{S}.yaml
+  trainer_config(plan, te_version=None) -> TrainerConfig
+  emit(plan, te_version=None) -> list[Artifact]   # megatron/args.txt, flags.json, env.sh, te_precision.yaml
+  pipeline_split(num_layers, pp) -> None | (first, last);  stage_ranges(num_layers, pp) -> [range per PP rank]
   derive_formats(flags, yamls, arch, pp) -> {hf_name: kind}   # uses megatron-core's own loader when available
 """
 
@@ -39,15 +50,20 @@ from typing import Optional
 from ..plan import Plan, TensorPlan
 from ..precision import BackwardMode, FormatKind, Precision
 
-from .common import Artifact, UnsupportedByBackend, dump_json, plan_stamp
+from . import versions
+from .common import Artifact, Problems, UnsupportedByBackend, dump_json, per_plan, plan_stamp
 
 BACKEND = "megatron"
 BF16_CONFIG = "bf16"
+TE_YAML = "te_precision.yaml"
 
 # TE recipe name -> the plan's weight kind it produces.
 RECIPE_KIND = {"mxfp8": "mxfp8", "blockwise": "fp8_block", "tensorwise": "fp8", "nvfp4": "nvfp4"}
 _FP4_RECIPES = {"nvfp4"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Variables TE reads whose default is the exact behaviour: unset in env.sh rather than exported (NVTE_USE_FAST_MATH
+# is read by TE's C++ quantizer, quantizers.md 3.10; NVTE_NVFP4_4OVER6 exists from TE 2.17, default "none").
+UNSET_ENV = ("NVTE_USE_FAST_MATH", "NVTE_NVFP4_4OVER6", "NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH")
 
 
 @dataclass(frozen=True)
@@ -75,15 +91,54 @@ class TrainerConfig:
     flags: list[str]
     env: dict[str, str]
     module_recipes: dict[str, Recipe]  # global Megatron module path -> recipe (decoder + mtp modules)
-    yamls: dict[str, dict]  # file name -> YAML document (one, or one per PP stage)
-    per_stage: bool
+    yamls: dict[str, dict]  # file name -> YAML document (at most one: te_precision.yaml)
     first_last: tuple[int, int]  # (start, end) BF16 layer counts, (0, 0) when the flag is not used
+    stages: list[range] = field(default_factory=list)  # global decoder layers of each PP rank
+    requires: list = field(default_factory=list)  # versions.Requirement
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def te_minimum(self) -> str:
+        return versions.minimum(self.requires, "transformer-engine")
+
+    @property
+    def mcore_minimum(self) -> str:
+        return versions.minimum(self.requires, "megatron-core")
 
 
 def megatron_module(megatron_name: str) -> str:
     """Module path of a Megatron parameter name: drop `.weight`, `.weight17`, `.bias`, `.layer_norm_weight`."""
     return megatron_name.rsplit(".", 1)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pipeline layout (megatron-core 0.16.1 transformer_layer.get_transformer_layer_offset / uneven PP)
+# ---------------------------------------------------------------------------------------------------------------
+def pipeline_split(num_layers: int, pp: int) -> Optional[tuple[int, int]]:
+    """(layers of the first stage, layers of the last stage) when `pp` does not divide `num_layers`, else None.
+    Middle stages get num_layers // pp each; the remainder goes to the first and last stage (megatron-core requires
+    the middle layers to split evenly over pp - 2 stages, TransformerConfig.__post_init__ "Uneven PP")."""
+    if pp <= 1 or num_layers % pp == 0:
+        return None
+    if pp == 2:
+        first = (num_layers + 1) // 2
+        return first, num_layers - first
+    base, rem = divmod(num_layers, pp)
+    return base + (rem + 1) // 2, base + rem // 2
+
+
+def stage_ranges(num_layers: int, pp: int) -> list[range]:
+    split = pipeline_split(num_layers, pp)
+    if split is None:
+        per = num_layers // pp if pp > 0 else num_layers
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    first, last = split
+    mid = (num_layers - first - last) // (pp - 2) if pp > 2 else 0
+    out = [range(0, first)]
+    for s in range(pp - 2):
+        out.append(range(first + s * mid, first + (s + 1) * mid))
+    out.append(range(num_layers - last, num_layers))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,26 +189,28 @@ def _recipe_for(t: TensorPlan) -> Recipe:
     raise UnsupportedByBackend(BACKEND, t.hf_name, f"no TE recipe for {w.short()}")
 
 
-def _module_tensors(plan: Plan) -> dict[str, list[TensorPlan]]:
+def _module_tensors(plan: Plan, probs: Problems) -> dict[str, list[TensorPlan]]:
     mods: dict[str, list[TensorPlan]] = defaultdict(list)
     for t in plan.tensors:
         if not t.is_linear:
             continue
         if t.megatron_name is None or not t.megatron_name.startswith(("decoder.", "mtp.")):
             if t.precision.is_quantized:
-                raise UnsupportedByBackend(
+                probs.add(UnsupportedByBackend(
                     BACKEND, t.hf_name,
                     f"quantized {t.role}: {t.megatron_name or 'this tensor'} is not a TransformerEngine module in "
-                    "megatron-core 0.16 (fp8_output_proj exists only in Megatron HEAD)")
+                    "megatron-core 0.16 (fp8_output_proj exists only in Megatron HEAD)"))
             continue
         if t.role == "mtp.eh_proj" and t.precision.is_quantized:
-            raise UnsupportedByBackend(BACKEND, t.hf_name, "quantized MTP eh_proj: its autocast scope in "
-                                                           "megatron-core 0.16 is not the MTP layer's (unverified)")
+            probs.add(UnsupportedByBackend(BACKEND, t.hf_name, "quantized MTP eh_proj: its autocast scope in "
+                                                               "megatron-core 0.16 is not the MTP layer's "
+                                                               "(unverified)"))
+            continue
         mods[megatron_module(t.megatron_name)].append(t)
     return mods
 
 
-def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, groups: dict) -> None:
+def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, probs: Problems, groups: dict) -> None:
     """TE computes one amax per TE weight tensor (per TP shard): fc1 = [gate; up] of one expert, qkv = [q; k; v].
     `groups`: HF name -> its share-scale group (built once per plan, not per module)."""
     by_param: dict[str, list[TensorPlan]] = defaultdict(list)
@@ -164,86 +221,148 @@ def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, group
         expert = "experts" in pname.split(".")
         tp = (side.etp if expert else side.tp) if side else 1
         if tp > 1:
-            raise UnsupportedByBackend(BACKEND, ts[0].hf_name,
-                                       f"NVFP4 per-tensor weight scale under {'expert ' if expert else ''}TP={tp}: TE "
-                                       "computes the amax per TP shard, so the trainer's global scale would differ "
-                                       "from the checkpoint's",
-                                       hint=f"use {'etp' if expert else 'tp'}=1 for NVFP4 modules")
+            probs.add(UnsupportedByBackend(BACKEND, ts[0].hf_name,
+                                           f"NVFP4 per-tensor weight scale under {'expert ' if expert else ''}"
+                                           f"TP={tp}: TE computes the amax per TP shard, so the trainer's global "
+                                           "scale would differ from the checkpoint's",
+                                           hint=f"use {'etp' if expert else 'tp'}=1 for NVFP4 modules"))
+            continue
         if len(ts) == 1:
             continue
         names = {t.hf_name for t in ts}
         g = groups.get(ts[0].hf_name)
         if g is None or set(g.members) != names:
-            raise UnsupportedByBackend(
+            probs.add(UnsupportedByBackend(
                 BACKEND, ts[0].hf_name,
                 f"separate NVFP4 global scales for {', '.join(sorted(t.megatron_part or '?' for t in ts))}: TE "
-                f"computes one amax over the fused weight {pname}",
-                hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))")
+                f"computes one amax over the fused weight",
+                hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))"))
 
 
-def _module_recipes(plan: Plan) -> dict[str, Recipe]:
+def _module_recipes(plan: Plan, probs: Problems) -> dict[str, Recipe]:
     out: dict[str, Recipe] = {}
     groups = None
-    for module, members in _module_tensors(plan).items():
+    for module, members in _module_tensors(plan, probs).items():
         first = members[0]
-        rec = _recipe_for(first)
+        rec = probs.run(_recipe_for, first)
+        if rec is None:
+            continue
+        bad = False
         for t in members[1:]:
             if t.precision is not first.precision and t.precision != first.precision:
                 what = ("all routed experts of a layer (TEGroupedLinear)" if ".experts." in module
                         else "the fused module")
-                raise UnsupportedByBackend(
+                probs.add(UnsupportedByBackend(
                     BACKEND, t.hf_name,
-                    f"{what} {module} runs one TE recipe, but {first.hf_name} is {first.precision.short()} and "
-                    f"this one is {t.precision.short()}",
-                    hint="give every tensor of the fused Megatron module the same precision")
+                    f"{what} runs one TE recipe, but {first.role} is {first.precision.short()} and {t.role} is "
+                    f"{t.precision.short()}",
+                    hint="give every tensor of the fused Megatron module the same precision"))
+                bad = True
+                break
+        if bad:
+            continue
         if rec.name == "nvfp4":
             if groups is None:
                 groups = {m: g for g in plan.share_scale_groups for m in g.members}
-            _check_nvfp4_scope(module, members, plan, groups)
+            _check_nvfp4_scope(module, members, plan, probs, groups)
         out[module] = rec
     return out
 
 
-def _uniform(plan: Plan, what: str, values: dict[str, object], capability: str) -> object:
+def _uniform(plan: Plan, what: str, values: dict[str, object], capability: str, probs: Problems) -> object:
     distinct = {v for v in values.values() if v is not None}
     if len(distinct) > 1:
         ref = next(iter(values.values()))
         odd = next(n for n, v in values.items() if v != ref)
-        raise UnsupportedByBackend(BACKEND, odd, f"{capability}: the plan uses {sorted(map(str, distinct))} for "
-                                                 f"{what}, but TE reads it from one process-wide env var")
+        probs.add(UnsupportedByBackend(BACKEND, odd, f"{capability}: the plan uses {sorted(map(str, distinct))} "
+                                                     f"for {what}, but TE reads it from one process-wide env var"))
+        return ref
     return next(iter(distinct), None)
 
 
-def _env(plan: Plan, recipes: dict[str, Recipe]) -> dict[str, str]:
-    quant = [t for t in plan.tensors if t.is_linear and t.precision.is_quantized]
+def _env(plan: Plan, probs: Problems, reqs: list) -> dict[str, str]:
+    # env values depend only on the precision: one representative tensor per distinct Precision object (thousands of
+    # DeepSeek-V3 experts share a handful)
+    seen: dict[int, TensorPlan] = {}
+    for t in plan.tensors:
+        if t.is_linear and id(t.precision) not in seen and t.precision.is_quantized:
+            seen[id(t.precision)] = t
+    quant = list(seen.values())
     env: dict[str, str] = {}
     if not quant:
         return env
     bwd = _uniform(plan, "the backward mode", {t.hf_name: t.backward.value for t in quant},
-                   "per-module backward mode")
+                   "per-module backward mode", probs)
     if bwd in ("high_precision", "dequantized"):
         env["NVTE_BACKWARD_OVERRIDE"] = str(bwd)
-    env["NVTE_USE_FAST_MATH"] = "0"
+        reqs.append(versions.requirement("te.backward_override"))
+        if bwd == "dequantized":
+            reqs.append(versions.requirement("te.dequantized_drops_saved_input"))
     nv = [t for t in quant if t.weight.kind == FormatKind.NVFP4]
     if nv:
         act = _uniform(plan, "NVFP4 activation global scales", {t.hf_name: t.activation.global_scale or "tensor"
-                                                                 for t in nv}, "per-module NVFP4 activation scaling")
-        w2d = _uniform(plan, "NVFP4 weight blocks", {t.hf_name: t.weight.block for t in nv}, "per-module NVFP4 2D")
+                                                                 for t in nv},
+                       "per-module NVFP4 activation scaling", probs)
+        w2d = _uniform(plan, "NVFP4 weight blocks", {t.hf_name: t.weight.block for t in nv}, "per-module NVFP4 2D",
+                       probs)
         env["NVTE_NVFP4_DISABLE_2D_QUANTIZATION"] = "0" if w2d == (16, 16) else "1"
         env["NVTE_NVFP4_DISABLE_RHT"] = "1"
         env["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-        env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1" if act == "row" else "0"
-        env["NVTE_NVFP4_4OVER6"] = "none"
+        reqs.append(versions.requirement("te.nvfp4_formula"))
+        if act == "row":
+            env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1"
+            reqs.append(versions.requirement("te.nvfp4_row_scaled_activation"))
     fb = [t for t in quant if t.weight.kind == FormatKind.FP8_BLOCK]
     if fb:
         sd = _uniform(plan, "FP8-block scale dtypes",
                       {t.hf_name: (t.weight.scale_dtype or "fp32") for t in fb}
                       | {t.hf_name + " (activation)": (t.activation.scale_dtype or "fp32") for t in fb},
-                      "per-module FP8-block scale dtype")
+                      "per-module FP8-block scale dtype", probs)
         # TE default is power-of-2 scales; =1 keeps exact fp32 scales (Hopper only: Blackwell emulates blockwise
         # with MXFP8 and requires pow2, quantizers.md §6.2).
         env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1" if sd == "fp32" else "0"
+        reqs.append(versions.requirement("te.fp8_block_fp32_scales"))
     return env
+
+
+def _high_precision_flags(plan: Plan, probs: Problems) -> list[str]:
+    """FP32/FP16 exceptions of non-quantized tensors, expressed in megatron-core 0.16.1's terms or refused."""
+    flags: list[str] = []
+    routers = [t for t in plan.tensors if t.role == "router.weight"]
+    kinds = {t.weight.kind for t in routers}
+    if FormatKind.FP32 in kinds:
+        if kinds != {FormatKind.FP32}:
+            odd = next(t for t in routers if t.weight.kind != FormatKind.FP32)
+            probs.add(UnsupportedByBackend(BACKEND, odd.hf_name,
+                                           f"router {odd.weight.kind.value} next to fp32 routers: megatron-core's "
+                                           "--moe-router-dtype is one setting for every MoE layer",
+                                           hint="give every router one precision"))
+        else:
+            # TopKRouter.gating runs router_gating_linear in fp32 (the live parameter is params_dtype; the
+            # optimizer's main copy is fp32).
+            flags += ["--moe-router-dtype", "fp32"]
+    for t in plan.tensors:
+        w = t.precision.weight
+        k = w.kind
+        if k == FormatKind.BF16 and t.role != "router.bias":
+            continue
+        if w.is_quantized or k == FormatKind.BF16:
+            if t.role == "router.bias" and k == FormatKind.BF16:
+                probs.add(UnsupportedByBackend(BACKEND, t.hf_name,
+                                               "bf16 expert bias: megatron-core keeps the router's expert_bias in "
+                                               "fp32 (router.py _maintain_float32_expert_bias)",
+                                               hint="keep router.bias fp32"))
+            continue
+        if t.role == "router.weight" and k == FormatKind.FP32:
+            continue
+        if t.role == "router.bias" and k == FormatKind.FP32:
+            continue  # expert_bias is an fp32 buffer in megatron-core
+        why = ("the trainer runs --bf16 and megatron-core 0.16.1 has no per-module fp16" if k == FormatKind.FP16
+               else f"megatron-core 0.16.1 under --bf16 holds {t.role} in bf16 (fp32 only as the optimizer's main "
+                    "copy) and has no per-module fp32 option")
+        probs.add(UnsupportedByBackend(BACKEND, t.hf_name, f"{k.value} {t.role}: {why}",
+                                       hint=f"keep {t.role} bf16 for the Megatron trainer"))
+    return flags
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -261,7 +380,7 @@ def _first_last(plan: Plan, recipes: dict[str, Recipe], pp: int) -> tuple[int, i
         layer, _ = _split_layer(mod)
         if layer is not None:
             layer_q[layer] |= r.name != BF16_CONFIG
-    cap = L // pp
+    cap = L // pp  # TransformerConfig.__post_init__: 0 <= num_layers_at_{start,end}_in_bf16 <= num_layers // pp
     start = 0
     while start < min(L, cap) and not layer_q[start]:
         start += 1
@@ -276,10 +395,12 @@ def _config_doc(recipe: Recipe) -> dict:
             "evaluation_recipe": recipe.te_recipe()}
 
 
-def _matchers_for(modules: dict[str, Recipe], layer_offset: int, layer_range: range, global_recipe: Recipe,
-                  layer_specific: bool) -> tuple[dict, dict]:
-    """(configs, matchers) for the modules in `layer_range` (+ MTP modules when given). Layer indices in patterns
-    are local (global - layer_offset)."""
+def _te_yaml(recipes: dict[str, Recipe], stages: list[range], active: range, probs: Problems,
+             hf_of: dict[str, str]) -> dict:
+    """One YAML for every pipeline rank. Decoder rules: per module kind, a layer-agnostic glob with the most common
+    recipe, plus stage-local exceptions `decoder.layers.<local>.<kind>`; an exception is only expressible when every
+    stage that has that local index wants the same recipe there (layers inside the first/last BF16 ranges never
+    reach a matcher's effect: their autocast is off and override_nonquantized_autocast is False)."""
     configs: dict[str, dict] = {BF16_CONFIG: _config_doc(Recipe(BF16_CONFIG))}
     matchers: dict[str, dict] = {}
 
@@ -289,12 +410,13 @@ def _matchers_for(modules: dict[str, Recipe], layer_offset: int, layer_range: ra
 
     by_kind: dict[str, dict[int, Recipe]] = defaultdict(dict)
     mtp: dict[str, Recipe] = {}
-    for mod, rec in modules.items():
+    for mod, rec in recipes.items():
         layer, kind = _split_layer(mod)
         if layer is None:
             mtp[mod] = rec
-        elif layer in layer_range:
+        elif layer in active:
             by_kind[kind][layer] = rec
+    stage_of = {layer: (s, rng.start) for s, rng in enumerate(stages) for layer in rng}
     i = 0
     for mod, rec in sorted(mtp.items()):
         if rec.name != BF16_CONFIG:
@@ -302,95 +424,129 @@ def _matchers_for(modules: dict[str, Recipe], layer_offset: int, layer_range: ra
             i += 1
     exceptions, general = [], []
     for kind, per_layer in sorted(by_kind.items()):
-        common = Counter(r for r in per_layer.values()).most_common(1)[0][0]
-        if layer_specific:
-            for layer, rec in sorted(per_layer.items()):
-                if rec != common:
-                    exceptions.append((f"decoder.layers.{layer - layer_offset}.{kind}", rec))
+        common = max(Counter(per_layer.values()).items(), key=lambda kv: (kv[1], kv[0].key))[0]
+        local_want: dict[int, tuple[Recipe, int]] = {}
+        for layer, rec in sorted(per_layer.items()):
+            local = layer - stage_of[layer][1]
+            prev = local_want.get(local)
+            if prev is None:
+                local_want[local] = (rec, layer)
+            elif prev[0] != rec:
+                s0, s1 = stage_of[prev[1]][0], stage_of[layer][0]
+                probs.add(UnsupportedByBackend(
+                    BACKEND, hf_of.get(f"decoder.layers.{layer}.{kind}", f"decoder.layers.{layer}.{kind}"),
+                    f"layer-specific precision under pipeline parallelism: global layers {prev[1]} (PP stage {s0}) "
+                    f"and {layer} (PP stage {s1}) are both decoder.layers.{local} on their stage, but the plan runs "
+                    f"{prev[0].name} and {rec.name} there; megatron-core 0.16.1 matches --te-precision-config-file "
+                    "globs on stage-local module paths and every rank gets the same file",
+                    hint="make the rule the same on every stage (or layer-agnostic), or use a pp whose stages "
+                         "repeat the layer pattern"))
+        # a local index is forced to `common` on stages where it must be common but another stage wants an exception
+        for local, (rec, layer) in sorted(local_want.items()):
+            if rec == common:
+                continue
+            clash = [g for g, r in per_layer.items() if g - stage_of[g][1] == local and r != rec]
+            if clash:
+                continue  # reported above
+            exceptions.append((f"decoder.layers.{local}.{kind}", rec))
         if common.name != BF16_CONFIG:
             general.append((f"decoder.layers.*.{kind}", common))
     for pattern, rec in exceptions + general:
         matchers[f"m{i:03d}"] = {"type": "glob", "pattern": pattern, "config": use(rec), "enabled": True}
         i += 1
     matchers["default_bf16"] = {"type": "glob", "pattern": "*", "config": BF16_CONFIG, "enabled": True}
-    return configs, matchers
+    return {"configs": configs, "matchers": matchers}
 
 
-def trainer_config(plan: Plan) -> TrainerConfig:
-    recipes = _module_recipes(plan)
-    env = _env(plan, recipes)
+def trainer_config(plan: Plan, te_version: Optional[str] = None) -> TrainerConfig:
+    """Flags, env and YAML that make Megatron run the plan; every problem is collected and raised together.
+    Memoized per plan object (check, emit and the Miles launch all ask for it)."""
+
+    def compute(p):
+        try:
+            return _trainer_config(p, te_version)
+        except UnsupportedByBackend as err:
+            return err
+
+    res = per_plan(plan, f"megatron.trainer_config:{te_version}", compute)
+    if isinstance(res, UnsupportedByBackend):
+        raise res
+    return res
+
+
+def _trainer_config(plan: Plan, te_version: Optional[str]) -> TrainerConfig:
+    probs = Problems()
+    reqs: list = []
+    recipes = _module_recipes(plan, probs)
+    env = _env(plan, probs, reqs)
     side = plan.parallel.trainer if plan.parallel else None
     pp = side.pp if side else 1
     L = plan.num_layers
+    stages = stage_ranges(L, pp)
     quant = {m: r for m, r in recipes.items() if r.name != BF16_CONFIG}
     flags: list[str] = ["--transformer-impl", "transformer_engine", "--bf16"]
     if any(".mlp.experts." in m for m in recipes):
         # The TE YAML names routed experts as one TEGroupedLinear (`mlp.experts.linear_fc1`); without grouped GEMM
         # Megatron builds SequentialMLP (`mlp.experts.local_experts.K.linear_fc1`) and the globs would not match.
         flags.append("--moe-grouped-gemm")
-    notes: list[str] = []
-    if not quant:
-        return TrainerConfig(flags=flags, env=env, module_recipes=recipes, yamls={}, per_stage=False,
-                             first_last=(0, 0))
-    counts = Counter(r for r in quant.values())
-    fp4 = [r for r in counts if r.name in _FP4_RECIPES]
-    fp8 = [r for r in counts if r.name not in _FP4_RECIPES]
-    global_recipe = max(counts, key=lambda r: (counts[r], r.key))
-    if global_recipe.name in _FP4_RECIPES:
-        flags += ["--fp4-format", "e2m1", "--fp4-recipe", global_recipe.name]
-    else:
-        flags += ["--fp8-format", global_recipe.fp8_format, "--fp8-recipe", global_recipe.name]
-    start, end = _first_last(plan, recipes, pp)
-    if start or end:
-        flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
-                  "--num-layers-at-end-in-bf16", str(end)]
-    # Param gather keeps TE weights in the low-precision format; it is global (cannot vary per module, and the
-    # per-module YAML does not change param init - TransformerEngineMixedPrecision.md), so only when the whole
-    # trainer is one recipe with no BF16 linears.
-    all_linear = [r for r in recipes.values()]
-    if len(counts) == 1 and all(r == global_recipe for r in all_linear) and global_recipe.name in ("mxfp8",
-                                                                                                   "blockwise",
-                                                                                                   "tensorwise",
-                                                                                                   "nvfp4"):
-        flags += ["--fp4-param-gather" if global_recipe.name in _FP4_RECIPES else "--fp8-param-gather"]
-    if fp4 and fp8:
-        notes.append("FP8 and FP4 modules mixed: the global flags carry the majority recipe and the TE per-module "
-                     "config switches the others (Megatron forbids --fp8-format with --fp4-format)")
-    # Layer-agnostic iff every module kind has one recipe over the layers outside first/last BF16.
-    active = range(start, L - end)
-    kinds: dict[str, set] = defaultdict(set)
-    for mod, r in recipes.items():
-        layer, kind = _split_layer(mod)
-        if layer is not None and layer in active:
-            kinds[kind].add(r)
-    per_stage = any(len(v) > 1 for v in kinds.values())
-    if per_stage and L % pp:
-        odd = next(k for k, v in kinds.items() if len(v) > 1)
-        raise UnsupportedByBackend(BACKEND, f"decoder.layers.*.{odd}",
-                                   f"layer-specific precision needs stage-local TE configs, and {L} layers do not "
-                                   f"split evenly over pp={pp} (the stage boundaries are not known to policyc)",
-                                   hint="use a pp that divides the layer count, or make the rule layer-agnostic")
-    yamls: dict[str, dict] = {}
-    if not per_stage:
-        configs, matchers = _matchers_for(recipes, 0, active, global_recipe, layer_specific=False)
-        yamls["te_precision.yaml"] = {"configs": configs, "matchers": matchers}
-    else:
-        lps = L // pp
-        for s in range(pp):
-            stage_layers = range(max(s * lps, start), min((s + 1) * lps, L - end))
-            mods = {m: r for m, r in recipes.items()
-                    if (_split_layer(m)[0] is None and s == pp - 1) or (_split_layer(m)[0] in stage_layers)}
-            configs, matchers = _matchers_for(mods, s * lps, stage_layers, global_recipe, layer_specific=True)
-            yamls[f"te_precision.stage{s}.yaml"] = {"configs": configs, "matchers": matchers}
-        notes.append("layer-specific precision: PP rank s must get --te-precision-config-file "
-                     "te_precision.stage{s}.yaml (module layer indices are stage-local in megatron-core)")
-    flags += ["--te-precision-config-file",
-              "te_precision.yaml" if not per_stage else "te_precision.stage{PP_RANK}.yaml"]
-    if pp > 1 or (side and (side.tp > 1 or side.ep > 1)):
+    flags += _high_precision_flags(plan, probs)
+    if side is not None and (pp > 1 or side.tp > 1 or side.ep > 1 or side.etp > 1):
         flags += ["--tensor-model-parallel-size", str(side.tp), "--pipeline-model-parallel-size", str(side.pp),
                   "--expert-model-parallel-size", str(side.ep), "--expert-tensor-parallel-size", str(side.etp)]
-    cfg = TrainerConfig(flags=flags, env=env, module_recipes=recipes, yamls=yamls, per_stage=per_stage,
-                        first_last=(start, end), notes=notes)
+        split = pipeline_split(L, pp)
+        if split is not None:
+            flags += ["--decoder-first-pipeline-num-layers", str(split[0]),
+                      "--decoder-last-pipeline-num-layers", str(split[1])]
+    notes: list[str] = []
+    yamls: dict[str, dict] = {}
+    start = end = 0
+    if quant:
+        counts = Counter(quant.values())
+        mtp_q = sorted(m for m in quant if _split_layer(m)[0] is None)
+        global_recipe = max(counts, key=lambda r: (counts[r], r.key))
+        if mtp_q and global_recipe.name in _FP4_RECIPES:
+            fp8 = [r for r in counts if r.name not in _FP4_RECIPES]
+            if fp8:
+                global_recipe = max(fp8, key=lambda r: (counts[r], r.key))
+            else:
+                t = next(t for t in plan.tensors if t.megatron_name and megatron_module(t.megatron_name) == mtp_q[0])
+                probs.add(UnsupportedByBackend(
+                    BACKEND, t.hf_name,
+                    f"quantized MTP layer ({quant[mtp_q[0]].name}) under an FP4 trainer: megatron-core 0.16.1 opens "
+                    "a quantized autocast for the MTP layer only when config.fp8 is set (multi_token_prediction.py: "
+                    "'currently ignoring FP4 in MTP layers'), so it would run BF16",
+                    hint="keep mtp bf16 (e.g. `mtp: bf16`), or quantize the MTP layer with an FP8 format"))
+        if global_recipe.name in _FP4_RECIPES:
+            flags += ["--fp4-format", "e2m1", "--fp4-recipe", global_recipe.name]
+        else:
+            flags += ["--fp8-format", global_recipe.fp8_format, "--fp8-recipe", global_recipe.name]
+        start, end = _first_last(plan, recipes, pp)
+        if start or end:
+            flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
+                      "--num-layers-at-end-in-bf16", str(end)]
+        # Param gather keeps TE weights in the low-precision format; it is global (cannot vary per module, and the
+        # per-module YAML does not change param init - TransformerEngineMixedPrecision.md), so only when the whole
+        # trainer is one recipe with no BF16 linears.
+        if len(counts) == 1 and all(r == global_recipe for r in recipes.values()):
+            flags += ["--fp4-param-gather" if global_recipe.name in _FP4_RECIPES else "--fp8-param-gather"]
+        if len({r.name in _FP4_RECIPES for r in counts}) > 1:
+            notes.append("FP8 and FP4 modules mixed: the global flags carry one recipe and the TE per-module config "
+                         "switches the others (Megatron forbids --fp8-format with --fp4-format)")
+        hf_of: dict[str, str] = {}
+        for t in plan.tensors:
+            if t.is_linear and t.megatron_name and t.layer is not None:
+                hf_of.setdefault(megatron_module(t.megatron_name), t.hf_name)
+        yamls[TE_YAML] = _te_yaml(recipes, stages, range(start, L - end), probs, hf_of)
+        flags += ["--te-precision-config-file", TE_YAML]
+        reqs.append(versions.requirement("mcore.te_precision_config"))
+    for r in versions.missing(reqs, "transformer-engine", te_version):
+        probs.add(UnsupportedByBackend(BACKEND, "*", f"needs {r.text}, but --te-version is {te_version}",
+                                       hint=f"install transformer-engine>={r.version}, or change the policy so it "
+                                            "does not need this capability"))
+    probs.raise_if_any()
+    cfg = TrainerConfig(flags=flags, env=env, module_recipes=recipes, yamls=yamls, first_last=(start, end),
+                        stages=stages, requires=sorted(set(reqs), key=lambda r: (r.engine, r.capability)),
+                        notes=notes)
     _self_check(plan, cfg, pp)
     return cfg
 
@@ -406,24 +562,39 @@ def _self_check(plan: Plan, cfg: TrainerConfig, pp: int) -> None:
             raise AssertionError(f"megatron emitter self-check: {mod} resolves to {derived[mod]}, plan says {want}")
 
 
-def emit(plan: Plan) -> list[Artifact]:
+def emit(plan: Plan, te_version: Optional[str] = None) -> list[Artifact]:
+    import shlex
+
     import yaml
 
-    cfg = trainer_config(plan)
+    cfg = trainer_config(plan, te_version)
     stamp = plan_stamp(plan)
-    header = f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); megatron-core>=0.16, TE>=2.14\n"
-    arts = [Artifact("megatron/args.txt", " ".join(cfg.flags) + "\n", "Megatron-LM argv fragment"),
+    header = (f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); "
+              f"{versions.header(cfg.requires)}\n")
+    env_sh = (header + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(cfg.env.items()))
+              + "# TE's defaults are the exact behaviour; a value left in the environment would not be\n"
+              + f"unset {' '.join(UNSET_ENV)}\n")
+    arts = [Artifact("megatron/args.txt", header + " ".join(cfg.flags) + "\n",
+                     "Megatron-LM argv fragment (lines starting with # are comments)"),
             Artifact("megatron/flags.json", dump_json({"policyc": stamp, "flags": cfg.flags, "env": cfg.env,
+                                                       "unset_env": list(UNSET_ENV),
                                                        "first_last_layers_bf16": list(cfg.first_last),
-                                                       "per_stage_te_config": cfg.per_stage,
+                                                       "pipeline_stages": [[r.start, r.stop] for r in cfg.stages],
                                                        "te_precision_files": sorted(cfg.yamls),
+                                                       "requires": {"transformer-engine": cfg.te_minimum,
+                                                                    "megatron-core": cfg.mcore_minimum,
+                                                                    "capabilities": [r.text for r in cfg.requires]},
                                                        "notes": cfg.notes}), "flags + env (machine readable)"),
-            Artifact("megatron/env.sh", header + "".join(f"export {k}={v}\n" for k, v in sorted(cfg.env.items())),
-                     "TransformerEngine environment")]
+            Artifact("megatron/env.sh", env_sh, "TransformerEngine environment")]
     for name, doc in sorted(cfg.yamls.items()):
         arts.append(Artifact(f"megatron/{name}", header + yaml.safe_dump(doc, sort_keys=False),
-                             "--te-precision-config-file"))
+                             "--te-precision-config-file (one file for every pipeline rank)"))
     return arts
+
+
+def read_args(text: str) -> list[str]:
+    """The argv of an emitted megatron/args.txt (its `#` header lines are comments)."""
+    return " ".join(line for line in text.splitlines() if not line.lstrip().startswith("#")).split()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -433,9 +604,27 @@ def _flag(flags: list[str], name: str) -> Optional[str]:
     return flags[flags.index(name) + 1] if name in flags else None
 
 
-def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str], num_layers: int, pp: int,
+def flag_stages(flags: list[str], num_layers: int) -> list[range]:
+    """Global decoder layers per PP rank as the emitted flags lay them out."""
+    pp = int(_flag(flags, "--pipeline-model-parallel-size") or 1)
+    first, last = _flag(flags, "--decoder-first-pipeline-num-layers"), _flag(flags, "--decoder-last-pipeline-num-layers")
+    if first is None and last is None:
+        per = num_layers // pp
+        return [range(s * per, (s + 1) * per) for s in range(pp)]
+    f, la = int(first or 0), int(last or 0)
+    n_mid = pp - (first is not None) - (last is not None)
+    mid = (num_layers - f - la) // n_mid if n_mid else 0
+    out, pos = [], 0
+    for s in range(pp):
+        n = f if (s == 0 and first is not None) else la if (s == pp - 1 and last is not None) else mid
+        out.append(range(pos, pos + n))
+        pos += n
+    return out
+
+
+def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str], num_layers: int, pp: int = 1,
                     use_megatron: bool = True) -> dict[str, str]:
-    """{global module path: weight kind} as Megatron+TE would run it given the emitted flags and YAML(s).
+    """{global module path: weight kind} as Megatron+TE would run it given the emitted flags and YAML.
     With use_megatron, matching/parsing goes through megatron.core.quantization (RecipeConfig.from_config_dict,
     get_quant_config_or_none) and TEQuantizationParams.parse_from_config."""
     g_fp8 = _flag(flags, "--fp8-recipe") if "--fp8-format" in flags else None
@@ -444,41 +633,35 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
     first_last = "--first-last-layers-bf16" in flags
     start = int(_flag(flags, "--num-layers-at-start-in-bf16") or 1) if first_last else 0
     end = int(_flag(flags, "--num-layers-at-end-in-bf16") or 1) if first_last else 0
-    lps = num_layers // pp
-    per_stage = any(".stage" in n for n in yamls)
-    recipes = {}
-    for name, doc in yamls.items():
-        if use_megatron:
-            from megatron.core.quantization.quant_config import RecipeConfig
+    offset = {layer: rng.start for rng in flag_stages(flags, num_layers) for layer in rng}
+    doc = yamls.get(TE_YAML)
+    recipe = None
+    if doc is not None and use_megatron:
+        from megatron.core.quantization.quant_config import RecipeConfig
 
-            recipes[name] = RecipeConfig.from_config_dict(doc)
-        else:
-            recipes[name] = doc
+        recipe = RecipeConfig.from_config_dict(doc)
     out: dict[str, str] = {}
     for mod in modules:
-        if global_kind == "bf16":
-            out[mod] = "bf16"
-            continue
         layer, kind = _split_layer(mod)
+        if global_kind == "bf16" or (layer is None and g_fp8 is None):
+            out[mod] = "bf16"  # MTP: quantized context only under config.fp8 (multi_token_prediction.py)
+            continue
         if layer is not None and (layer < start or layer >= num_layers - end):
             out[mod] = "bf16"  # no autocast; override_nonquantized_autocast is False
             continue
-        stage = layer // lps if layer is not None else pp - 1
-        local = f"decoder.layers.{layer - stage * lps}.{kind}" if layer is not None else mod
-        fname = f"te_precision.stage{stage}.yaml" if per_stage else "te_precision.yaml"
-        if fname not in yamls:
+        local = f"decoder.layers.{layer - offset[layer]}.{kind}" if layer is not None else mod
+        if doc is None:
             out[mod] = global_kind
             continue
         if use_megatron:
             from megatron.core.extensions.transformer_engine import TEQuantizationParams
             from megatron.core.quantization.utils import get_quant_config_or_none
 
-            qc = get_quant_config_or_none(local, recipes[fname])
+            qc = get_quant_config_or_none(local, recipe)
             if qc is None:
                 out[mod] = global_kind
                 continue
-            params = TEQuantizationParams.parse_from_config(qc)
-            r = params.training_recipe
+            r = TEQuantizationParams.parse_from_config(qc).training_recipe
             if not r.override_quantized_autocast:
                 out[mod] = global_kind
                 continue
@@ -487,11 +670,10 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
         else:
             import fnmatch
 
-            name = None
-            matched = False
-            for m in recipes[fname]["matchers"].values():
+            name, matched = None, False
+            for m in doc["matchers"].values():
                 if m.get("enabled") and fnmatch.fnmatch(local, m["pattern"]):
-                    tr = recipes[fname]["configs"][m["config"]]["training_recipe"]
+                    tr = doc["configs"][m["config"]]["training_recipe"]
                     name = tr.get("fp8_quantization_recipe") or tr.get("fp4_quantization_recipe")
                     matched = True
                     break
@@ -504,7 +686,7 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
 
 def derive_formats(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
                    use_megatron: bool = True) -> dict[str, str]:
-    """{hf_name: kind} the trainer runs, derived from the emitted flags + YAML(s) for the architecture's tensors
+    """{hf_name: kind} the trainer runs, derived from the emitted flags + YAML for the architecture's tensors
     (independent of the plan). Non-TE tensors are bf16."""
     modules = {t.hf_name: megatron_module(t.megatron_name) for t in arch.tensors
                if t.is_linear and t.megatron_name and (t.megatron_name.startswith("decoder.")

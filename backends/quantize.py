@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from ..plan import Plan, TensorPlan
 from ..precision import HP_DTYPE_NAMES, FormatKind
 from .common import UnsupportedByBackend, module_of
+from ..errors import PolicycError
 
 if TYPE_CHECKING:
     import torch
@@ -43,14 +44,19 @@ SUFFIXES = {
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
 
 
-class NonFiniteWeight(ValueError):
+class NonFiniteWeight(PolicycError, ValueError):
     """A weight holds NaN/Inf; nothing is written or sent."""
 
     code = 1
 
-    def __init__(self, name: str, n_bad: int):
-        self.hint = "the trainer diverged or the checkpoint is corrupt; fix the weights before converting/sending"
-        super().__init__(f"tensor '{name}' contains {n_bad} NaN/Inf value(s)")
+    def __init__(self, name: str, n_bad: int, after: str = ""):
+        if after:  # finite input, non-finite output: the target format cannot represent the values
+            self.hint = ("a value exceeds the range of the target format; choose a wider format for this tensor "
+                         "(e.g. bf16) or rescale the weights")
+            super().__init__(f"tensor '{name}' has {n_bad} value(s) that become NaN/Inf {after}")
+        else:
+            self.hint = "the trainer diverged or the checkpoint is corrupt; fix the weights before converting/sending"
+            super().__init__(f"tensor '{name}' contains {n_bad} NaN/Inf value(s)")
 
 
 def check_supported(t: TensorPlan, backend: str) -> None:
@@ -116,19 +122,46 @@ def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     raise AssertionError(w.kind)
 
 
-def _assert_finite(name: str, x: torch.Tensor) -> None:
+def _assert_finite(name: str, x: torch.Tensor, after: str = "") -> None:
     import torch
 
     # aminmax is one vectorised pass without a temporary and propagates NaN (and +-inf shows up as min/max), so a
     # finite (min, max) proves the tensor finite; only then-suspect tensors pay for the exact count. (~40x faster
     # than isfinite(x).all() on CPU bf16.)
-    if not x.is_floating_point() or x.numel() == 0:
+    if x.numel() == 0:
+        return
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        _assert_finite_fp8(name, x, after)
+        return
+    if not x.is_floating_point():
         return
     lo, hi = torch.aminmax(x)
     if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
         return
     bad = int((~torch.isfinite(x)).sum().item())
-    raise NonFiniteWeight(name, bad)
+    raise NonFiniteWeight(name, bad, after)
+
+
+def _assert_finite_fp8(name: str, x: torch.Tensor, after: str) -> None:
+    """FP8 has no aminmax kernel: test the encodings. E4M3FN's only non-finite codes are S.1111.111 (NaN); E5M2's
+    are S.11111.xx (Inf/NaN)."""
+    import torch
+
+    b = x.contiguous().view(torch.uint8)
+    if x.dtype == torch.float8_e4m3fn:
+        bad = int(((b & 0x7F) == 0x7F).sum().item())
+    else:
+        bad = int(((b & 0x7C) == 0x7C).sum().item())
+    if bad:
+        raise NonFiniteWeight(name, bad, after)
+
+
+def _assert_outputs_finite(t: TensorPlan, produced: dict[str, torch.Tensor]) -> None:
+    """Every float tensor a cast/quantization produced (data and scales) must be finite: a finite BF16 weight under
+    an `fp16` rule can overflow to Inf, a degenerate block can give an Inf scale. Packed NVFP4 (uint8) and UE8M0
+    (uint8) carry no NaN encoding that the quantizers emit; their FP8/FP32 scales are checked."""
+    for name, y in produced.items():
+        _assert_finite(name, y, f"after the cast to {t.precision.weight.short()}")
 
 
 def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backend: str = "converter",
@@ -157,7 +190,10 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
             raise ValueError(f"tensor '{t.hf_name}' has shape {tuple(x.shape)}, the plan says {t.shape}")
         if not (t.is_linear and w.is_quantized):
             check_supported(t, backend)
-            out[t.hf_name] = x.to(torch_dtype(w)).contiguous()
+            y = x.to(torch_dtype(w)).contiguous()
+            if check_finite and y.dtype != x.dtype:  # e.g. a finite BF16 1e5 is Inf in FP16
+                _assert_finite(t.hf_name, y, f"after the cast to {w.short()}")
+            out[t.hf_name] = y
             continue
         check_supported(t, backend)
         mod = module_of(t.hf_name)
@@ -183,6 +219,8 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
             nb, kb = -(-n // 128), -(-k // 128)
             out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
             out[f"{mod}.weight_scale_inv"] = q.scale[:nb, :kb].to(torch.float32).contiguous()
+        if check_finite:
+            _assert_outputs_finite(t, {n: y for n, y in out.items() if n.startswith(mod + ".")})
     return out
 
 

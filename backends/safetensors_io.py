@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import Optional
+from ..errors import PolicycError
+
+from ..precision import HP_DTYPE_NAMES
 
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
-SOURCE_DTYPES = {"BF16", "F16", "F32"}
+SOURCE_DTYPES = {st for _, st in HP_DTYPE_NAMES.values()}  # what the converter reads: BF16 / F16 / F32
 
 
-class CheckpointError(ValueError):
+class CheckpointError(PolicycError, ValueError):
     """A checkpoint file is malformed or not what the converter accepts. Names the file (and tensor)."""
 
     code = 2
@@ -47,21 +51,29 @@ def _numel(shape) -> int:
 def read_header(path: Path) -> dict[str, dict]:
     """{name: {dtype, shape, data_offsets}} of a safetensors file, validated against the file size."""
     path = Path(path)
-    size = path.stat().st_size
-    if size < 8:
-        raise CheckpointError(f"{path}: {size} bytes is too small to be a safetensors file")
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > MAX_HEADER_BYTES or n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
-                                  f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
-        raw = f.read(n)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path}: header is not valid JSON ({err})") from None
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{path}: not a regular file")
+            size = st.st_size
+            if size < 8:
+                raise CheckpointError(f"{path}: {size} bytes is too small to be a safetensors file")
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > MAX_HEADER_BYTES or n > size - 8:
+                raise CheckpointError(f"{path}: header length {n} exceeds the file size ({size}) or the "
+                                      f"{MAX_HEADER_BYTES}-byte limit", "the file is truncated or not safetensors")
+            raw = f.read(n)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
+    from ..jsonsafe import loads_bounded
+
+    header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings")
     header.pop("__metadata__", None)
     data_len = size - 8 - n
     spans = []
@@ -71,9 +83,10 @@ def read_header(path: Path) -> dict[str, dict]:
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in DTYPE_SIZES:
             raise CheckpointError(f"{path}: tensor '{name}' has unknown dtype {dt!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                type(d) is int and 0 <= d <= data_len for d in shape):
             raise CheckpointError(f"{path}: tensor '{name}' has invalid shape {shape!r}")
-        if (not isinstance(offs, list) or len(offs) != 2 or not all(isinstance(o, int) for o in offs)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data_len):
             raise CheckpointError(f"{path}: tensor '{name}' data_offsets {offs!r} lie outside the file "
                                   f"(data section is {data_len} bytes)", "the file is truncated or corrupt")

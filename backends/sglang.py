@@ -18,6 +18,14 @@ Facts used (SGLang 0.5.23 wheel; see ../shared/research/backends.md §C):
   * `--kv-cache-dtype auto` follows the checkpoint's kv_cache_quant_algo, so bf16 is always passed explicitly.
   * Routers, embeddings, lm_head (ParallelLMHead) and MTP eh_proj (plain nn.Linear in deepseek_nextn) are never
     quantized by these methods.
+  * Where SGLang fuses, renames or re-derives, the emitted config makes it produce exactly the plan or we refuse by
+    name (checked against SGLang's own code in tests/test_sglang_oracle.py):
+      - DeepSeek-V2/V3 fuse each layer's shared expert into the routed FusedMoE (ep 1, runners other than the
+        trtllm/cutedsl ones; `resolve_shared_experts_config`): `--disable-shared-experts-fusion` whenever shared and
+        routed experts of a layer differ in format (Fp8Config has no `can_fuse_shared_expert` veto);
+      - moe-TP is derived, tp // ep // moe_dp: the plan's rollout etp must equal tp/ep (else refused);
+      - weights are built in the model dtype: fp32/fp16 exceptions are refused by name, except the DeepSeek router
+        (`router_fp32` through `--json-model-override-args`) and its fp32 noaux_tc bias.
 
 Public API:
   rollout_config(plan) -> RolloutConfig      # validated; raises UnsupportedByBackend
@@ -29,7 +37,9 @@ Public API:
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -211,6 +221,67 @@ def _exclusions(plan: Plan, modelopt: bool) -> list[str]:
     return out
 
 
+def _check_high_precision(plan: Plan) -> dict:
+    """FP32/FP16 exceptions must reach SGLang or be refused by name. SGLang 0.5.23 builds every weight in the model
+    dtype (`--dtype auto` -> config torch_dtype, bf16 for the bundled models), so a checkpoint fp32/fp16 tensor would
+    be cast on load, except: DeepSeek-V2/V3 `MoEGate.weight` is fp32 when the HF config says `router_fp32`
+    (models/deepseek_v2.py MoEGate), which we set with `--json-model-override-args`; the noaux_tc router bias
+    (`e_score_correction_bias`) is fp32 anyway. Returns the model-config overrides to pass."""
+    overrides: dict = {}
+    for t in plan.tensors:
+        kind = t.precision.weight.kind
+        if kind not in (FormatKind.FP32, FormatKind.FP16):
+            continue
+        if t.role == "router.bias" and kind == FormatKind.FP32:
+            continue  # MoEGate keeps e_score_correction_bias in fp32 (noaux_tc)
+        if t.role == "router.weight" and kind == FormatKind.FP32 and plan.model_type in ("deepseek_v3", "deepseek_v2"):
+            overrides["router_fp32"] = True
+            continue
+        what = {"lm_head": "ParallelLMHead holds its weight in the model dtype (--enable-fp32-lm-head only makes "
+                           "the logits fp32; the weight is still cast to bf16 on load)",
+                "router.weight": f"the {plan.model_type} router is a ReplicatedLinear in the model dtype (no "
+                                 "router-dtype option in SGLang 0.5.23)"}.get(
+            t.role, "SGLang builds this weight in the model dtype (bf16) and casts the checkpoint tensor on load")
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} {t.role}: {what}",
+                                   hint=f"keep {t.role} in bf16 for the rollout, or serve with another engine")
+    return overrides
+
+
+def _check_rollout_etp(plan: Plan) -> None:
+    """SGLang derives expert-TP as moe_tp_size = tp_size // ep_size // moe_dp_size (runtime_context.py
+    `derive_parallel_widths`); there is no expert-TP flag. A rollout etp that differs would be a contract SGLang
+    never sees."""
+    side = plan.parallel.rollout if plan.parallel else None
+    if side is None or not any(t.role.startswith("routed_experts.") for t in plan.tensors):
+        return
+    if side.tp % side.ep:
+        raise UnsupportedByBackend(BACKEND, "<parallel layout>", f"rollout ep={side.ep} does not divide tp="
+                                   f"{side.tp}: SGLang requires tp_size % ep_size == 0")
+    derived = side.tp // side.ep
+    if side.etp != derived:
+        first = next(t for t in plan.tensors if t.role.startswith("routed_experts."))
+        raise UnsupportedByBackend(BACKEND, first.hf_name, f"rollout etp={side.etp}, but SGLang derives the expert "
+                                   f"TP from the launch args: moe_tp = tp/ep = {side.tp}/{side.ep} = {derived}",
+                                   hint=f"write rollout:tp={side.tp},ep={side.ep},etp={derived} (or leave etp out), "
+                                        "or change the rollout tp/ep")
+
+
+def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
+    """SGLang (DeepSeek-V2/V3, `resolve_shared_experts_config`) may fuse a layer's shared expert into the routed-
+    experts FusedMoE as one more expert, which then runs with the routed experts' quant method. That is exact only
+    where shared and routed experts of the layer have one serving format; returns a shared-expert tensor where not."""
+    routed: dict[tuple, tuple] = {}
+    for t in plan.tensors:
+        if t.role.startswith("routed_experts."):
+            routed.setdefault((t.mtp, t.layer), _serving_key(t) if is_quantized(t) else ("hp",))
+    for t in plan.tensors:
+        if t.role in ("shared_experts.gate", "shared_experts.up", "shared_experts.down"):
+            mine = _serving_key(t) if is_quantized(t) else ("hp",)
+            if (t.mtp, t.layer) in routed and routed[(t.mtp, t.layer)] != mine:
+                return t
+    return None
+
+
 def rollout_config(plan: Plan) -> RolloutConfig:
     """Validated SGLang configuration of `plan` (memoized per plan object; raises UnsupportedByBackend)."""
     from .common import per_plan
@@ -219,6 +290,8 @@ def rollout_config(plan: Plan) -> RolloutConfig:
 
 
 def _rollout_config(plan: Plan) -> RolloutConfig:
+    _check_rollout_etp(plan)
+    model_overrides = _check_high_precision(plan)
     # The per-tensor checks read only (role, precision, linear?, shape) besides the name they report: run them once
     # per distinct combination (a few dozen on DeepSeek-V3's 46k tensors); the first failing tensor in plan order
     # is still the one reported.
@@ -250,6 +323,8 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
     env: dict[str, str] = {}
     notes: list[str] = []
     args = ["--tp-size", str(tp)]
+    if side is not None and side.pp > 1:
+        args += ["--pp-size", str(side.pp)]
     if has_moe:
         args += ["--ep-size", str(ep)]
     args += ["--kv-cache-dtype", "bf16"]  # explicit: `auto` follows the checkpoint's kv_cache_quant_algo
@@ -289,7 +364,7 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
                                               "input_activations": {"num_bits": 4, "type": "float",
                                                                     "group_size": 16, "dynamic": True},
                                               "targets": ["Linear"]}}}
-        hf_quant = {"producer": MODELOPT_PRODUCER,
+        hf_quant = {"policyc": plan_stamp(plan), "producer": MODELOPT_PRODUCER,
                     "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                                      "exclude_modules": exclude}}
         args += ["--quantization", "modelopt_fp4", "--moe-runner-backend", "flashinfer_trtllm_routed"]
@@ -300,6 +375,14 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
     else:
         raise UnsupportedByBackend(BACKEND, kinds[kind].hf_name, f"{kind.value} weights: the converter/SGLang path "
                                                                  "supports mxfp8, nvfp4 and fp8_block 128x128")
+    unfusable = _shared_expert_fusion_changes_formats(plan)
+    if unfusable is not None:
+        # also where SGLang would not fuse anyway (ep > 1, trtllm runners): the flag pins the decision
+        args += ["--disable-shared-experts-fusion"]
+        notes.append(f"shared experts are kept out of the routed-experts FusedMoE ({unfusable.hf_name} is "
+                     f"{unfusable.precision.short()}, unlike the routed experts of its layer)")
+    if model_overrides:
+        args += ["--json-model-override-args", json.dumps(model_overrides, sort_keys=True, separators=(",", ":"))]
     return RolloutConfig(method=method, quantization_config=qcfg, hf_quant_config=hf_quant, exclude=exclude,
                          server_args=args, env=env, notes=notes)
 
@@ -315,7 +398,9 @@ def emit(plan: Plan) -> list[Artifact]:
                               "the quantization_config below and policyc_plan.json)",
                 "quantization_config": cfg.quantization_config, "notes": cfg.notes}
     arts = [Artifact("sglang/server_args.json", dump_json(manifest), "SGLang server args + env + quant config"),
-            Artifact("sglang/launch_args.txt", " ".join(cfg.server_args) + "\n", "argv fragment for launch_server"),
+            Artifact("sglang/launch_args.txt", f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); "
+                     "argv fragment: $(grep -v '^#' launch_args.txt)\n" + shlex.join(cfg.server_args) + "\n",
+                     "argv fragment for launch_server"),
             Artifact("sglang/env.sh", "\n".join(env_lines) + "\n", "environment for the SGLang server"),
             Artifact("sglang/quantization_config.json", dump_json({"policyc": stamp,
                                                                    "quantization_config": cfg.quantization_config}),

@@ -57,3 +57,56 @@ def write_synthetic_checkpoint(arch, dst: Path, shards: int = 3, seed: int = 0, 
     (dst / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
     (dst / "generation_config.json").write_text(json.dumps({"do_sample": True}))
     return dst
+
+
+def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, scale: float = 0.05,
+                               inv_freq: bool = False) -> Path:
+    """Write a random FP8-block RELEASE of `arch` (DeepSeek-V3 / Kimi-K2 layout): every tensor whose
+    `source_format` is fp8_block (from config.json quantization_config) as `X.weight` float8_e4m3fn +
+    `X.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)] (quantized with precision_dsl.formats' FP8-block reference,
+    which produces the DeepSeek checkpoint convention: dequant = q * scale_inv); everything else in its logical
+    dtype. The scale grid is written right after its weight, in the same shard. `inv_freq`: also write a
+    `model.layers.N.self_attn.rotary_emb.inv_freq` buffer per decoder layer, as the Kimi-K2-Instruct release does."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..formats import quantize
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    names = [t.hf_name for t in arch.tensors]
+    per = -(-len(names) // shards)
+    weight_map = {}
+    n_files = -(-len(names) // per)
+    for i in range(n_files):
+        fname = "model.safetensors" if n_files == 1 else f"model-{i + 1:05d}-of-{n_files:05d}.safetensors"
+        tensors = {}
+        for t in arch.tensors[i * per:(i + 1) * per]:
+            if t.role.startswith("norm."):
+                x = 1.0 + 0.1 * torch.randn(t.shape, generator=g)
+            else:
+                x = torch.randn(t.shape, generator=g) * scale
+            x = x.to(getattr(torch, t.dtype))
+            sf = t.source_format
+            if sf is not None and sf.kind.value == "fp8_block":
+                q = quantize(x, sf, axis="row")
+                n, k = t.shape
+                mod = t.hf_name.rsplit(".", 1)[0]
+                tensors[t.hf_name] = q.data.reshape(n, k).view(torch.float8_e4m3fn).contiguous()
+                tensors[f"{mod}.weight_scale_inv"] = q.scale[:-(-n // sf.block[0]), :-(-k // sf.block[1])] \
+                    .to(torch.float32).contiguous()
+                weight_map[f"{mod}.weight_scale_inv"] = fname
+            else:
+                tensors[t.hf_name] = x.contiguous()
+            weight_map[t.hf_name] = fname
+            if inv_freq and t.hf_name.endswith("self_attn.kv_a_layernorm.weight"):
+                name = t.hf_name.replace("kv_a_layernorm.weight", "rotary_emb.inv_freq")
+                tensors[name] = torch.rand(8, generator=g).to(torch.bfloat16)
+                weight_map[name] = fname
+        save_file(tensors, str(dst / fname), metadata={"format": "pt"})
+    if n_files > 1:
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                     indent=2))
+    (dst / "config.json").write_text(json.dumps(arch.config, indent=2))
+    return dst

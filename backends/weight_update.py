@@ -18,7 +18,12 @@ API (used by the RL engine)::
 * Work units: members of an NVFP4 share-scale group are quantized together (one global amax). Atomic groups
   (fused siblings: q/k/v, gate/up, q_a/kv_a; SGLang's loader needs both halves in one load_weights call) always
   travel in one bucket. Buckets are filled up to `bucket_bytes` (a unit larger than that travels alone).
-* NaN/Inf in any weight raises `NonFiniteWeight` before anything is sent.
+* All or nothing: `prepare` (names, completeness against the plan for EVERY tensor, no extras or duplicates,
+  quantization, NaN/Inf before and after every cast -> `NonFiniteWeight`) runs before the transport is opened; a
+  failure after that calls `transport.abort` (receivers discard the partial update; the SGLang client closes the
+  bracket and reloads the served checkpoint, or marks the version `incomplete:`) and raises WeightUpdateAborted.
+  Receivers apply nothing until every tensor of the plan arrived with its planned dtype and shape.
+* Every bucket carries a cheap checksum (CRC32 on host buffers, a device-side sum64 on GPU buffers), always on.
 * Both ends check the plan content hash first (in-process / torch.distributed: a symmetric handshake; SGLang: the
   served checkpoint's policyc_plan.json) and refuse a mismatch with `PlanMismatch`.
 * `check_equal=True` (like Miles' --check-weight-update-equal): the sender ships a sha256 per tensor with the last
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import json
 import math
 import queue
@@ -52,16 +58,18 @@ from ..plan import Plan, TensorPlan
 from .common import PLAN_FILE, PlanMismatch
 from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
+from ..errors import PolicycError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
-           "PlanMismatch", "WeightUpdateMismatch", "WeightUpdateError", "SendReport"]
+           "PlanMismatch", "WeightUpdateMismatch", "WeightUpdateError", "WeightUpdateAborted", "SendReport",
+           "bucket_checksum"]
 
 
-class WeightUpdateError(RuntimeError):
+class WeightUpdateError(PolicycError, RuntimeError):
     code = 1
 
     def __init__(self, message: str, hint: str = ""):
@@ -71,6 +79,14 @@ class WeightUpdateError(RuntimeError):
 
 class WeightUpdateMismatch(WeightUpdateError):
     """The receiver does not hold what the sender sent (equality check)."""
+
+
+class WeightUpdateAborted(WeightUpdateError):
+    """The update stopped part-way; the consumer did not apply it (or was rolled back: see `served_version`)."""
+
+    def __init__(self, message: str, hint: str = "", served_version: Optional[str] = None):
+        super().__init__(message, hint or "the rollout keeps serving its previous weights; fix the cause and resend")
+        self.served_version = served_version
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -233,6 +249,36 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
+def bucket_checksum(buf: torch.Tensor, algo: Optional[str] = None) -> str:
+    """Cheap integrity check of a bucket's bytes, always on (a full sha256 per tensor is `check_equal`).
+    Host buffers: CRC32 (zlib, ~1 GB/s per core here; see benchmarks/RESULTS.md). Device buffers: two wrapping int64
+    sums over 8-byte words (plain and position-weighted, so reordered words change it), computed where the bytes
+    are, with no host copy; the receiver recomputes the algorithm the sender named."""
+    import torch
+
+    algo = algo or ("crc32" if buf.device.type == "cpu" else "sum64")
+    flat = buf.reshape(-1).view(torch.uint8)
+    if algo == "crc32":
+        import zlib
+
+        return f"crc32:{zlib.crc32(memoryview(flat.cpu().numpy())):08x}"
+    if algo != "sum64":
+        raise WeightUpdateError(f"unknown bucket checksum algorithm {algo!r}")
+    n = flat.numel()
+    pad = (-n) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    words = flat.view(torch.int64)
+    s1 = s2 = 0
+    step = 1 << 23  # 64 MiB of words per chunk bounds the temporaries
+    for i in range(0, words.numel(), step):
+        w = words[i:i + step]
+        idx = torch.arange(i + 1, i + 1 + w.numel(), device=w.device, dtype=torch.int64)
+        s1 = (s1 + int(w.sum())) & ((1 << 64) - 1)
+        s2 = (s2 + int((w * idx).sum())) & ((1 << 64) - 1)
+    return f"sum64:{n:x}:{s1:016x}:{s2:016x}"
+
+
 def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     """(meta {names, dtypes, shapes}, one flat uint8 buffer) for a bucket: what a broadcast transport moves."""
     import torch
@@ -247,21 +293,23 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     meta = {"names": names, "dtypes": [str(tensors[n].dtype).replace("torch.", "") for n in names],
             "shapes": [list(tensors[n].shape) for n in names], "nbytes": [f.numel() for f in flats]}
     buf = torch.cat(flats) if flats else torch.empty(0, dtype=torch.uint8)
+    meta["checksum"] = bucket_checksum(buf)
     return meta, buf
 
 
 def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    # GPU-program buckets ("offsets" layout) carry no per-bucket checksum in their meta (they are filled on the
+    # GPU after the layout is sent): WeightReceiver checks them against the on-GPU fingerprints of the closing
+    # message instead, and they never come through here.
+    want = meta.get("checksum")
+    if not isinstance(want, str):
+        raise WeightUpdateMismatch("bucket carries no checksum", "sender and receiver must run the same policyc")
+    got = bucket_checksum(buf, want.split(":", 1)[0])
+    if got != want:
+        raise WeightUpdateMismatch(f"bucket of {len(meta.get('names', []))} tensors (first "
+                                   f"'{(meta.get('names') or ['?'])[0]}') arrived corrupted: checksum {got}, "
+                                   f"sender computed {want}")
     dtypes = _dtypes()
-    if "offsets" in meta:  # GPU update program layout: aligned regions; the buffer is ours, so views, no copies
-        if meta["total"] != buf.numel():
-            raise WeightUpdateError(f"bucket declares {meta['total']} bytes but carries {buf.numel()}")
-        out = {}
-        for n, dt, shape, off, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["offsets"],
-                                         meta["nbytes"]):
-            if dt not in dtypes:
-                raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
-            out[n] = buf[off:off + nb].view(dtypes[dt]).reshape(shape)
-        return out
     out, off = {}, 0
     for n, dt, shape, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["nbytes"]):
         if dt not in dtypes:
@@ -325,6 +373,9 @@ class InProcessTransport:
 
     def close(self, summary: dict) -> None:
         self._q.put(("close", summary, None, None))
+
+    def abort(self, reason: str) -> None:
+        self._q.put(("abort", {"reason": reason}, None, None))
 
     # receiver side
     def recv(self, timeout: Optional[float] = None):
@@ -403,6 +454,11 @@ class TorchDistributedTransport:
     def close(self, summary: dict) -> None:
         self._bcast_obj(("close", summary))
 
+    def abort(self, reason: str) -> None:
+        # Sent between two messages (the sender failed before its next collective), so the receivers are waiting
+        # for exactly this object: they raise WeightUpdateAborted and the group stays usable.
+        self._bcast_obj(("abort", {"reason": reason}))
+
     def recv(self, timeout: Optional[float] = None):
         import torch
 
@@ -416,7 +472,8 @@ class TorchDistributedTransport:
         if kind == "layout":
             self._pending = list(meta)
             return self.recv(timeout)
-        if kind == "close":
+        if kind in ("close", "abort"):
+            self._pending = []
             return kind, meta, None
         buf = torch.empty(sum(meta["nbytes"]), dtype=torch.uint8, device=self.device)
         self._dist().broadcast(buf, src=self.src, group=self.group)
@@ -441,7 +498,7 @@ class SGLangHTTPTransport:
 
     def __init__(self, base_url: str, mode: str = "tensor", tp_size: int = 1, selector: str = "target",
                  group_name: str = "weight_update_group", broadcast_fn: Optional[Callable] = None,
-                 allow_unverified: bool = False, timeout: float = 600.0):
+                 allow_unverified: bool = False, timeout: float = 600.0, rollback: str = "disk"):
         if mode not in ("tensor", "distributed"):
             raise ValueError("mode must be 'tensor' or 'distributed'")
         if mode == "distributed" and broadcast_fn is None:
@@ -450,7 +507,14 @@ class SGLangHTTPTransport:
         self.base_url = base_url.rstrip("/")
         self.mode, self.tp_size, self.selector, self.group_name = mode, tp_size, selector, group_name
         self.broadcast_fn, self.allow_unverified, self.timeout = broadcast_fn, allow_unverified, timeout
+        if rollback not in ("disk", "none"):
+            raise ValueError("rollback must be 'disk' (reload the served checkpoint on failure) or 'none'")
+        self.rollback = rollback
         self.weight_version: Optional[str] = None
+        self.previous_version: Optional[str] = None  # what the server reported before this update
+        self.served_version: Optional[str] = None  # what it reports after close/abort
+        self._model_path: Optional[str] = None  # the served checkpoint, once verified to carry our plan
+        self._begun = False
 
     def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
@@ -464,23 +528,44 @@ class SGLangHTTPTransport:
         except urllib.error.URLError as err:
             raise WeightUpdateError(f"cannot reach SGLang at {self.base_url}: {err.reason}",
                                     "is the server running? check the URL/port") from None
-        out = json.loads(raw) if raw else {}
+        except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
+            raise WeightUpdateError(f"SGLang {path}: connection failed ({type(err).__name__}: {err})") from None
+        from ..jsonsafe import loads_bounded
+
+        out = loads_bounded(raw, f"SGLang {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
         if isinstance(out, dict) and out.get("success") is False:
-            raise WeightUpdateError(f"SGLang {path} failed: {out.get('message')}")
-        return out
+            raise WeightUpdateError(f"SGLang {path} failed: {str(out.get('message'))[:300]}")
+        return out if isinstance(out, dict) else {}
+
+    def model_info(self) -> dict:
+        """GET /model_info (SGLang 0.5.23; /get_model_info is its deprecated alias, used for older servers)."""
+        try:
+            return self._call("GET", "/model_info")
+        except WeightUpdateError as err:
+            if "HTTP 404" not in str(err):
+                raise
+            return self._call("GET", "/get_model_info")
 
     def open(self, plan_hash: str) -> None:
-        info = self._call("GET", "/get_model_info")
+        info = self.model_info()
+        self.previous_version = info.get("weight_version")
         path = Path(str(info.get("model_path", ""))) / PLAN_FILE
         if path.is_file():
-            got = json.loads(path.read_text()).get("content_hash")
+            try:
+                from .converter import read_plan
+
+                got = read_plan(path.parent).content_hash()
+            except ValueError:  # CheckpointError: unreadable / not a plan
+                got = None
             if got != plan_hash:
                 raise PlanMismatch(f"SGLang server {self.base_url} (serving {info.get('model_path')})", plan_hash, got)
+            self._model_path = str(info.get("model_path"))
         elif not self.allow_unverified:
             raise PlanMismatch(f"SGLang server {self.base_url}", plan_hash, None,
                                hint=f"the served model_path has no readable {PLAN_FILE}; serve a `policyc convert` "
                                     "output or pass allow_unverified=True")
         self._call("POST", "/begin_weight_update", {"selector": self.selector})
+        self._begun = True
 
     def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
         if self.mode == "tensor":
@@ -492,10 +577,10 @@ class SGLangHTTPTransport:
             payload = base64.b64encode(bio.getvalue()).decode()
             self._call("POST", "/update_weights_from_tensor",
                        {"serialized_named_tensors": [payload] * self.tp_size, "load_format": None,
-                        "flush_cache": False, "weight_version": self.weight_version})
+                        "flush_cache": False, "weight_version": None})
             return
         body = {"names": meta["names"], "dtypes": meta["dtypes"], "shapes": meta["shapes"],
-                "group_name": self.group_name, "flush_cache": False, "weight_version": self.weight_version}
+                "group_name": self.group_name, "flush_cache": False, "weight_version": None}
         errors: list[BaseException] = []
 
         def post():
@@ -512,8 +597,51 @@ class SGLangHTTPTransport:
         if errors:
             raise errors[0]
 
+    # Buckets carry weight_version None: SGLang sets its version on every successful update_* call, so a version
+    # sent with bucket 1 would be reported while buckets 2..n are still missing. The version is set once, after
+    # end_weight_update, and read back: the server's answer is what `served_version` reports.
     def close(self, summary: dict) -> None:
         self._call("POST", "/end_weight_update", {})
+        self._begun = False
+        if self.weight_version is not None:
+            self._call("POST", "/update_weight_version", {"new_version": str(self.weight_version),
+                                                          "abort_all_requests": False})
+        self.served_version = self.model_info().get("weight_version")
+        if self.weight_version is not None and self.served_version != str(self.weight_version):
+            raise WeightUpdateError(f"SGLang reports weight_version {self.served_version!r} after the update to "
+                                    f"{self.weight_version!r}")
+
+    def abort(self, reason: str) -> Optional[str]:
+        """After a failure between begin and the end of close: close the bracket, then either reload the served
+        checkpoint from disk (rollback='disk', the default once its plan was verified) or mark the served weights
+        `incomplete:<version>` so every response's meta_info shows they are not a complete update. SGLang 0.5.23
+        has no transactional update (each bucket loads in place), so one of the two is the only honest end state.
+        Returns the version the server reports afterwards (best effort; never raises)."""
+        if self._begun:
+            try:
+                self._call("POST", "/end_weight_update", {})
+            except WeightUpdateError:
+                pass
+            self._begun = False
+        label = None
+        if self.rollback == "disk" and self._model_path is not None:
+            label = f"checkpoint:{self._model_path}"
+            try:
+                self._call("POST", "/update_weights_from_disk", {"model_path": self._model_path, "weight_version": label,
+                                                                 "flush_cache": True, "abort_all_requests": True})
+            except WeightUpdateError:
+                label = None
+        if label is None:
+            try:
+                self._call("POST", "/update_weight_version", {"new_version": f"incomplete:{self.weight_version}",
+                                                              "abort_all_requests": True})
+            except WeightUpdateError:
+                pass
+        try:
+            self.served_version = self.model_info().get("weight_version")
+        except WeightUpdateError:
+            self.served_version = None
+        return self.served_version
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -630,6 +758,10 @@ class WeightSender:
         if pending:
             raise WeightUpdateError(f"incomplete atomic group(s): {', '.join(missing[:4])} never arrived",
                                     "fused siblings and share-scale groups must all be sent in one update")
+        if len(seen) != len(by):  # a lone tensor missing: the rollout would keep a stale copy of it
+            absent = [t.hf_name for t in self.plan.tensors if t.hf_name not in seen]
+            raise WeightUpdateError(f"incomplete state dict: {len(absent)} of {len(by)} plan tensors never arrived, "
+                                    f"e.g. {', '.join(absent[:3])}", "an update must carry every weight of the plan")
 
     def quantize_all(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
         """The quantized checkpoint tensors, one atomic unit at a time (NaN/Inf checked per unit; see send for the
@@ -658,50 +790,72 @@ class WeightSender:
             self._program = UpdateProgram(self.plan, units, self.bucket_bytes)
         return self._program
 
-    def prepare(self, items: Iterable[tuple[str, torch.Tensor]]) -> "PreparedUpdate":
+    def prepare_program(self, items: Iterable[tuple[str, torch.Tensor]]) -> "PreparedUpdate":
         """Bind the trainer's weights once (names mapped, segments stacked - zero-copy where the weights are views
         of grouped buffers) so that every later `send(prepared)` only launches kernels. The binding holds views
-        of the weights: valid while the trainer updates them in place (as optimizers do)."""
+        of the weights: valid while the trainer updates them in place (as optimizers do). Refuses, with nothing
+        sent, exactly what the per-unit path refuses before sending: duplicates, names outside the plan, missing
+        tensors, wrong shapes (NaN/Inf is counted on the GPU during the update; see _send_program). `prepare`
+        picks this itself for CUDA weights on a GPU-buffer transport."""
+        by = self.plan.by_name()
         hf: dict = {}
-        for name, x in items:
+        for name, x in list(items):
             for n, y in self.names.to_hf(name, x):
                 if n in hf:
                     raise WeightUpdateError(f"weight '{n}' was sent twice in one update")
+                if n not in by:
+                    raise WeightUpdateError(f"weight '{n}' is not in the plan",
+                                            "an update must carry exactly the plan's weights")
+                t = by[n]
+                if tuple(y.shape) != tuple(t.shape):
+                    raise WeightUpdateError(f"tensor '{n}' has shape {tuple(y.shape)}, the plan says {t.shape}")
                 hf[n] = y
-        missing = [t.hf_name for t in self.plan.tensors if t.hf_name not in hf]
-        if missing:
-            raise WeightUpdateError(f"the GPU update program needs every plan tensor; {missing[0]} is missing",
-                                    "send complete models, or pass CPU tensors for the per-unit path")
+        if len(hf) != len(by):  # a lone tensor missing: the rollout would keep a stale copy of it
+            absent = [t.hf_name for t in self.plan.tensors if t.hf_name not in hf]
+            raise WeightUpdateError(f"incomplete state dict: {len(absent)} of {len(by)} plan tensors never arrived, "
+                                    f"e.g. {', '.join(absent[:3])}", "an update must carry every weight of the plan")
         return PreparedUpdate(self.program().bind(hf), hf)
 
-    def _fast_ok(self, items) -> bool:
+    def _fast_ok(self, items: list) -> bool:
+        """CUDA weights, a transport that takes GPU buffers, Triton available: the GPU update program."""
         if not getattr(self.transport, "gpu_program", False):
             return False
-        if isinstance(items, PreparedUpdate):
-            return True
+        if not items or not all(getattr(x, "is_cuda", False) for _, x in items):
+            return False
         from .. import kernels
 
         return kernels.available()
 
-    def send(self, items, weight_version: Optional[str] = None) -> SendReport:
-        """Send one update. `items`: (name, tensor) pairs, or a `prepare`d binding. CUDA weights with an
-        in-process or torch.distributed transport take the GPU update program (grouped kernels, double-buffered
-        buckets, one host sync); NaN/Inf there is found on the GPU while buckets move, and the closing message
-        tells the receiver to refuse the update (it raises NonFiniteWeight; nothing is applied). Other cases take
-        the per-unit path: quantize everything first (NaN/Inf or a missing tensor aborts before anything is
-        sent), then bucket and send."""
-        if not isinstance(items, PreparedUpdate):
-            items = list(items)
-            on_gpu = bool(items) and all(getattr(x, "is_cuda", False) for _, x in items)
-            if on_gpu and self._fast_ok(items) and self._complete(items):
-                items = self.prepare(items)
-        if isinstance(items, PreparedUpdate):
-            return self._send_program(items, weight_version)
-        return self._send_units(items, weight_version)
+    def prepare(self, items: Iterable[tuple[str, torch.Tensor]]):
+        """Everything that can refuse an update, with nothing sent: names, completeness against the plan (every
+        tensor, no extras, no duplicates), quantization and the finite checks. Per-unit path: a list of quantized
+        units (memory: the quantized model, <= the BF16 size, held once). CUDA weights on a GPU-buffer transport:
+        a PreparedUpdate binding for the GPU update program (checked the same way; NaN/Inf there is counted on the
+        GPU while the buckets move, and the update is aborted on both ends before the closing message)."""
+        items = list(items)
+        if self._fast_ok(items):
+            return self.prepare_program(items)
+        return list(self.quantize_all(items))
 
-    def _complete(self, items) -> bool:
-        n = sum(len(self.names.meg.get(name, ())) or 1 for name, _ in items)
-        return n == len(self.plan.tensors)
+    def send(self, items, weight_version: Optional[str] = None) -> SendReport:
+        """prepare() then send_prepared(): a refused update never opens the transport. `items`: (name, tensor)
+        pairs or the result of prepare()."""
+        if isinstance(items, PreparedUpdate):
+            return self.send_prepared(items, weight_version)
+        return self.send_prepared(self.prepare(items), weight_version)
+
+    def _abort(self, err: BaseException, buckets: int, weight_version: Optional[str]):
+        served = None
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            try:
+                served = abort(f"{type(err).__name__}: {err}"[:500])
+            except Exception:  # the transport is already broken; the original error is the one to report
+                pass
+        if not isinstance(err, Exception):  # KeyboardInterrupt & co. stay what they are
+            raise err
+        raise WeightUpdateAborted(f"weight update {weight_version or ''} aborted after {buckets} "
+                                  f"bucket(s): {err}", getattr(err, "hint", ""), served_version=served) from err
 
     def _send_program(self, prep: "PreparedUpdate", weight_version: Optional[str]) -> SendReport:
         prog = self.program()
@@ -709,30 +863,43 @@ class WeightSender:
         if hasattr(self.transport, "weight_version"):
             self.transport.weight_version = weight_version
         self.transport.open(plan_hash)
-        if hasattr(self.transport, "send_layout"):
-            self.transport.send_layout(prog.metas)
-        bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
-                            check_equal=self.check_equal)
-        n_bad = int(bad.item())  # the update's one host synchronisation
-        report = SendReport(plan_hash=plan_hash, buckets=len(prog.buckets), tensors=prog.tensors, bytes=prog.bytes,
-                            bucket_names=prog.bucket_names)
-        bad_name = _first_nonfinite(self.plan, prep.tensors) if n_bad else None
-        self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
-                              "weight_version": weight_version, "digests": None,
-                              "fingerprints": fps.tolist() if fps is not None else None,
-                              "nonfinite": n_bad, "nonfinite_tensor": bad_name})
-        if n_bad:
-            raise NonFiniteWeight(bad_name or "?", n_bad)
+        try:
+            if hasattr(self.transport, "send_layout"):
+                self.transport.send_layout(prog.metas)
+            # fingerprints always on: they are the GPU buckets' checksums (the receiver always verifies them)
+            bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
+                                check_equal=True)
+            n_bad = int(bad.item())  # the update's one host synchronisation
+            if n_bad:  # every bucket has moved; abort instead of closing: receivers discard them
+                raise NonFiniteWeight(_first_nonfinite(self.plan, prep.tensors) or "?", n_bad)
+            report = SendReport(plan_hash=plan_hash, buckets=len(prog.buckets), tensors=prog.tensors,
+                                bytes=prog.bytes, bucket_names=prog.bucket_names)
+            self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
+                                  "weight_version": weight_version, "digests": None,
+                                  "fingerprints": fps.tolist()})
+        except BaseException as err:
+            self._abort(err, len(prog.buckets), weight_version)
         return report
 
-    def _send_units(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None
-                    ) -> SendReport:
+    def send_prepared(self, units, weight_version: Optional[str] = None) -> SendReport:
+        """Bucket and send prepared units (or a GPU-program binding). All or nothing: any failure after the
+        transport is opened is followed by `transport.abort(reason)` (receivers discard what they got; the SGLang
+        client closes the bracket and rolls back) and raised as WeightUpdateAborted naming the version the consumer
+        serves afterwards."""
+        if isinstance(units, PreparedUpdate):
+            return self._send_program(units, weight_version)
         plan_hash = _plan_hash(self.plan)
-        units = list(self.quantize_all(items))
         report = SendReport(plan_hash=plan_hash)
         if hasattr(self.transport, "weight_version"):
             self.transport.weight_version = weight_version
         self.transport.open(plan_hash)
+        try:
+            self._send_units(units, report, plan_hash, weight_version)
+        except BaseException as err:
+            self._abort(err, report.buckets, weight_version)
+        return report
+
+    def _send_units(self, units, report: SendReport, plan_hash: str, weight_version) -> None:
         bucket: dict[str, torch.Tensor] = {}
         size = 0
 
@@ -760,7 +927,6 @@ class WeightSender:
         self.transport.close({"plan_hash": plan_hash, "tensors": report.tensors, "bytes": report.bytes,
                               "weight_version": weight_version,
                               "digests": report.digests if self.check_equal else None})
-        return report
 
 
 class _BucketViews(dict):
@@ -780,6 +946,16 @@ class _BucketViews(dict):
     def update_from(self, other: dict) -> None:
         self._where.update(dict.fromkeys(other, -1))
         super().update(other)
+
+    def spec(self, n) -> tuple[str, tuple]:
+        """(dtype name, shape) of `n` without making its view."""
+        b = self._where[n]
+        if b < 0:
+            x = dict.__getitem__(self, n)
+            return str(x.dtype).replace("torch.", ""), tuple(x.shape)
+        meta, _buf, idx = self._buckets[b]
+        i = idx[n]
+        return meta["dtypes"][i], tuple(meta["shapes"][i])
 
     def _make(self, n):
         meta, buf, idx = self._buckets[self._where[n]]
@@ -852,41 +1028,90 @@ class WeightReceiver:
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()
+            if kind == "abort":
+                self.raw = {}
+                raise WeightUpdateAborted(f"the sender aborted the update: {meta.get('reason')}")
             if kind == "close":
                 self.summary = meta
                 break
             if "offsets" in meta:  # GPU program layout: views made on first access, not per tensor here
                 bufs.append(buf)
                 lazy.add(meta, buf)
-            else:
+                continue
+            try:
                 self.raw.update(unpack_bucket(meta, buf))
+            except WeightUpdateError:
+                self._drain(timeout)  # keep the stream in step: the next update starts at its own 'open'
+                self.raw = {}
+                raise
         if len(lazy):
             lazy.update_from(self.raw)
             self.raw = lazy
-        if self.summary.get("nonfinite"):
-            raise NonFiniteWeight(self.summary.get("nonfinite_tensor") or "?", self.summary["nonfinite"])
-        if self.summary.get("tensors") != len(self.raw):
-            raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
-                                       f"the sender sent {self.summary.get('tensors')}")
-        fps = self.summary.get("fingerprints")
-        if self.check_equal and fps is not None:
-            import torch
-
-            from ..kernels import triton_segments
-
-            mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device if bufs else "cpu")
-            for k, b in enumerate(bufs):
-                triton_segments.fingerprint(b, mine[k:k + 1])
-            bad = [k for k, (a, b) in enumerate(zip(mine.tolist(), fps)) if a != b]
-            if bad or len(bufs) != len(fps):
-                raise WeightUpdateMismatch(f"bucket(s) {bad or 'count'} differ between sender and receiver "
-                                           "(on-GPU fingerprints)")
+        try:
+            if bufs:
+                self._check_fingerprints(bufs)
+            if self.summary.get("tensors") != len(self.raw):
+                raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
+                                           f"the sender sent {self.summary.get('tensors')}")
+            self._check_complete()
+        except WeightUpdateError:
+            self.raw = {}
+            raise
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)
             if bad:
                 raise WeightUpdateMismatch(f"{len(bad)} tensor(s) differ between sender and receiver, e.g. {bad[0]}")
         return self.raw
+
+    def _drain(self, timeout) -> None:
+        while True:
+            kind, _meta, _buf = self.transport.recv(timeout=timeout) if isinstance(self.transport,
+                                                                                 InProcessTransport) \
+                else self.transport.recv()
+            if kind in ("close", "abort"):
+                return
+
+    def _check_fingerprints(self, bufs: list) -> None:
+        """GPU-program buckets: the on-GPU fingerprints the sender computed after filling each bucket (always sent)
+        must match the bytes that arrived - their per-bucket checksum."""
+        import torch
+
+        from ..kernels import triton_segments
+
+        fps = self.summary.get("fingerprints")
+        if not isinstance(fps, list):
+            raise WeightUpdateMismatch("GPU-program buckets arrived without fingerprints",
+                                       "sender and receiver must run the same policyc")
+        mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device)
+        for k, b in enumerate(bufs):
+            triton_segments.fingerprint(b, mine[k:k + 1])
+        bad = [k for k, (x, y) in enumerate(zip(mine.tolist(), fps)) if x != y]
+        if bad or len(bufs) != len(fps):
+            raise WeightUpdateMismatch(f"bucket(s) {bad or 'count'} differ between sender and receiver "
+                                       "(on-GPU fingerprints)")
+
+    def _check_complete(self) -> None:
+        """Exactly the plan's checkpoint tensors, with the plan's dtypes and shapes: nothing missing, nothing
+        extra, so an update is applied whole or not at all."""
+        from .quantize import output_specs
+        from .safetensors_io import _TORCH_DT
+
+        want = {n: (dt, tuple(sh)) for t in self.plan.tensors for n, dt, sh in output_specs(t)}
+        missing = sorted(set(want) - set(self.raw))
+        extra = sorted(set(self.raw) - set(want))
+        if missing or extra:
+            raise WeightUpdateMismatch(f"update does not match the plan: {len(missing)} tensor(s) missing (e.g. "
+                                       f"{missing[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})")
+        spec = getattr(self.raw, "spec", None)  # lazy GPU-program views: dtype/shape from the bucket layout
+        for n, (dt, sh) in want.items():
+            if spec is not None:
+                got_dt, got_sh = spec(n)
+            else:
+                x = self.raw[n]
+                got_dt, got_sh = str(x.dtype).replace("torch.", ""), tuple(x.shape)
+            if got_dt != _TORCH_DT[dt] or got_sh != sh:
+                raise WeightUpdateMismatch(f"tensor '{n}' arrived as {got_dt} {got_sh}, the plan says {dt} {sh}")
 
     def receive(self, timeout: Optional[float] = 600) -> dict:
         """{hf_name: QuantizedTensor | Tensor} for every plan tensor."""

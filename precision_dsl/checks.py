@@ -8,8 +8,12 @@ these checks find what depends on the model's shapes and on how trainer (Megatro
   share-scale-missing (warning) fused siblings with per-tensor second-level scales that do not share them
   share-scale         members of a share-scale group get one format and carry weight global_scale='group'
   hardware            MXFP8 / NVFP4 only on Blackwell unless the policy says `target hopper emulate`
+  rollout-etp         the rollout etp is what SGLang derives from the launch args (moe_tp = tp / ep); another is
+                      a contract SGLang never sees
   etp-mismatch        per-token (row) activation scales on routed experts need trainer.etp == rollout.etp
-  pipeline-layers     num_layers % pp, and BF16 prefix/suffix runs vs Megatron's --num-layers-at-{start,end}-in-bf16
+  (pipeline splits and BF16 layer runs are the Megatron emitter's business: it lays out uneven splits with
+  --decoder-first/last-pipeline-num-layers and refuses, by name, what one TE precision file cannot express; the
+  check/emit gate, precision_dsl/engine/gate.py, reports those refusals as errors of `policyc check`)
   scale-scope         weight_scale=per_expert on a tensor that is not a routed expert (warning)
 
 Findings about many tensors with the same cause (e.g. 256 experts x 58 layers) are reported once, naming the first
@@ -38,8 +42,6 @@ COLUMN_PARALLEL = frozenset({
     "shared_experts.up", "routed_experts.gate", "routed_experts.up", "lm_head", "mtp.lm_head",
 })
 ROW_PARALLEL = frozenset({"attn.o", "mlp.down", "shared_experts.down", "routed_experts.down"})
-TE_YAML_HINT = ("express it with the per-stage TE precision YAML (--te-precision-config-file) that the megatron "
-                "backend emits, instead of --num-layers-at-{start,end}-in-bf16")
 
 
 def check(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout] = None) -> list[Diagnostic]:
@@ -51,8 +53,8 @@ def check(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout] = N
     diags += check_share_scale(plan)
     diags += check_scale_scope(plan)
     if parallel is not None:
+        diags += check_rollout_etp(plan, parallel)
         diags += check_etp(plan, parallel)
-        diags += check_pipeline(plan, parallel)
     return diags
 
 
@@ -269,6 +271,27 @@ def check_scale_scope(plan: Plan) -> list[Diagnostic]:
     return agg.diagnostics()
 
 
+def check_rollout_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
+    """SGLang 0.5.23 has no expert-TP flag: moe_tp_size = tp_size // ep_size // moe_dp_size (runtime_context.py
+    `derive_parallel_widths`), and it requires tp_size % ep_size == 0."""
+    ro = parallel.rollout
+    first = next((t.hf_name for t in plan.tensors if t.role.startswith("routed_experts.")), None)
+    if first is None:
+        return []
+    if ro.tp % ro.ep:
+        return [Diagnostic(severity="error", code="rollout-etp", tensor=first,
+                           message=f"rollout ep={ro.ep} does not divide rollout tp={ro.tp}; SGLang requires "
+                                   "tp_size % ep_size == 0",
+                           hint="choose a rollout ep that divides tp")]
+    derived = ro.tp // ro.ep
+    if ro.etp == derived:
+        return []
+    return [Diagnostic(severity="error", code="rollout-etp", tensor=first,
+                       message=f"rollout etp={ro.etp}, but SGLang derives expert TP from its launch args: moe_tp = "
+                               f"tp/ep = {ro.tp}/{ro.ep} = {derived} (there is no expert-TP flag)",
+                       hint=f"write rollout:tp={ro.tp},ep={ro.ep} (etp {derived}), or change the rollout tp/ep")]
+
+
 def check_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
     tr, ro = parallel.trainer.etp, parallel.rollout.etp
     if tr == ro:
@@ -282,72 +305,3 @@ def check_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
                     "set equal expert tensor-parallel sizes (Megatron --expert-tensor-parallel-size, SGLang "
                     "moe_tp_size = tp / ep / moe_dp), or use act_scale=per_tensor")
     return agg.diagnostics()
-
-
-def check_pipeline(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
-    pp = parallel.trainer.pp
-    n = plan.num_layers
-    if pp <= 1 or n <= 0:
-        return []
-    out = []
-    if n % pp:
-        out.append(Diagnostic(severity="warning", code="pipeline-layers",
-                              message=f"{n} decoder layers do not split evenly over trainer pp={pp}",
-                              hint="use a pp that divides num_layers, or Megatron's uneven pipeline options "
-                                   "(--decoder-first/last-pipeline-num-layers)"))
-    quantized_layers: dict[int, bool] = {}
-    has_linear: set[int] = set()
-    names: dict[int, str] = {}
-    for t in plan.tensors:
-        if t.layer is None or t.mtp is not None or not t.is_linear:
-            continue
-        has_linear.add(t.layer)
-        names.setdefault(t.layer, t.hf_name)
-        if t.weight.is_quantized or t.activation.is_quantized:
-            quantized_layers[t.layer] = True
-    if not quantized_layers:
-        return out
-    hp = [layer for layer in range(n) if layer in has_linear and not quantized_layers.get(layer)]
-    hp_set = set(hp)
-    prefix = 0
-    while prefix in hp_set:
-        prefix += 1
-    suffix = 0
-    while (n - 1 - suffix) in hp_set:
-        suffix += 1
-    per_stage = n // pp
-    if per_stage == 0:
-        return out
-    if suffix > per_stage:
-        first = n - suffix
-        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(first),
-                              message=f"{names.get(first)}: the BF16 suffix (layers {first}..{n - 1}, {suffix} "
-                                      f"layers) is longer than one pipeline stage ({per_stage} layers at pp={pp}); "
-                                      "--num-layers-at-end-in-bf16 cannot express it",
-                              hint=TE_YAML_HINT))
-    if prefix > per_stage:
-        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(0),
-                              message=f"{names.get(0)}: the BF16 prefix (layers 0..{prefix - 1}, {prefix} layers) is "
-                                      f"longer than one pipeline stage ({per_stage} layers at pp={pp}); "
-                                      "--num-layers-at-start-in-bf16 cannot express it",
-                              hint=TE_YAML_HINT))
-    middle = [layer for layer in hp if prefix <= layer < n - suffix]
-    if middle:
-        out.append(Diagnostic(severity="warning", code="pipeline-layers", tensor=names.get(middle[0]),
-                              message=f"{names.get(middle[0])}: BF16 layers in the middle of the stack "
-                                      f"({_ranges(middle)}) cannot be expressed by "
-                                      "--num-layers-at-{start,end}-in-bf16",
-                              hint=TE_YAML_HINT))
-    return out
-
-
-def _ranges(xs: list[int]) -> str:
-    out, start, prev = [], xs[0], xs[0]
-    for x in xs[1:] + [None]:  # type: ignore[list-item]
-        if x is not None and x == prev + 1:
-            prev = x
-            continue
-        out.append(f"{start}..{prev}" if start != prev else str(start))
-        if x is not None:
-            start = prev = x
-    return ", ".join(out)

@@ -13,7 +13,7 @@ import sys
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import typer
 
@@ -225,14 +225,16 @@ def _human(n: float, unit: str = "") -> str:
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     con = console()
     rows = plan_rows(plan, tensor_glob, expand)
     if tensor_glob and not rows:
         raise UserError(f"--tensor '{tensor_glob}' matches no tensor of {plan.model}",
                         "globs match HF names, e.g. 'model.layers.3.mlp.experts.*'")
-    title = (f"policy [bold]{plan.policy_name}[/] on [bold]{plan.model}[/] ({plan.model_type}, {plan.num_layers} layers)"
-             f" · target {plan.target}{' (emulated)' if plan.emulate else ''}")
+    title = Text.assemble("policy ", (plan.policy_name, "bold"), " on ", (plan.model, "bold"),
+                          f" ({plan.model_type}, {plan.num_layers} layers) · target {plan.target}"
+                          f"{' (emulated)' if plan.emulate else ''}")
     table = Table(title=title, title_justify="left", show_lines=False, header_style="bold")
     for col in ("layers", "tensors", "shape", "weight", "activation", "grad", "backward", "rule"):
         table.add_column(col, overflow="fold", no_wrap=col != "tensors")
@@ -241,7 +243,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         style = "dim" if r.weight in ("bf16", "fp16", "fp32") else None
         cells = (r.layers if r.layers != prev else "", r.tensors, r.shape, r.weight, r.activation, r.grad,
                  r.backward, r.rule)
-        table.add_row(*map(escape, cells), style=style)
+        table.add_row(*cells, style=style)  # plain strings: the console never parses markup
         prev = r.layers
     con.print(table)
     summary = Table(title="summary (weights)", title_justify="left", header_style="bold")
@@ -249,18 +251,25 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         summary.add_column(col, justify="right" if col != "format" else "left")
     total_p = total_b = total_a = 0
     for fmt, n, pct, b, a in summarize(plan):
-        summary.add_row(escape(fmt), _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
+        summary.add_row(fmt, _human(n), f"{pct:.1f}%", _human(b, "B"), _human(a, "B"))
         total_p, total_b, total_a = total_p + n, total_b + b, total_a + a
-    summary.add_row("[bold]total[/]", _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
+    summary.add_row(Text("total", style="bold"), _human(total_p), "100.0%", _human(total_b, "B"), _human(total_a, "B"))
     con.print(summary)
+    src = {}
+    for t in plan.tensors:
+        if t.source_precision is not None and t.source_precision.is_quantized:
+            src[t.source_precision.short()] = src.get(t.source_precision.short(), 0) + 1
+    for fmt, n in src.items():
+        con.print(f"source: {n} linears are stored {escape(fmt)} in the checkpoint (config.json quantization_config); "
+                  "bytes before count them as stored")
     roles, main, mtp = role_summary(plan)
     by_role = Table(title="parameters by role (main model" + (", MTP apart" if mtp else "") + ")",
                     title_justify="left", header_style="bold")
     for col in ("role", "params", "% of model", "weight formats"):
         by_role.add_column(col, justify="right" if col in ("params", "% of model") else "left")
     for g, n, pct, f in roles:
-        by_role.add_row(g, _human(n), f"{pct:.1f}%", escape(f))
-    by_role.add_row("[bold]model[/]", _human(main), "100.0%", "")
+        by_role.add_row(g, _human(n), f"{pct:.1f}%", f)
+    by_role.add_row(Text("model", style="bold"), _human(main), "100.0%", "")
     if mtp:
         by_role.add_row("MTP modules", _human(mtp), "(apart)", "")
     con.print(by_role)
@@ -273,15 +282,33 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
         con.print(f"share-scale groups: {groups} (one global scale per group)")
     con.print(f"plan hash: {plan.content_hash()}")
     for note in plan.notes:
-        con.print(f"[yellow]note:[/] {note}")
+        con.print(f"[yellow]note:[/] {escape(note)}", markup=True)
     if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
            for t in plan.tensors if t.is_linear):
-        con.print(f"[yellow]note:[/] {EMULATION_NOTE}")
+        con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # diff
 # ---------------------------------------------------------------------------------------------------------------
+def _print_families() -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .arch.families import FAMILIES
+
+    table = Table(title="supported model families (dispatch: config.json `architectures` first, `model_type` second)",
+                  title_justify="left", header_style="bold")
+    for col in ("family", "HF architectures", "model_type", "example (bundled)", "public models covered"):
+        table.add_column(col, overflow="fold")
+    for f in FAMILIES:
+        table.add_row(*map(escape, (f.model_type, ", ".join(f.architectures), ", ".join((f.model_type, *f.aliases)),
+                                    f.example or "-", f.models)))
+    console().print(table)
+    console().print("policyc arch MODEL lists a model's tensors; MODEL is a bundled name, a config.json or a "
+                     "checkpoint directory")
+
+
 def diff_plans(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     """(hf_name, precision in A, precision in B) for every tensor whose precision or share group differs."""
     bmap = b.by_name()
@@ -376,43 +403,51 @@ def register(app: typer.Typer) -> None:
                                     ("did you mean " + ", ".join(close)) if close else
                                     "run `policyc plan --json` to list tensor names")
                 target = hits[0]
+            from rich.markup import escape
+            from rich.text import Text
+
             matches = explain(policy, arch, target)
             con = console()
-            con.print(f"[bold]{target}[/]")
+            con.print(Text(target, style="bold"))
             if not matches:
                 con.print("  no rule matched; the policy's default applies")
             for ref, prec, won in matches:
                 mark = "[green]✔ wins[/]" if won else "[dim]overridden[/]"
                 where = "default" if ref is None else str(ref)
                 text = "" if ref is None else ref.text
-                con.print(f"  {mark}  {where}  {prec.short()}")
+                con.print(f"  {mark}  {escape(where)}  {escape(prec.short())}", markup=True)
                 if text:
-                    con.print(f"          [dim]{text}[/]", markup=True)
+                    con.print(Text(f"          {text}", style="dim"))
 
         guard(body)
 
     @app.command("check")
     def check_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
                   parallel: Optional[str] = PARALLEL_OPT,
+                  backend: Optional[List[str]] = typer.Option(
+                      None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
+                                                    "default: all)"),
+                  te_version: Optional[str] = typer.Option(None, "--te-version",
+                                                           help="installed TransformerEngine version"),
                   strict: bool = typer.Option(False, "--strict", help="treat warnings as errors")) -> None:
-        """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout).
-        Exit code 0 when clean, 1 when any error is found."""
+        """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout)
+        and every backend emitter (the gate `policyc emit` runs): what check accepts, emit emits. Exit code 0 when
+        clean, 1 when any error is found; all problems are reported together."""
 
         def body():
-            from .checks import check
-            from .parallel import parse_parallel
+            from .backends.cli import chosen_backends, checked_te_version, print_diagnostics
+            from .engine.gate import run_gate
 
+            chosen = chosen_backends(backend)
+            checked_te_version(te_version)
             plan = build_plan(policy, model, parallel)
-            diags = check(plan, load_arch(model), parse_parallel(parallel))
+            res = run_gate(plan, load_arch(model), chosen, te_version)
+            diags = res.diagnostics
             con = console()
             n_err = sum(1 for d in diags if d.severity == "error")
             n_warn = len(diags) - n_err
-            for d in diags:
-                colour = "red" if d.severity == "error" else "yellow"
-                con.print(f"[bold {colour}]{d.severity}[/] [{d.code}] {d.message}", markup=True)
-                if d.hint:
-                    con.print(f"  [cyan]hint:[/] {d.hint}")
-            status = "ok" if n_err == 0 and (n_warn == 0 or not strict) else "failed"
+            print_diagnostics(diags, con)
+            status = "ok" if res.ok(strict) else "failed"
             con.print(f"{plan.policy_name} on {plan.model}: {n_err} error(s), {n_warn} warning(s) — {status}")
             if status != "ok":
                 raise typer.Exit(1)
@@ -420,15 +455,19 @@ def register(app: typer.Typer) -> None:
         guard(body)
 
     @app.command("arch")
-    def arch_cmd(model: str = typer.Argument("tiny-moe", help="bundled name, config.json or checkpoint directory"),
+    def arch_cmd(model: Optional[str] = typer.Argument(
+                     None, help="bundled name, config.json or checkpoint directory; omit to list the families"),
                  as_json: bool = typer.Option(False, "--json", help="every tensor as JSON lines"),
                  name: Optional[str] = typer.Option(None, "--name", help="only tensors whose HF name matches")) -> None:
-        """List the checkpoint tensors of a model: HF name, shape, role, Megatron name, SGLang prefix."""
+        """List the supported model families (no argument), or the checkpoint tensors of a model: HF name, shape,
+        role, Megatron name, SGLang prefix."""
 
         def body():
-            from rich.markup import escape
             from rich.table import Table
 
+            if model is None:
+                _print_families()
+                return
             arch = load_arch(model)
             ts = [t for t in arch.tensors if not name or fnmatch.fnmatchcase(t.hf_name, name)]
             if name and not ts:
@@ -437,13 +476,20 @@ def register(app: typer.Typer) -> None:
                 for t in ts:
                     sys.stdout.write(t.model_dump_json() + "\n")
                 return
-            table = Table(title=f"{arch.name} ({arch.model_type}): {len(arch.tensors)} tensors, "
-                                f"{arch.total_params / 1e9:.2f}B parameters", title_justify="left", header_style="bold")
+            how = arch.model_type
+            if arch.architecture or arch.source_model_type:
+                how += " via " + " / ".join(x for x in (arch.architecture, arch.source_model_type and
+                                                       f"model_type {arch.source_model_type}") if x)
+            fp8 = [t.source_format for t in arch.tensors if t.source_format is not None]
+            src = f"; the release stores {len(fp8)} linears as {fp8[0].short()}" if fp8 else ""
+            table = Table(title=f"{arch.name} ({how}): {len(arch.tensors)} tensors, "
+                                f"{arch.total_params / 1e9:.2f}B parameters{src}", title_justify="left",
+                          header_style="bold")
             for col in ("hf name", "shape", "role", "megatron", "sglang prefix"):
                 table.add_column(col, overflow="fold")
             for t in ts[:2000]:
                 meg = (t.megatron_name or "") + (f" [{t.megatron_part}]" if t.megatron_part else "")
-                table.add_row(*map(escape, (t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")))
+                table.add_row(t.hf_name, "x".join(map(str, t.shape)), t.role, meg, t.sglang_prefix or "")
             console().print(table)
             if len(ts) > 2000:
                 console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
@@ -459,7 +505,6 @@ def register(app: typer.Typer) -> None:
         """Which tensors change format between two policies."""
 
         def body():
-            from rich.markup import escape
             from rich.table import Table
 
             a = build_plan(policy_a, model)
@@ -480,7 +525,7 @@ def register(app: typer.Typer) -> None:
             for (sa, sb), names in by_pair.items():
                 items = [(n, 1) for n in names] if full else _collapse_names(names)
                 for text, n in items:
-                    table.add_row(escape(text), str(n), escape(sa), escape(sb))
+                    table.add_row(text, str(n), sa, sb)
             con.print(table)
 
         guard(body)

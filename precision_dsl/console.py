@@ -2,7 +2,7 @@
 verify, run/ablate): bad input prints `error: ...` + `hint: ...` (or a policy diagnostic with file:line:col and a
 caret) and exits with the error's code, never a traceback.
 
-Public: `UserError`, `console()`, `fail(err)`, `guard(body, expected=())`. Only rich and typer are imported at start-up.
+Public: `UserError`, `console()`, `fail(err)`, `guard(body)`. Only rich and typer are imported at start-up.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import shutil
 import sys
 
 import typer
+from .errors import PolicycError
 
 
-class UserError(Exception):
+class UserError(PolicycError):
     """An error to print as `error: message` + `hint:` with exit code `code`."""
 
     def __init__(self, message: str, hint: str = "", code: int = 2):
@@ -31,7 +32,10 @@ def console(stderr: bool = False):
     # rich's default 80 so that names and formats stay on one line.
     width = None if stream.isatty() and shutil.get_terminal_size().columns >= 120 else int(
         os.environ.get("POLICYC_WIDTH", "180"))
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+    # markup=False: user-supplied text (policy names, tensor globs, echoed source, messages) is printed verbatim and
+    # never parsed as rich markup ("[/x]" in a policy name used to raise MarkupError). Styled output passes Text
+    # objects or print(..., markup=True) with every user part escaped.
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width, markup=False)
 
 
 def fail(err: Exception) -> "typer.Exit":
@@ -44,25 +48,23 @@ def fail(err: Exception) -> "typer.Exit":
         from rich.markup import escape
 
         message = getattr(err, "message", None) or (err.args[0] if err.args else str(err))
-        con.print(f"[bold red]error:[/] {escape(str(message))}")
+        con.print(f"[bold red]error:[/] {escape(str(message))}", markup=True)
         hint = getattr(err, "hint", "")
         if hint:
-            con.print(f"[cyan]hint:[/] {escape(hint)}")
+            con.print(f"[cyan]hint:[/] {escape(str(hint))}", markup=True)
     return typer.Exit(getattr(err, "code", 2) if isinstance(getattr(err, "code", None), int) else 2)
 
 
-def guard(body, expected: tuple[type[BaseException], ...] = ()):
-    """Run a command body, turning every expected error (the compiler's own, plus `expected`) into a diagnostic
-    and an exit code. Anything else is a bug and propagates."""
-    from .arch import ArchitectureError
-    from .diagnostics import PolicyError
-    from .parallel import ParallelSpecError
-
+def guard(body):
+    """Run a command body, turning every expected error into a diagnostic and an exit code: every `PolicycError`
+    (the one hierarchy of user-facing errors, precision_dsl/errors.py) and OSError. Anything else is a bug and
+    propagates with its traceback (CLI tests run with catch_exceptions=False, so they fail on it)."""
     try:
         return body()
     except typer.Exit:
         raise
-    except (UserError, PolicyError, ArchitectureError, ParallelSpecError, *expected) as err:
+    except PolicycError as err:
         raise fail(err)
     except OSError as err:
-        raise fail(UserError(f"{err.strerror or err}: {getattr(err, 'filename', '')}"))
+        where = f": {err.filename}" if getattr(err, "filename", None) else ""
+        raise fail(UserError(f"{err.strerror or err}{where}"))

@@ -17,6 +17,7 @@ import difflib
 from typing import Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
+from .errors import PolicycError
 
 
 class Span(BaseModel):
@@ -32,7 +33,7 @@ class Span(BaseModel):
     end_col: int
 
 
-class PolicyError(Exception):
+class PolicyError(PolicycError):
     """A policy-level error with a source location. `span` may be None for errors that have no location
     (e.g. a missing root file); `source` is the text of `span.file` (for the caret line); `notes` are extra lines
     such as "imported from a.policy:3:5"."""

@@ -11,13 +11,19 @@ import hashlib
 import json
 import re
 from enum import Enum
+from functools import lru_cache
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__
-from .arch.base import fused_key
-from .precision import DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat
+from .arch.base import CheckpointTensor
+from .precision import CHECKPOINT_DTYPES, DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat, hp
+
+
+@lru_cache(maxsize=None)
+def _hp_of_dtype(dtype: str) -> TensorFormat:
+    return hp(CHECKPOINT_DTYPES.get(dtype, ("bf16", 2))[0])
 
 
 class RuleRef(BaseModel):
@@ -52,7 +58,7 @@ class ParallelLayout(BaseModel):
     rollout: ParallelSide = ParallelSide()
 
 
-class TensorPlan(BaseModel):
+class TensorPlan(CheckpointTensor, BaseModel):
     model_config = ConfigDict(frozen=True)
 
     hf_name: str
@@ -77,6 +83,19 @@ class TensorPlan(BaseModel):
     # policy, and are left out of content_hash (names and shapes already pin the model).
     fused_group: Optional[str] = None  # FUSED_SIBLINGS key (TensorInfo.fused_group): engines run these as one GEMM
     source_dtype: str = DEFAULT_SOURCE_DTYPE  # dtype of the source checkpoint tensor (precision.CHECKPOINT_DTYPES)
+    # What a dtype cannot say for a quantized source: its storage format. For the linears of an FP8-block release
+    # (DeepSeek-V3, Kimi-K2: config.json quantization_config, arch/source.py) source_dtype is float8_e4m3fn and this
+    # is fp8_block/e4m3 with the release's block and scale kind (a `<module>.weight_scale_inv` grid); None for
+    # tensors stored plainly in source_dtype. The converter holds the checkpoint's headers to it, dequantizes or
+    # passes through (backends/fp8_source.py).
+    source_format: Optional[TensorFormat] = None
+
+    @property
+    def source_precision(self) -> TensorFormat:
+        """How the source stores this tensor, as a format: `source_format`, or the high-precision `source_dtype`."""
+        if self.source_format is not None:
+            return self.source_format
+        return _hp_of_dtype(self.source_dtype)
 
     @property
     def weight(self) -> TensorFormat:
@@ -94,17 +113,6 @@ class TensorPlan(BaseModel):
     def backward(self) -> BackwardMode:
         return self.precision.backward
 
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def fused_key(self) -> Optional[tuple]:
-        """The fused-sibling instance (group, mtp, layer, expert) of this tensor, or None (arch.base.fused_key)."""
-        return fused_key(self)
 
 
 class ShareScaleGroup(BaseModel):

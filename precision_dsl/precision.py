@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
+from .errors import PolicycError
 
 
 class FormatKind(str, Enum):
@@ -51,6 +52,8 @@ CHECKPOINT_DTYPES = {
     "float8_e4m3fn": ("bf16", 1), "float8_e5m2": ("bf16", 1), "int8": ("bf16", 1), "uint8": ("bf16", 1),
 }
 DEFAULT_SOURCE_DTYPE = "bfloat16"
+# Checkpoint dtype of the data of a quantized SOURCE tensor, by element (TensorPlan.source_dtype of an FP8 release).
+SOURCE_DTYPE_OF_FORMAT = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 Element = Literal["bf16", "fp16", "fp32", "e4m3", "e5m2", "e2m1"]
 ScaleDtype = Literal["e8m0", "e4m3", "fp32", "pow2"]
@@ -168,8 +171,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def source_bytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes of a checkpoint tensor of `shape` stored as `dtype` (unknown dtype names count as bf16)."""
+def source_bytes(dtype: str, shape: Sequence[int], fmt: Optional["TensorFormat"] = None) -> int:
+    """Bytes of a checkpoint tensor of `shape` stored as `dtype` (unknown dtype names count as bf16), or, for a
+    quantized source (`fmt`: an FP8-block release's E4M3 data + float32 weight_scale_inv grid), as stored in `fmt`."""
+    if fmt is not None and fmt.is_quantized:
+        return storage_bytes(fmt, shape)
     return math.prod(shape) * CHECKPOINT_DTYPES.get(dtype, ("bf16", 2))[1]
 
 
@@ -203,7 +209,7 @@ def storage_bytes(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row")
     raise ValueError(f"storage_bytes: unknown format kind {kind!r}")
 
 
-class FormatError(ValueError):
+class FormatError(PolicycError, ValueError):
     """A format call in a policy is invalid. `arg` names the offending argument (if any) so the language
     layer can point the caret at it; `hint` is a one-line fix suggestion."""
 

@@ -36,8 +36,8 @@ from .lang import ast
 from .lang.formats import precision_from_spec
 from .lang.parser import parse_policy as _parse_text
 from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
-from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, FormatError, Precision, source_bytes,
-                        storage_bytes)
+from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, SOURCE_DTYPE_OF_FORMAT, FormatError,
+                        Precision, source_bytes, storage_bytes)
 from .resources import find_policy, policies_dir, policy_hint
 
 PolicySource = Union[str, Path, ast.Policy]
@@ -52,16 +52,40 @@ def parse_policy(text: str, filename: str = "<policy>") -> ast.Policy:
     return _parse_text(text, filename)
 
 
-def load_policy(path: Union[str, Path]) -> ast.Policy:
-    """Read and parse one policy file. A missing/unreadable file is a PolicyError (no traceback)."""
+MAX_POLICY_BYTES = 1 << 20  # the shipped policies are < 2 KiB
+
+
+def load_policy(path: Union[str, Path], imported: bool = False) -> ast.Policy:
+    """Read and parse one policy file. A missing/unreadable file is a PolicyError (no traceback).
+
+    `imported`: the file was named by an `import`/`extends`, not by the user. If it does not even start like a
+    policy (`policy "name" {`), its content is never shown: an import of /proc/self/environ or a key file must not
+    print secrets into logs, so the error names the file and position only."""
     p = find_policy(path) or Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with open(p, "rb") as f:
+            raw = f.read(MAX_POLICY_BYTES + 1)
     except FileNotFoundError:
         raise PolicyError(f"policy file not found: {path}", hint=policy_hint()) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(f"cannot read policy file {path}: {e}", hint="policy files are UTF-8 text") from None
+    except OSError as e:
+        raise PolicyError(f"cannot read policy file {path}: {e.strerror or type(e).__name__}",
+                          hint="policy files are UTF-8 text") from None
+    if len(raw) > MAX_POLICY_BYTES:
+        raise PolicyError(f"policy file {path} is larger than {MAX_POLICY_BYTES} bytes",
+                          hint="policy files are small text files; is this the right path?")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PolicyError(f"policy file {path} is not UTF-8 text (byte {e.start})",
+                          hint="policy files are UTF-8 text") from None
+    if imported and not _HEADER_RE.match(text):
+        raise PolicyError(f"imported file {path} is not a policy file (it does not start with "
+                          f'`policy "name" {{`); its content is not shown', hint="import only .policy files")
     return _parse_text(text, str(path))
+
+
+# optional comments / blank lines, then `policy "...` (the grammar's first tokens)
+_HEADER_RE = re.compile(r'\A(?:[ \t\f\r\n;]|#[^\n]*)*policy[ \t\f\r]*"')
 
 
 @dataclass
@@ -90,11 +114,17 @@ def _resolve_import_path(imp: ast.Import, importer_file: str) -> Path:
 
 
 def flatten(root: PolicySource) -> FlatPolicy:
-    """Load `root` (path or parsed Policy) and inline its imports. Import cycles are errors."""
+    """Load `root` (path or parsed Policy) and inline its imports. Import cycles are errors.
+
+    Each file is read, parsed and flattened once per call (memoised by resolved path), and a statement inlined
+    twice keeps only its LAST occurrence: under "later statement wins" an earlier copy of the very same statement
+    can never decide anything the later copy does not, so dropping it changes no result, while keeping both made a
+    diamond of imports cost 2^depth (30 levels: days; now linear)."""
     policy = root if isinstance(root, ast.Policy) else load_policy(root)
     flat = FlatPolicy(root=policy, statements=[], files=[policy.span.file],
                       sources={policy.span.file: policy.source})
-    _inline(policy, flat, stack=[_key(policy.span.file)], out=flat.statements)
+    memo: dict[str, tuple] = {}
+    flat.statements = list(_inline(policy, flat, stack=[_key(policy.span.file)], memo=memo))
     return flat
 
 
@@ -105,8 +135,19 @@ def _key(file: str) -> str:
         return file
 
 
-def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], out: list) -> None:
+def _last_occurrences(stmts: list) -> tuple:
+    seen: set[int] = set()
+    out = []
+    for st in reversed(stmts):
+        if id(st) not in seen:
+            seen.add(id(st))
+            out.append(st)
+    return tuple(reversed(out))
+
+
+def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], memo: dict) -> tuple:
     stmts = list(policy.statements)
+    out: list = []
     # `extends` = import at the top of the file
     ordered = [s for s in stmts if isinstance(s, ast.Import) and s.kind == "extends"] + \
               [s for s in stmts if not (isinstance(s, ast.Import) and s.kind == "extends")]
@@ -125,8 +166,11 @@ def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], out: list) -
             raise PolicyError(f"import cycle: {chain}", st.span, "remove one of the imports; a policy cannot "
                               "(directly or indirectly) import itself", policy.source)
         where = f"{st.span.file}:{st.span.line}:{st.span.col}"
+        if key in memo:  # already flattened (its own imports included): a file's expansion never depends on
+            out.extend(memo[key])  # who imports it, and it cannot close a cycle (that was checked when it was built)
+            continue
         try:
-            child = load_policy(path)
+            child = load_policy(path, imported=True)
         except PolicyError as e:
             raise e.with_note(f"imported from {where}")
         if child.span.file not in flat.sources:
@@ -134,9 +178,11 @@ def _inline(policy: ast.Policy, flat: FlatPolicy, stack: list[str], out: list) -
             flat.sources[child.span.file] = child.source
             flat.imported_from[child.span.file] = where
         try:
-            _inline(child, flat, stack + [key], out)
+            memo[key] = _inline(child, flat, stack + [key], memo)
         except PolicyError as e:
             raise e.with_note(f"imported from {where}")
+        out.extend(memo[key])
+    return _last_occurrences(out)
 
 
 # ---- compiled rules ------------------------------------------------------------------------------------------------
@@ -446,12 +492,17 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         after = bytes_cache.get(bkey)
         if after is None:
             after = bytes_cache[bkey] = storage_bytes(p.weight, shape)
+        sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
         plans.append(template.model_copy(update=dict(
             hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
             sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
             shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
-            bytes_before=source_bytes(t.dtype, shape), bytes_after=after,
-            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group, source_dtype=t.dtype)))
+            bytes_before=source_bytes(t.dtype, shape, sf), bytes_after=after,
+            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
+            source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
+    if arch.source_quantization and not any(t.source_format for t in tensors):
+        notes.append(f"the checkpoint's quantization_config says quant_method '{arch.source_quantization}', which "
+                     "policyc cannot describe: bytes before are counted in torch_dtype and `convert` will refuse it")
     return Plan.model_construct(
         policy_name=comp.flat.root.name, policy_files=tuple(comp.flat.files), model=arch.name,
         model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,

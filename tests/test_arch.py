@@ -29,7 +29,7 @@ from precision_dsl.arch import (
 )
 from precision_dsl.arch import _emit
 
-BUNDLED = ["deepseek-v3", "llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "tiny-moe"]
+BUNDLED = ["deepseek-v3", "glm-4.5-air", "llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "qwen3-8b", "tiny-moe"]
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_tensorinfo_objects_are_valid_models(archs):
     """The fast constructor produces objects identical to model_construct and that pass full validation."""
     for t in archs["deepseek-v3"].tensors[::997]:
         assert TensorInfo.model_validate(t.model_dump()) == t
-        assert TensorInfo.model_construct(**t.model_dump()) == t
+        assert TensorInfo.model_construct(**dict(t)) == t  # dict(t): field values (source_format stays a model)
         assert t.model_fields_set == set(TensorInfo.model_fields)
     assert _emit._construct is _emit._construct_fast  # pydantic internals still match; else it falls back
 
@@ -312,7 +312,7 @@ def test_bundled_weights_match_catalog(name):
     files = sorted((models_dir() / name).glob("*.safetensors"))
     if not files:
         pytest.skip(f"bundle {name} ships no safetensors weights")
-    safetensors = pytest.importorskip("safetensors")
+    import safetensors
     found = {}
     for f in files:
         with safetensors.safe_open(str(f), framework="numpy") as fh:  # header only; no pickle
@@ -332,7 +332,7 @@ def test_variants_structure():
     assert by["model.layers.0.post_attention_layernorm.weight"].megatron_name == (
         "decoder.layers.0.mlp.linear_fc1.layer_norm_weight")
     assert a.first_dense_layers == 1
-    q2 = {**base, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 64}
+    q2 = {**base, "model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "shared_expert_intermediate_size": 64}
     by = architecture_from_config(q2, "q2").by_name()
     t = by["model.layers.1.mlp.shared_expert.up_proj.weight"]
     assert (t.shape, t.role, t.sglang_prefix, t.megatron_name, t.megatron_part) == (
@@ -345,7 +345,7 @@ def test_variants_structure():
     assert (t.shape, t.role, t.megatron_name, t.megatron_part, t.is_linear) == (
         (64,), "bias.attn", "decoder.layers.1.self_attention.linear_qkv.bias", "k", False)
     ds = json.loads(json.dumps(load_architecture("deepseek-v3").config))
-    lite = {**ds, "model_type": "deepseek_v2", "q_lora_rank": None, "num_hidden_layers": 2, "n_routed_experts": 4,
+    lite = {**ds, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "q_lora_rank": None, "num_hidden_layers": 2, "n_routed_experts": 4,
             "num_experts_per_tok": 2, "first_k_dense_replace": 1, "num_nextn_predict_layers": 0,
             "topk_method": "greedy"}
     by = architecture_from_config(lite, "lite").by_name()
@@ -391,10 +391,14 @@ def test_invalid_json_has_line_and_column(tmp_path):
 
 
 def test_model_type_errors(tmp_path):
-    assert "'model_type' is missing" in _err(_write(tmp_path, '{"hidden_size": 8}')).message
+    assert "neither 'architectures' nor 'model_type'" in _err(_write(tmp_path, '{"hidden_size": 8}')).message
     err = _err(_write(tmp_path, '{"model_type": "gpt2"}'))
-    assert "unsupported model_type 'gpt2'" in err.message and "qwen3_moe" in err.hint
+    assert "unsupported model: architectures None, model_type 'gpt2'" in err.message and "qwen3_moe" in err.hint
+    assert "DeepseekV3ForCausalLM" in err.hint and "Glm4MoeForCausalLM" in err.hint
+    err = _err(_write(tmp_path, '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'))
+    assert "architectures ['GPT2LMHeadModel'], model_type 'gpt2'" in err.message  # names both
     assert "must be a string" in _err(_write(tmp_path, '{"model_type": 3}')).message
+    assert "list of class names" in _err(_write(tmp_path, '{"architectures": "Qwen3ForCausalLM"}')).message
 
 
 @pytest.mark.parametrize(
@@ -458,3 +462,13 @@ def _cpu_time(fn) -> float:
     t0 = time.process_time()
     fn()
     return time.process_time() - t0
+
+
+def test_bundled_qwen3_8b_is_the_published_file():
+    """Byte-identical to Qwen/Qwen3-8B@b968826d config.json (the SHA-256 a public repository pins for that file)."""
+    import hashlib
+
+    from precision_dsl.resources import models_dir
+
+    data = (models_dir() / "qwen3-8b" / "config.json").read_bytes()
+    assert hashlib.sha256(data).hexdigest() == "f7c4eadfbbf522470667b797a3c89be2524832d2d599797248dc304fff447c30"

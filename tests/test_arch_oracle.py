@@ -25,10 +25,8 @@ import pytest
 
 from precision_dsl.arch import architecture_from_config, list_bundled, load_architecture
 
-torch = pytest.importorskip("torch", reason="torch is needed for the meta-device oracle")
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed: the meta-device oracle needs it (pip install transformers)"
-)
+import torch  # noqa: E402  (the oracles are in the test extra: a missing one fails, never skips)
+import transformers  # noqa: E402
 
 # Small variants that exercise every structural branch of the adapters (biases, dense layers inside MoE models,
 # decoder_sparse_step, Qwen2-MoE shared expert, MLA without q-LoRA, moe_layer_freq, head_dim absent).
@@ -67,6 +65,21 @@ VARIANTS: dict[str, dict] = {
         "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "vocab_size": 50,
         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "torch_dtype": "bfloat16",
     },
+    "glm4-moe-small": {  # GLM-4.5 layout: qk-norm, qkv bias, head_dim != hidden/heads, dense first layer, MTP
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8, "n_shared_experts": 1,
+        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "use_qk_norm": True,
+        "attention_bias": True, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1, "vocab_size": 50,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    },
+    "glm4-moe-air-like": {  # GLM-4.5-Air layout: no qk-norm, two shared experts, no MTP
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "n_routed_experts": 4, "n_shared_experts": 2, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 2, "use_qk_norm": False, "attention_bias": True, "num_nextn_predict_layers": 0,
+        "vocab_size": 50, "torch_dtype": "bfloat16",
+    },
     "deepseek-v3-small": {
         "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 16,
         "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
@@ -78,11 +91,15 @@ VARIANTS: dict[str, dict] = {
 
 # Keys of config.json that are metadata for remote code / the FP8 release, not architecture.
 _NOT_ARCH_KEYS = ("auto_map", "quantization_config")
+# transformers keeps these routers FP32 at runtime (`_keep_in_fp32_modules_strict`); checkpoints store torch_dtype.
+_FP32_RUNTIME_ROUTER = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 _FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _meta_model(raw: dict):
+def _meta_model(raw: dict, model_type: str = None):
     cfg_dict = {k: v for k, v in copy.deepcopy(raw).items() if k not in _NOT_ARCH_KEYS}
+    if model_type:  # the family's transformers model_type (Kimi-K2's "kimi_k2" is DeepseekV3ForCausalLM)
+        cfg_dict["model_type"] = model_type
     cfg = transformers.AutoConfig.for_model(**cfg_dict)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -116,7 +133,8 @@ CASES = [(name, None) for name in list_bundled()] + [(name, raw) for name, raw i
 @pytest.mark.parametrize("name,raw", CASES, ids=[c[0] for c in CASES])
 def test_catalog_matches_transformers(name, raw):
     arch = load_architecture(name) if raw is None else architecture_from_config(raw, name)
-    model = _meta_model(arch.config)
+    model = _meta_model(arch.config, arch.model_type)
+    assert type(model).__name__ == (arch.architecture or type(model).__name__)
     runtime = _runtime_tensors(model)
     theirs = _checkpoint_view(model, runtime)
     ours = {t.hf_name: t for t in arch.tensors if t.mtp is None}
@@ -126,7 +144,7 @@ def test_catalog_matches_transformers(name, raw):
     for hf_name, t in ours.items():
         assert tuple(theirs[hf_name].shape) == t.shape, hf_name
         expected_dtype = _dtype_name(theirs[hf_name])
-        if arch.model_type.startswith("deepseek") and hf_name.endswith("mlp.gate.weight"):
+        if arch.model_type in _FP32_RUNTIME_ROUTER and hf_name.endswith("mlp.gate.weight"):
             expected_dtype = t.dtype  # runtime FP32 router (documented above); checkpoint keeps torch_dtype
         assert t.dtype == expected_dtype, hf_name
 
@@ -151,9 +169,10 @@ def test_catalog_matches_transformers(name, raw):
         assert fused_seen == 2 * len(moe_layers)
 
 
-def test_mtp_is_not_built_by_transformers_but_mirrors_a_decoder_layer():
+@pytest.mark.parametrize("variant", ["deepseek-v3-small", "glm4-moe-small"])
+def test_mtp_is_not_built_by_transformers_but_mirrors_a_decoder_layer(variant):
     """transformers ignores MTP; check the catalog's MTP block structurally against the last decoder layer."""
-    arch = architecture_from_config(VARIANTS["deepseek-v3-small"], "deepseek-v3-small")
+    arch = architecture_from_config(VARIANTS[variant], variant)
     model = _meta_model(arch.config)
     runtime_names = set(_checkpoint_view(model, _runtime_tensors(model)))
     mtp = [t for t in arch.tensors if t.mtp == 0]
@@ -244,12 +263,12 @@ def _megatron_kwargs(arch) -> dict:
     if shared:
         kw["moe_shared_expert_intermediate_size"] = shared[0].shape[0]
         kw["moe_shared_expert_gate"] = any(t.role == "shared_experts.gate_weight" for t in arch.tensors)
+    if arch.num_mtp_layers:
+        kw["mtp_num_layers"] = arch.num_mtp_layers
     if arch.model_type.startswith("deepseek"):
         kw.update(multi_latent_attention=True, q_lora_rank=c.get("q_lora_rank"), kv_lora_rank=c["kv_lora_rank"],
                   qk_head_dim=c["qk_nope_head_dim"], qk_pos_emb_head_dim=c["qk_rope_head_dim"],
                   v_head_dim=c["v_head_dim"], qk_layernorm=True, rope_type="rope")
-        if arch.num_mtp_layers:
-            kw["mtp_num_layers"] = arch.num_mtp_layers
     else:
         kw.update(num_query_groups=c.get("num_key_value_heads") or c["num_attention_heads"],
                   kv_channels=by["model.layers.0.self_attn.k_proj.weight"].shape[0]
@@ -298,7 +317,8 @@ def _catalog_megatron_view(arch) -> dict:
     return out
 
 
-MEGATRON_CASES = ["tiny-moe", "deepseek-v3-small", "qwen2-moe-shared", "llama-biases", "qwen2-bias"]
+MEGATRON_CASES = ["tiny-moe", "deepseek-v3-small", "qwen2-moe-shared", "llama-biases", "qwen2-bias", "glm4-moe-small",
+                  "glm4-moe-air-like"]
 
 
 def _case_arch(name):
@@ -313,7 +333,6 @@ def megatron_names() -> dict:
     import subprocess
     import sys
 
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
     cases = {}
     for name in MEGATRON_CASES:
         arch = _case_arch(name)
@@ -337,3 +356,42 @@ def test_megatron_names_match_megatron_core(megatron_names, name):
     assert sorted(set(theirs) - set(ours)) == []
     assert sorted(set(ours) - set(theirs)) == []
     assert {k: v for k, v in ours.items() if theirs[k] != v} == {}
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Configs as transformers 5 writes them (save_pretrained): attribute names differ from the public config.json
+# ------------------------------------------------------------------------------------------------------------------
+PUBLIC = ["kimi-k2", "deepseek-v3", "glm-4.5-air", "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b", "llama-3.2-1b"]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_config_saved_by_installed_transformers_loads_identically(tmp_path, name):
+    import json
+
+    arch = load_architecture(name)
+    raw = {k: v for k, v in arch.config.items() if k != "auto_map"}
+    raw["model_type"] = arch.model_type  # transformers knows Kimi-K2 as deepseek_v3 (it saves it so, too)
+    transformers.AutoConfig.for_model(**raw).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    if int(transformers.__version__.split(".")[0]) >= 5:  # the renames this test exists for
+        assert "dtype" in saved and "torch_dtype" not in saved
+        if arch.model_type == "qwen3_moe":
+            assert "num_local_experts" in saved and "num_experts" not in saved
+        if arch.model_type == "glm4_moe":
+            assert "partial_rotary_factor" not in saved and saved["rope_parameters"]["partial_rotary_factor"] == 0.5
+    again = load_architecture(str(tmp_path))
+    assert again.model_type == arch.model_type and again.num_mtp_layers == arch.num_mtp_layers
+    key = [(t.hf_name, t.shape, t.dtype, t.role, t.megatron_name, t.sglang_prefix, t.source_format)
+           for t in arch.tensors]
+    assert [(t.hf_name, t.shape, t.dtype, t.role, t.megatron_name, t.sglang_prefix, t.source_format)
+            for t in again.tensors] == key
+
+
+def test_transformers5_alias_conflict_is_an_error():
+    from precision_dsl.arch import ArchitectureError
+
+    raw = dict(load_architecture("qwen3-30b-a3b").config)
+    with pytest.raises(ArchitectureError, match="'num_local_experts' .* and 'num_experts' .* disagree"):
+        architecture_from_config({**raw, "num_local_experts": 64}, "x")
+    same = architecture_from_config({**raw, "num_local_experts": raw["num_experts"]}, "x")
+    assert same.num_experts == raw["num_experts"]

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Layers, lowest first: (name, module prefixes). A module belongs to the layer of its longest matching prefix.
 LAYERS = [
-    ("base", ["precision_dsl", "precision_dsl.precision", "precision_dsl.resources"]),
+    ("base", ["precision_dsl", "precision_dsl.precision", "precision_dsl.resources", "precision_dsl.errors",
+              "precision_dsl.jsonsafe"]),
     ("arch", ["precision_dsl.arch"]),
     ("diagnostics", ["precision_dsl.diagnostics"]),
     ("lang", ["precision_dsl.lang"]),
@@ -163,3 +164,45 @@ def test_the_checker_catches_what_it_claims(tmp_path):
                    "precision_dsl.backends", "private precision_dsl.formats ['_check']", "diagnostics (diagnostics) "
                    "imports precision_dsl.lang.ast (lang)", "top-level 'backends.common'"):
         assert any(needle in b for b in bad), (needle, bad)
+
+
+def test_tests_can_fail():
+    """CLI tests let unexpected exceptions propagate (CliRunner with catch_exceptions=False: a crash fails the test
+    instead of hiding in result.exception), and no test skips because an oracle of the test extra is missing."""
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            where = f"{path.name}:{node.lineno}"
+            if name == "CliRunner" and path.name != "conftest.py":
+                bad.append(f"{where}: use conftest.StrictCliRunner (catch_exceptions=False)")
+            if path.name != "conftest.py" and any(k.arg == "catch_exceptions" and getattr(k.value, "value", None)
+                                                  is not False for k in node.keywords):
+                bad.append(f"{where}: catch_exceptions must stay False")
+            if name == "importorskip" and node.args and getattr(node.args[0], "value", "").split(".")[0] in (
+                    "torch", "transformers", "megatron", "triton", "safetensors"):
+                bad.append(f"{where}: importorskip of {node.args[0].value}, which the test extra installs")
+    assert not bad, "\n".join(bad)
+
+
+def test_wheel_installs_one_package(tmp_path):
+    """The built wheel holds one top-level package, precision_dsl, with the repository's backends/ inside it as
+    precision_dsl/backends/ (the source-checkout shim is not shipped) and the bundled policies the hint names."""
+    import subprocess
+    import sys
+    import zipfile
+
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (wheel,) = tmp_path.glob("policyc-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"precision_dsl"}, tops
+    for mod in sorted((ROOT / "backends").glob("*.py")):
+        assert f"precision_dsl/backends/{mod.name}" in names
+    init = zipfile.ZipFile(wheel).read("precision_dsl/backends/__init__.py").decode()
+    assert init == (ROOT / "backends" / "__init__.py").read_text()
+    assert "precision_dsl/_bundled/policies/mxfp8-e2e.policy" in names

@@ -19,9 +19,10 @@ from precision_dsl.arch import load_architecture
 from precision_dsl.parallel import parse_parallel
 from precision_dsl.resolve import resolve
 
+from conftest import SEED_POLICIES
+
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = ["bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
-         "nvfp4-pertoken-dequant-backward"]
+SEEDS = SEED_POLICIES
 MXFP8_MOE_BACKENDS = {"cutlass", "deep_gemm", "flashinfer_megamoe", "flashinfer_trtllm", "flashinfer_trtllm_routed"}
 METHOD_OF_CONFIG = {"mxfp8": "mxfp8", "fp8": "fp8", "modelopt": "modelopt_fp4"}
 

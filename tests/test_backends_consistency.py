@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from typer.testing import CliRunner
 
 from precision_dsl.backends import converter, megatron, sglang
 from precision_dsl.backends.cli import emit_artifacts
@@ -25,9 +24,10 @@ from precision_dsl.backends.common import PLAN_FILE, write_tree_atomic
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 
+from conftest import SEED_POLICIES, StrictCliRunner
+
 REPO = Path(__file__).resolve().parents[1]
-SEEDS = ["bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward", "nvfp4-pertoken-hp-backward",
-         "nvfp4-pertoken-dequant-backward"]
+SEEDS = SEED_POLICIES
 MODELS = ["tiny-moe", "qwen3-30b-a3b", pytest.param("deepseek-v3", marks=pytest.mark.slow)]
 
 
@@ -93,7 +93,7 @@ def test_emit_cli_writes_all_backends_with_parallel_layout(tmp_path):
 
     out = tmp_path / "emit"
     pol = str(REPO / "policies" / "nvfp4-pertoken-hp-backward.policy")
-    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel",
+    r = StrictCliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel",
                                  "trainer:tp=2,etp=1,ep=2,pp=2 rollout:tp=2,ep=2", "--out", str(out)])
     assert r.exit_code == 0, r.output
     derived = {b: quantized(k) for b, k in derive_all(out, arch_of("tiny-moe")).items()}
@@ -103,9 +103,9 @@ def test_emit_cli_writes_all_backends_with_parallel_layout(tmp_path):
     sg = json.loads((out / "sglang/server_args.json").read_text())["server_args"]
     assert sg[sg.index("--ep-size") + 1] == "2"
     # existing output is refused without --force; one backend only with --backend
-    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out)])
+    r = StrictCliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out)])
     assert r.exit_code == 2 and "--force" in r.output
-    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out), "--force", "-b", "sglang"])
+    r = StrictCliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(out), "--force", "-b", "sglang"])
     assert r.exit_code == 0 and not (out / "megatron").exists() and (out / "sglang").is_dir()
 
 
@@ -113,11 +113,11 @@ def test_emit_cli_unsupported_is_exit_1_without_traceback(tmp_path):
     from precision_dsl.cli import app
 
     pol = str(REPO / "policies" / "nvfp4-pertoken-hp-backward.policy")
-    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel", "trainer:etp=2,ep=2",
+    r = StrictCliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--parallel", "trainer:etp=2,ep=2",
                                  "--out", str(tmp_path / "o")])
-    assert r.exit_code == 1 and "cannot express" in r.output and "Traceback" not in r.output
+    assert r.exit_code == 1 and "cannot express" in r.output
     assert not (tmp_path / "o").exists()  # nothing half-written
-    r = CliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(tmp_path / "o"), "-b", "nope"])
+    r = StrictCliRunner().invoke(app, ["emit", pol, "--model", "tiny-moe", "--out", str(tmp_path / "o"), "-b", "nope"])
     assert r.exit_code == 2 and "unknown backend" in r.output
 
 

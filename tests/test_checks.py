@@ -53,7 +53,10 @@ def codes(diags) -> list[str]:
 
 
 def layout(ttp=1, tetp=1, tpp=1, rtp=1, retp=1) -> ParallelLayout:
-    return ParallelLayout(trainer=ParallelSide(tp=ttp, etp=tetp, pp=tpp), rollout=ParallelSide(tp=rtp, etp=retp))
+    # SGLang derives the rollout expert TP as tp / ep (check rollout-etp): pick the rollout tp/ep that give retp
+    tp = max(rtp, retp)
+    return ParallelLayout(trainer=ParallelSide(tp=ttp, etp=tetp, pp=tpp),
+                          rollout=ParallelSide(tp=tp, etp=retp, ep=tp // retp))
 
 
 def test_clean_plan_has_no_diagnostics(tmp_path):
@@ -181,19 +184,20 @@ def test_etp_must_match_for_per_token_scales(tmp_path):
     assert not [d for d in check(per_tensor, arch, layout(tetp=2, retp=1)) if d.code == "etp-mismatch"]
 
 
-def test_pipeline_bf16_runs(tmp_path):
-    arch = moe_arch(n_layers=8, hidden=64, inter=64)
-    plan = plan_for(tmp_path, "    default mxfp8\n    layers[-3:]: bf16", arch)
-    assert check(plan, arch, layout(tpp=2)) == []  # 3 <= 8 // 2
-    diags = check(plan, arch, layout(tpp=4))  # stage = 2 layers < 3-layer suffix
-    assert codes(diags) == ["pipeline-layers"] and diags[0].severity == "warning"
-    assert "model.layers.5." in diags[0].message and "--num-layers-at-end-in-bf16" in diags[0].message
-    assert "te-precision-config-file" in diags[0].hint
-    plan = plan_for(tmp_path, "    default mxfp8\n    layers[:3]: bf16\n    layers[5]: bf16", arch)
-    msgs = [d.message for d in check(plan, arch, layout(tpp=4))]
-    assert any("BF16 prefix (layers 0..2" in m for m in msgs) and any("middle of the stack (5)" in m for m in msgs)
-    diags = check(plan, arch, layout(tpp=3))
-    assert any("8 decoder layers do not split evenly over trainer pp=3" in d.message for d in diags)
+def test_pipeline_bf16_runs_are_the_megatron_emitters_and_reach_check_through_the_gate(tmp_path):
+    from precision_dsl.engine.gate import run_gate
+    from precision_dsl.arch import load_architecture
+
+    arch = load_architecture("tiny-moe")  # 4 layers
+    plan = plan_for(tmp_path, "    attn: mxfp8 backward=quantized\n    routed_experts: mxfp8 backward=quantized\n"
+                              "    layers[-2:]: bf16", arch)
+    assert run_gate(plan.model_copy(update={"parallel": layout(tpp=2)}), arch, ["megatron"]).ok()  # 2 <= 4 // 2
+    # pp=4: one layer per stage; --num-layers-at-end-in-bf16 stops at 1, so layer 2 (local layer 0 of stage 2) must
+    # be BF16 by the TE file while local layer 0 of stages 0/1 is mxfp8: one file for every rank cannot say that
+    res = run_gate(plan.model_copy(update={"parallel": layout(tpp=4)}), arch, ["megatron"])
+    errs = res.errors()
+    assert errs and all(d.code == "unsupported-by-megatron" for d in errs)
+    assert "model.layers.2." in errs[0].message and "stage-local" in errs[0].message
 
 
 def test_scale_scope_warning(tmp_path):

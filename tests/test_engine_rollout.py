@@ -11,7 +11,9 @@ import torch
 from precision_dsl.arch import load_architecture
 from precision_dsl.engine.loop import RunConfig, run
 from precision_dsl.engine.model import bundled_model_dir, load_model
-from precision_dsl.engine.plans import SEED_POLICIES, broken_rollout_plan, load_plan
+from conftest import SEED_POLICIES
+from precision_dsl.engine import plans
+from precision_dsl.engine.plans import broken_rollout_plan, load_plan
 from precision_dsl.engine.qlinear import TrainerExecutor
 from precision_dsl.engine.rollout import RolloutEngine
 from precision_dsl.engine.weight_path import LiveUpdateChannel, same_bytes
@@ -108,3 +110,7 @@ def test_broken_contract_exceeds_bound(broken):
     assert res.plan_hash != res.rollout_plan_hash
     if broken == "unshared":  # the exported gate/up weights really differ from the trainer's
         assert all(m.quantized_weights_identical is False for m in res.steps)
+
+
+def test_engine_seed_policies_are_the_product_seed_policies():
+    assert plans.SEED_POLICIES == SEED_POLICIES and plans.DEFAULT_POLICY in SEED_POLICIES

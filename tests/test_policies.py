@@ -14,9 +14,11 @@ from precision_dsl.precision import BackwardMode, FormatKind
 from precision_dsl.resolve import resolve
 from precision_dsl.resources import policies_dir
 
+from conftest import SEED_POLICIES
+
 POLICIES = sorted(p.name for p in policies_dir().glob("*.policy"))
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
-SEED_RECIPES = {
+SEED_RECIPES = {  # conftest.SEED_POLICIES with the recipe each one must produce
     "bf16.policy": None,
     "mxfp8-e2e.policy": ("mxfp8", BackwardMode.QUANTIZED),
     "mxfp8-hp-backward.policy": ("mxfp8", BackwardMode.HIGH_PRECISION),
@@ -34,6 +36,10 @@ def arch(name):
 @lru_cache(maxsize=3)  # a DeepSeek-V3 plan is ~70 MB: keep only the few reused by neighbouring tests
 def plan(policy, model):
     return resolve(policies_dir() / policy, arch(model))
+
+
+def test_seed_recipes_are_the_seed_policies():
+    assert [p.removesuffix(".policy") for p in SEED_RECIPES] == list(SEED_POLICIES)
 
 
 def test_all_expected_files_are_shipped():

@@ -12,7 +12,6 @@ import pytest
 from precision_dsl.arch import load_architecture
 from precision_dsl.arch.base import Architecture, TensorInfo
 from precision_dsl.diagnostics import PolicyError
-from precision_dsl.lang import ast
 from precision_dsl.precision import BackwardMode, FormatKind
 from precision_dsl.resolve import explain, explain_all, layer_indices, parse_policy, resolve
 
@@ -430,7 +429,6 @@ def test_decided_by_default_and_backward(tmp_path):
     t = plan.by_name()["model.layers.0.mlp.up_proj.weight"]
     assert t.decided_by is None and t.backward == BackwardMode.DEQUANTIZED
     assert isinstance(plan.tensors[0].precision.weight.kind, FormatKind)
-    assert isinstance(ast.Span, type)
 
 
 def test_hopper_default_with_blackwell_format_points_at_default(tmp_path):

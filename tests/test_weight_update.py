@@ -206,7 +206,8 @@ def test_receiver_refuses_another_plan(src):
         WeightReceiver(plan_for("mxfp8-hp-backward"), tr).receive()
 
 
-def test_equality_check_catches_corruption_in_transit(src):
+@pytest.mark.parametrize("check_equal", [False, True])
+def test_bucket_checksum_catches_corruption_in_transit_always(src, check_equal):
     class Corrupting(InProcessTransport):
         def send_bucket(self, meta, tensors, buf):
             buf = buf.clone()
@@ -214,6 +215,23 @@ def test_equality_check_catches_corruption_in_transit(src):
             super().send_bucket(meta, tensors, buf)
 
     tr = Corrupting()
+    WeightSender(plan_for("mxfp8-e2e"), tr, check_equal=check_equal).send(iter(hf_weights(src).items()))
+    with pytest.raises(WeightUpdateMismatch, match="arrived corrupted"):
+        WeightReceiver(plan_for("mxfp8-e2e"), tr).receive()
+
+
+def test_equality_check_catches_what_the_bucket_checksum_cannot(src):
+    """A corruption before the checksum is taken (e.g. in the sender's packing) passes the bucket checksum; the
+    per-tensor sha256 digests of check_equal still catch it."""
+    from precision_dsl.backends.weight_update import bucket_checksum
+
+    class CorruptingBeforeChecksum(InProcessTransport):
+        def send_bucket(self, meta, tensors, buf):
+            buf = buf.clone()
+            buf[-1] ^= 1
+            super().send_bucket({**meta, "checksum": bucket_checksum(buf)}, tensors, buf)
+
+    tr = CorruptingBeforeChecksum()
     WeightSender(plan_for("mxfp8-e2e"), tr, check_equal=True).send(iter(hf_weights(src).items()))
     with pytest.raises(WeightUpdateMismatch, match="differ"):
         WeightReceiver(plan_for("mxfp8-e2e"), tr).receive()
@@ -285,7 +303,7 @@ def test_torch_distributed_gloo_broadcast_two_processes(src, converted, tmp_path
 # ---------------------------------------------------------------------------------------------------------------
 class _Stub:
     def __init__(self, model_path):
-        self.calls, self.model_path = [], str(model_path)
+        self.calls, self.model_path, self.version = [], str(model_path), "default"
         stub = self
 
         class H(http.server.BaseHTTPRequestHandler):
@@ -302,11 +320,13 @@ class _Stub:
 
             def do_GET(self):
                 stub.calls.append((self.path, None))
-                self._reply({"model_path": stub.model_path})
+                self._reply({"model_path": stub.model_path, "weight_version": stub.version})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 stub.calls.append((self.path, body))
+                if self.path == "/update_weight_version":
+                    stub.version = body["new_version"]
                 self._reply({"success": True, "message": "ok"})
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
@@ -327,12 +347,15 @@ def test_sglang_http_update_from_tensor_protocol(src, converted):
     finally:
         stub.close()
     paths = [p for p, _ in stub.calls]
-    assert paths[0] == "/get_model_info" and paths[1] == "/begin_weight_update" and paths[-1] == "/end_weight_update"
+    assert paths[0] == "/model_info" and paths[1] == "/begin_weight_update"
+    assert paths[-3:] == ["/end_weight_update", "/update_weight_version", "/model_info"]
+    assert stub.version == "v7" and tr.served_version == "v7"
     updates = [b for p, b in stub.calls if p == "/update_weights_from_tensor"]
     assert len(updates) == paths.count("/update_weights_from_tensor") > 1
     got = {}
     for body in updates:
-        assert len(body["serialized_named_tensors"]) == 2 and body["weight_version"] == "v7"
+        # the version is set once, after end_weight_update: never claimed while buckets are missing
+        assert len(body["serialized_named_tensors"]) == 2 and body["weight_version"] is None
         assert body["load_format"] is None and body["flush_cache"] is False
         # test-only decode of OUR OWN payload (SGLang's MultiprocessingSerializer format)
         got.update(dict(pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))))
@@ -366,4 +389,4 @@ def test_sglang_http_refuses_a_server_with_another_plan(src, converted):
             WeightSender(plan_for("nvfp4-pertoken-hp-backward"), tr).send(iter(hf_weights(src).items()))
     finally:
         stub.close()
-    assert [p for p, _ in stub.calls] == ["/get_model_info"]  # nothing begun, nothing sent
+    assert [p for p, _ in stub.calls] == ["/model_info"]  # nothing begun, nothing sent

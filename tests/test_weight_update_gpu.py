@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch")
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICIES = ["nvfp4-pertoken-dequant-backward", "mxfp8-e2e", "bf16", "fp8-blockwise-hopper", "nvfp4-weight-only"]
@@ -34,6 +34,7 @@ class _CpuTransport:
         self.inner = InProcessTransport()
         self.open, self.close, self.recv, self.handshake = (self.inner.open, self.inner.close, self.inner.recv,
                                                             self.inner.handshake)
+        self.abort = self.inner.abort
 
     def send_gpu_bucket(self, meta, buf):
         self.inner._q.put(("bucket", meta, buf.clone(), None))
@@ -101,7 +102,7 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
     sender = WeightSender(plan, tr, bucket_bytes=64 << 10, check_equal=True)  # small buckets: several, reused
     prog = sender.program()
     assert len(prog.buckets) > 2
-    prep = sender.prepare(weights.items())
+    prep = sender.prepare_program(weights.items())
     expert_gathers = [g for b, gs in zip(prog.buckets, prep.bound.gather) for seg, g in zip(b.segments, gs)
                       if g is not None and seg.members[0].role.startswith("routed_experts.")]
     assert grouped == (not expert_gathers) or policy == "bf16"  # grouped experts are stacked without copies
@@ -124,8 +125,10 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
 
 
 def test_nonfinite_aborts_both_ends():
+    """NaN/Inf is counted on the GPU while the buckets move; the sender then aborts instead of closing (issue 11's
+    protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards what it got."""
     from precision_dsl.backends.quantize import NonFiniteWeight
-    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateAborted
     from precision_dsl.arch import load_architecture
 
     plan = _plan("nvfp4-pertoken-dequant-backward")
@@ -134,7 +137,27 @@ def test_nonfinite_aborts_both_ends():
     weights[victim][3, 7] = float("nan")
     tr = _transport()
     sender = WeightSender(plan, tr)
-    with pytest.raises(NonFiniteWeight, match="experts.5.up_proj"):
-        sender.send(sender.prepare(weights.items()))
-    with pytest.raises(NonFiniteWeight, match="experts.5.up_proj"):
-        WeightReceiver(plan, tr).receive_raw()
+    with pytest.raises(WeightUpdateAborted, match="experts.5.up_proj") as exc:
+        sender.send(sender.prepare_program(weights.items()))
+    assert isinstance(exc.value.__cause__, NonFiniteWeight)
+    rx = WeightReceiver(plan, tr)
+    with pytest.raises(WeightUpdateAborted, match="experts.5.up_proj"):
+        rx.receive_raw()
+    assert rx.raw == {}
+
+
+def test_program_refuses_incomplete_state_dict():
+    """The GPU path refuses what the per-unit path refuses, before anything is sent."""
+    from precision_dsl.backends.weight_update import WeightSender, WeightUpdateError
+    from precision_dsl.arch import load_architecture
+
+    plan = _plan("mxfp8-e2e")
+    weights = _weights(load_architecture("tiny-moe"), True)
+    tr = _transport()
+    sender = WeightSender(plan, tr)
+    victim = plan.tensors[-1].hf_name
+    with pytest.raises(WeightUpdateError, match="incomplete state dict"):
+        sender.prepare_program([(n, x) for n, x in weights.items() if n != victim])
+    with pytest.raises(WeightUpdateError, match="not in the plan"):
+        sender.prepare_program(list(weights.items()) + [("model.layers.99.bogus.weight", weights[victim])])
+    assert tr.inner._q.empty() if _INTERP else tr._q.empty()  # nothing was sent

@@ -46,7 +46,7 @@ def _construct_fast(**values):
 def _pick_constructor():
     sample = dict(hf_name="model.layers.0.mlp.experts.1.gate_proj.weight", shape=(4, 2), dtype="bfloat16",
                   role="routed_experts.gate", layer=0, expert=1, mtp=None, megatron_name="m", megatron_part="gate",
-                  sglang_prefix="s", fused_group="experts.gate_up")
+                  sglang_prefix="s", fused_group="experts.gate_up", source_format=None)
     ref, fast = TensorInfo.model_construct(**sample), _construct_fast(**sample)
     same = all(
         getattr(ref, a, None) == getattr(fast, a, None)
@@ -115,6 +115,7 @@ class Emitter:
                 megatron_part=part,
                 sglang_prefix=sg,
                 fused_group=fused,
+                source_format=None,
             )
         )
 

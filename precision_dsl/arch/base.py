@@ -11,6 +11,8 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict
 
+from ..precision import TensorFormat
+
 # ---------------------------------------------------------------------------------------------------------------
 # Roles. A role is "<group>.<member>"; selectors in the policy language match a whole group ("routed_experts"),
 # a member ("routed_experts.gate"), or a set of members ("routed_experts.{gate, up}").
@@ -75,18 +77,27 @@ FUSED_SIBLINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-FUSED_GROUP_OF_ROLE: dict[str, str] = {role: g for g, roles in FUSED_SIBLINGS.items() for role in roles}
+class CheckpointTensor:
+    """What a checkpoint tensor's fields imply, shared by the catalog's TensorInfo and the plan's TensorPlan (both
+    carry hf_name, shape, layer, expert, mtp and fused_group)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def fused_key(self) -> Optional[tuple]:
+        """The fused-sibling INSTANCE this tensor belongs to -- (group, mtp, layer, expert): one layer's q/k/v, one
+        expert's gate/up -- or None. The one definition every consumer uses (checks, the resolver's share-scale
+        groups, SGLang, weight-update atomic groups)."""
+        g = self.fused_group
+        return None if g is None else (g, self.mtp, self.layer, self.expert)
 
 
-def fused_key(t) -> Optional[tuple]:
-    """The fused-sibling INSTANCE a tensor (TensorInfo or plan TensorPlan) belongs to -- (group, mtp, layer,
-    expert): one layer's q/k/v, one expert's gate/up -- or None. The one definition every consumer uses (checks,
-    resolver share-scale groups, SGLang, weight-update atomic groups)."""
-    g = t.fused_group
-    return None if g is None else (g, t.mtp, t.layer, t.expert)
-
-
-class TensorInfo(BaseModel):
+class TensorInfo(CheckpointTensor, BaseModel):
     """One checkpoint tensor."""
 
     model_config = ConfigDict(frozen=True)
@@ -102,21 +113,14 @@ class TensorInfo(BaseModel):
     megatron_part: Optional[str] = None  # how the HF tensor sits inside the Megatron one: "gate"|"up"|"q"|"k"|"v"
     sglang_prefix: Optional[str] = None  # SGLang module prefix, e.g. model.layers.3.mlp.experts (FusedMoE)
     fused_group: Optional[str] = None  # key of FUSED_SIBLINGS this tensor belongs to, if any
+    # How the source checkpoint STORES this tensor when that differs from `dtype` (the logical dtype training sees):
+    # an FP8-block release (DeepSeek-V3, Kimi-K2: quantization_config quant_method fp8) stores most linears as
+    # e4m3 + a `<module>.weight_scale_inv` fp32 grid. None: stored as `dtype`. Set by arch/source.py.
+    source_format: Optional[TensorFormat] = None
 
     @property
     def is_linear(self) -> bool:
         return self.role in LINEAR_ROLES
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def fused_key(self) -> Optional[tuple]:
-        return fused_key(self)
 
     @property
     def module(self) -> str:
@@ -136,6 +140,9 @@ class Architecture(BaseModel):
     num_experts: int = 0
     num_shared_experts: int = 0
     first_dense_layers: int = 0  # DeepSeek first_k_dense_replace
+    source_model_type: Optional[str] = None  # config.json model_type when it differs (kimi_k2 -> deepseek_v3)
+    architecture: Optional[str] = None  # the HF architecture class the family was chosen by, if the config names one
+    source_quantization: Optional[str] = None  # quantization_config.quant_method of the release (fp8: FP8-block)
     hidden_size: int
     config: dict  # the raw config.json (for backends that need more fields)
     tensors: tuple[TensorInfo, ...]

@@ -1,9 +1,10 @@
 """The one error type the architecture catalog raises for bad input (never a raw KeyError / traceback)."""
 
 from __future__ import annotations
+from ..errors import PolicycError
 
 
-class ArchitectureError(ValueError):
+class ArchitectureError(PolicycError, ValueError):
     """A model config could not be turned into an Architecture.
 
     `message` says what is wrong and where (file, field); `hint` says how to fix it. `str(err)` shows both, so a CLI

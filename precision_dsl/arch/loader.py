@@ -6,21 +6,19 @@ Only config.json is read (never weights), as JSON data. Every failure is an Arch
 from __future__ import annotations
 
 import gc
-import json
 import math
 from contextlib import contextmanager
 import os
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from ..resources import models_dir
-from . import deepseek_v3, dense, qwen3_moe
 from ._config import MAX_PARAMS, MAX_TENSORS
 from .base import Architecture
 from .errors import ArchitectureError
-
-_ADAPTERS: dict[str, ModuleType] = {mt: mod for mod in (qwen3_moe, deepseek_v3, dense) for mt in mod.MODEL_TYPES}
+from .families import apply_aliases, dispatch
+from .families import supported_model_types as _supported_model_types
+from .source import apply_source_formats, parse_source_quantization
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few KiB
 
 
@@ -39,7 +37,7 @@ def _gc_paused():
 
 
 def supported_model_types() -> list[str]:
-    return sorted(_ADAPTERS)
+    return _supported_model_types()
 
 
 def list_bundled() -> list[str]:
@@ -96,13 +94,14 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ArchitectureError(f"{path}: not UTF-8 text", hint="pass the model's config.json (JSON text)") from None
     except OSError as exc:
         raise ArchitectureError(f"{path}: cannot read: {exc.strerror}", hint="check the path and permissions") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ArchitectureError(
-            f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
-            hint="fix the JSON syntax (trailing commas and comments are not allowed in JSON)",
-        ) from None
+    from ..jsonsafe import loads_bounded
+
+    def bad(message: str) -> ArchitectureError:
+        return ArchitectureError(message, hint="fix the JSON syntax (trailing commas and comments are not allowed "
+                                               "in JSON); config.json holds plain numbers and strings")
+
+    # bounded: deep nesting, 5000-digit integers, NaN and duplicate keys are errors, not tracebacks
+    raw = loads_bounded(text, str(path), bad, max_bytes=MAX_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise ArchitectureError(
             f"{path}: top level is a JSON {type(raw).__name__}, expected an object",
@@ -113,20 +112,15 @@ def read_config(path: Path) -> dict[str, Any]:
 
 def architecture_from_config(raw: dict[str, Any], name: str, source: str = "config.json") -> Architecture:
     """Build the Architecture of an already-parsed config dict (`source` names it in error messages)."""
-    model_type = raw.get("model_type")
-    if not isinstance(model_type, str):
-        raise ArchitectureError(
-            f"{source}: " + ("field 'model_type' is missing" if model_type is None
-                             else f"field 'model_type' must be a string, got {model_type!r}"),
-            hint=f"set model_type to one of: {', '.join(supported_model_types())}",
-        )
-    adapter = _ADAPTERS.get(model_type)
-    if adapter is None:
-        raise ArchitectureError(
-            f"{source}: unsupported model_type {model_type!r}",
-            hint=f"supported model types: {', '.join(supported_model_types())}",
-        )
-    cfg = adapter.parse(raw, source)
+    # architectures first, model_type second (families.py); the adapter sees the family's canonical model_type
+    # (Kimi-K2's "kimi_k2" is DeepSeek-V3) and the public config.json attribute names (transformers 5 aliases).
+    family, arch_class = dispatch(raw, source)
+    adapter = family.adapter
+    parsed = apply_aliases(raw, adapter, source)
+    if parsed.get("model_type") != family.model_type:
+        parsed = dict(parsed, model_type=family.model_type)
+    source_quant = parse_source_quantization(raw, source)
+    cfg = adapter.parse(parsed, source)
     # Bound the work before building: every block has < 40 non-expert tensors plus 3 per routed expert.
     blocks = cfg.num_hidden_layers + getattr(cfg, "num_nextn_predict_layers", 0)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or 0
@@ -138,7 +132,7 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
             hint="check num_hidden_layers / num_experts / n_routed_experts for typos",
         )
     with _gc_paused():
-        tensors = adapter.emit(cfg)
+        tensors = apply_source_formats(adapter.emit(cfg), source_quant)
     total = sum(math.prod(t.shape) for t in tensors)
     if total > MAX_PARAMS:
         raise ArchitectureError(
@@ -148,7 +142,10 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
     # Scalars come from the validated config and tensors from model_construct; skip re-validating 46k objects.
     return Architecture.model_construct(
         name=name,
-        model_type=model_type,
+        model_type=family.model_type,
+        source_model_type=raw.get("model_type") if raw.get("model_type") != family.model_type else None,
+        architecture=arch_class,
+        source_quantization=source_quant.method if source_quant else None,
         num_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,
         config=raw,

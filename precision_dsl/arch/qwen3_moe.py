@@ -30,6 +30,8 @@ from ._emit import (
 from .base import TensorInfo
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+# transformers 5 saves Qwen3-MoE / Qwen2-MoE configs with `num_local_experts` (its attribute name) for `num_experts`.
+ALIASES = {"num_local_experts": "num_experts"}
 
 
 class QwenMoeConfig(BaseLMConfig):

@@ -7,29 +7,26 @@ import statistics
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rich.console import Console
+from rich.table import Table
+
+from .loop import RunConfig, run
+from .metrics import read_jsonl, write_json_atomic
+from .plans import DEFAULT_POLICY, policy_path
+from .plots import plot_ablation
+from .report import EMULATED_NOTE, run_summary, write_run
+
 
 def _label(policy: str, broken: Optional[str]) -> str:
-    from .plans import policy_path
-
     name = policy_path(policy).stem
     return f"{name} (broken {broken})" if broken else name
 
 
 def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken_contract: Optional[str] = None,
            device: str = "cpu", prompts: int = 16, lr: float = 3e-4, quiet: bool = False) -> dict:
-    from rich.console import Console
-    from rich.table import Table
-
-    from .report import EMULATED_NOTE, run_summary, write_run
-    from .loop import RunConfig, run
-    from .metrics import read_jsonl, write_json_atomic
-    from .plots import plot_ablation
-
-    con = Console(stderr=True, highlight=False, quiet=quiet)
+    con = Console(stderr=True, highlight=False, quiet=quiet, markup=False)
     configs: list[tuple[str, Optional[str]]] = [(p, None) for p in policies]
     if broken_contract:
-        from .plans import DEFAULT_POLICY
-
         nvfp4 = [p for p in policies if "nvfp4" in p]
         target = next((p for p in nvfp4 if DEFAULT_POLICY in p), nvfp4[0] if nvfp4 else policies[-1])
         configs.append((target, broken_contract))
@@ -38,8 +35,8 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
     for policy, broken in configs:
         label = _label(policy, broken)
         for seed in range(seeds):
-            cfg = RunConfig(policy=policy, steps=steps, seed=seed, device=device, prompts_per_step=prompts, lr=lr,
-                            broken_contract=broken)
+            cfg = RunConfig.checked(None, policy=policy, steps=steps, seed=seed, device=device,
+                                    prompts_per_step=prompts, lr=lr, broken_contract=broken)
             con.print(f"{label} seed {seed}: {steps} steps", markup=False)
             res = run(cfg)
             run_dir = out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
@@ -73,7 +70,7 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path, broken
         table.add_row(label, f"{row['reward_start']:.3f}", f"{row['reward_end_mean']:.3f}±{row['reward_end_std']:.3f}",
                       f"{row['mismatch_abs_logp']:.2e}", f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
                       str(row["grad_spikes"]), f"{row['s_per_step']:.2f}")
-    out_con = Console(highlight=False, quiet=quiet)
+    out_con = Console(highlight=False, quiet=quiet, markup=False)
     if not out_con.is_terminal:
         out_con.width = 160  # logs: do not squeeze the table to 80 columns
     out_con.print(table)

@@ -10,26 +10,25 @@ import typer
 from .report import EMULATED_NOTE, write_run
 
 
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    """The engine's and the backends' user-facing errors (console.guard adds the compiler's own)."""
-    from ..backends.common import PlanMismatch, UnsupportedByBackend
-    from ..backends.weight_update import NonFiniteWeight, WeightUpdateError
-    from .loop import ContractViolation
-    from .miles import MilesError
-    from .model import ModelLoadError
-    from .numerics import EngineFormatError
-    from .plans import PlanLoadError
-    from .remote import RemoteRolloutError
-    from .task import TaskError
-
-    return (ContractViolation, ModelLoadError, EngineFormatError, PlanLoadError, TaskError, RemoteRolloutError,
-            PlanMismatch, UnsupportedByBackend, WeightUpdateError, NonFiniteWeight, MilesError)
-
-
 def _guard(body):
     from ..console import guard
 
-    return guard(body, _expected_errors())
+    return guard(body)
+
+
+def _run_config(cls, **values):
+    """Validate a run's settings once (pydantic); a bad value is a usage error naming the option."""
+    from pydantic import ValidationError
+
+    from ..console import UserError
+
+    try:
+        return cls(**values)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(x) for x in first["loc"])
+        option = {"prompts_per_step": "prompts", "samples_per_prompt": "samples"}.get(field, field)
+        raise UserError(f"invalid --{option.replace('_', '-')}: {first['msg']} (got {first.get('input')!r})") from None
 
 
 def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> Path:
@@ -67,7 +66,7 @@ def _live_run(cfg, title: str):
 
     from .loop import run
 
-    con = Console(stderr=True, highlight=False)
+    con = Console(stderr=True, highlight=False, markup=False)
     window: list[float] = []
     if not con.is_terminal:
         t0 = time.perf_counter()
@@ -80,7 +79,9 @@ def _live_run(cfg, title: str):
         return run(cfg, on_step=on_plain_step)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=con, transient=False) as prog:
-        task_id = prog.add_task(title, total=cfg.steps, info="starting")
+        from rich.markup import escape
+
+        task_id = prog.add_task(escape(title), total=cfg.steps, info="starting")
 
         def on_step(m):
             prog.update(task_id, advance=1, info=_step_info(m, window))
@@ -117,7 +118,7 @@ def register(app: typer.Typer) -> None:
         operators: str = typer.Option("+", "--operators", help="arithmetic: subset of '+-*'"),
         engine: str = typer.Option("embedded", "--engine", help="embedded | miles (emit a Miles launch script)"),
         parallel: Optional[str] = typer.Option(None, "--parallel", help="miles: parallel layout, e.g. "
-                                               "'trainer: tp=4 ep=8; rollout: tp=8 ep=8'"),
+                                               "'trainer:tp=4,ep=8 rollout:tp=8,ep=8'"),
         launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out"),
     ) -> None:
@@ -128,7 +129,9 @@ def register(app: typer.Typer) -> None:
         def body():
             from rich.console import Console
 
-            con = Console(highlight=False)
+            from rich.markup import escape
+
+            con = Console(highlight=False, markup=False)
             if engine == "miles":
                 from .miles import emit_miles_launch
 
@@ -140,28 +143,27 @@ def register(app: typer.Typer) -> None:
                 from ..console import UserError
 
                 raise UserError(f"--engine must be embedded or miles, got {engine!r}")
-            if device not in ("cpu", "cuda"):
-                from ..console import UserError
-
-                raise UserError(f"--device must be cpu or cuda, got {device!r}")
             from .loop import RunConfig
             from .plans import policy_path
 
+            cfg = _run_config(RunConfig, policy=policy, model=model, task=task, steps=steps, seed=seed,
+                              device=device, prompts_per_step=prompts, samples_per_prompt=samples, lr=lr,
+                              kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
+                              rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
+                              force_layout=force_layout)
             name = policy_path(policy).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)
-            cfg = RunConfig(policy=policy, model=model, task=task, steps=steps, seed=seed, device=device,
-                            prompts_per_step=prompts, samples_per_prompt=samples, lr=lr, kl_coef=kl_coef,
-                            digits=digits, operators=operators, broken_contract=broken_contract, out=out_dir,
-                            rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
-                            force_layout=force_layout)
-            con.print(f"[bold]policyc run[/] {name} on {model} · task {task} · {steps} steps · seed {seed} · "
-                      f"{device}" + (f" · rollout process on {rollout_device}" if rollout_device else "")
-                      + f"\n{EMULATED_NOTE}")
+            cfg = cfg.model_copy(update={"out": out_dir})  # validated above; the directory exists only now
+            con.print("[bold]policyc run[/] " + escape(f"{name} on {model} · task {task} · {steps} steps · seed "
+                                                       f"{seed} · {device}" + (f" · rollout process on "
+                                                       f"{rollout_device}" if rollout_device else "")
+                                                       + f"\n{EMULATED_NOTE}"), markup=True)
             result = _live_run(cfg, name)
             s = write_run(result, out_dir)
             con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else
-                      f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"))
+                      f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"),
+                      markup=True)
             con.print(f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} · train-rollout mean |Δlogp| "
                       f"{s['mismatch_abs_logp_mean']:.2e} (k3 {s['mismatch_k3_mean']:.2e}) · KL vs BF16 ref "
                       f"{s['kl_ref_k3_end']:.2e} · grad spikes {s['grad_spikes']} · rollout "

@@ -17,42 +17,72 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..arch import load_architecture
+from ..checks import check
+from ..plan import ParallelLayout, ParallelSide
+from ..precision import Precision
 from .metrics import SpikeDetector, StepMetrics, k3, masked_mean
+from .model import load_model, resolve_model_dir
+from .plans import broken_rollout_plan, load_plan
+from .qlinear import TrainerExecutor
+from .remote import RemoteRollout
+from .rollout import LocalRollout, Rollout
+from .sampling import sequence_logprobs
+from .task import load_tokenizer, make_task
+from .weight_path import same_bytes
+from ..errors import PolicycError
 
 
 class RunConfig(BaseModel):
+    """Everything a run is, validated once at construction (the CLI turns a ValidationError into a usage error)
+    and immutable afterwards."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     policy: Optional[str] = None  # None: plans.DEFAULT_POLICY
     model: str = "tiny-moe"
     task: str = "arithmetic"
-    digits: int = 2
-    operators: str = "+"
-    steps: int = 60
-    seed: int = 0
+    digits: int = Field(2, ge=1, le=6)
+    operators: str = Field("+", pattern=r"^[+*-]+$")
+    steps: int = Field(60, ge=1, le=1_000_000)
+    seed: int = Field(0, ge=0, le=2**63 - 1)  # torch.manual_seed's range
     device: Literal["cpu", "cuda"] = "cpu"
     # Run the rollout engine in its own process on this device (e.g. "cuda:1"; "cpu" = a CPU process over gloo);
     # weights then travel through torch.distributed (NCCL between GPUs). None: in-process rollout.
-    rollout_device: Optional[str] = None
+    rollout_device: Optional[str] = Field(None, pattern=r"^(cpu|cuda(:[0-9]{1,3})?)$")
     # Expert tensor parallelism as seen by the activation quantizers: routed-expert down_proj inputs are split along
     # K over `etp` ranks and per-token scales are computed inside each partition. Unequal values break the
     # per-token contract: refused (policyc check's etp-mismatch) unless force_layout.
-    trainer_etp: int = Field(1, ge=1)
-    rollout_etp: int = Field(1, ge=1)
+    trainer_etp: int = Field(1, ge=1, le=1024)
+    rollout_etp: int = Field(1, ge=1, le=1024)
     force_layout: bool = False
-    prompts_per_step: int = 16
-    samples_per_prompt: int = 8
-    lr: float = 1e-3
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    max_grad_norm: float = 1.0
-    temperature: float = 1.0
+    prompts_per_step: int = Field(16, ge=1, le=65_536)
+    # GRPO normalises rewards within a group: one sample has no group to compare with (advantage 0, no signal)
+    samples_per_prompt: int = Field(8, ge=2, le=4096)
+    lr: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False)
+    clip_eps: float = Field(0.2, gt=0, le=10, allow_inf_nan=False)
+    kl_coef: float = Field(0.0, ge=0, le=1e6, allow_inf_nan=False)
+    max_grad_norm: float = Field(1.0, gt=0, allow_inf_nan=False)
+    temperature: float = Field(1.0, gt=0, le=100, allow_inf_nan=False)
     broken_contract: Optional[Literal["per_tensor", "unshared"]] = None
     check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
     out: Optional[Path] = None
 
+    @field_validator("device", "rollout_device")
+    @classmethod
+    def _device_exists(cls, v):
+        """--device cuda / --rollout-device cuda:N must exist here: refused before anything starts."""
+        if v and v.startswith("cuda"):
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            idx = int(v.split(":", 1)[1]) if ":" in v else 0
+            if idx >= n:
+                raise ValueError(f"{v}: this machine has {n} CUDA device(s); use cpu")
+        return v
 
-class ContractViolation(RuntimeError):
+
+class ContractViolation(PolicycError, RuntimeError):
     pass
 
 
@@ -67,8 +97,6 @@ class RunResult(BaseModel):
 
 
 def _bf16_plan(plan):
-    from ..precision import Precision
-
     bf16 = Precision.high("bf16")
     tensors = tuple(t.model_copy(update={"precision": bf16, "share_scale_group": None}) for t in plan.tensors)
     return plan.model_copy(update={"policy_name": "bf16-reference", "tensors": tensors, "share_scale_groups": ()})
@@ -76,8 +104,6 @@ def _bf16_plan(plan):
 
 def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
     """Number of quantized tensors whose stored bytes differ between trainer and rollout."""
-    from .weight_path import same_bytes
-
     differing = 0
     for name, q in trainer_q.items():
         r = rollout_q.get(name)
@@ -94,9 +120,6 @@ def _check_layout(cfg: RunConfig, plan, arch) -> None:
     """The same static checks `policyc check --parallel` runs, for the expert-TP layout of this run."""
     if cfg.trainer_etp == 1 and cfg.rollout_etp == 1:
         return
-    from ..checks import check
-    from ..plan import ParallelLayout, ParallelSide
-
     layout = ParallelLayout(trainer=ParallelSide(etp=cfg.trainer_etp), rollout=ParallelSide(etp=cfg.rollout_etp))
     errors = [d for d in check(plan, arch, layout) if d.severity == "error"]
     if errors and not cfg.force_layout:
@@ -106,17 +129,17 @@ def _check_layout(cfg: RunConfig, plan, arch) -> None:
                                 + " — pass --force-layout to run it anyway and measure the mismatch")
 
 
+def make_rollout(cfg: RunConfig, model_dir: Path, plan, trainer_config) -> Rollout:
+    """The rollout engine of this run: in its own process on `cfg.rollout_device` (weights over torch.distributed),
+    or in this process. The loop below only sees the Rollout protocol."""
+    if cfg.rollout_device:
+        return RemoteRollout(model_dir, plan, trainer_device="cuda:0" if cfg.device == "cuda" else cfg.device,
+                             rollout_device=cfg.rollout_device, etp=cfg.rollout_etp)
+    return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp)
+
+
 def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         on_start: Optional[Callable[[RunResult], None]] = None) -> RunResult:
-    from ..arch import load_architecture
-    from .model import load_model, resolve_model_dir
-    from .plans import broken_rollout_plan, load_plan
-    from .qlinear import TrainerExecutor
-    from .rollout import RolloutEngine
-    from .sampling import sequence_logprobs
-    from .task import load_tokenizer, make_task
-    from .weight_path import LiveUpdateChannel
-
     t_start = time.perf_counter()
     device = cfg.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -138,16 +161,9 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     executor = TrainerExecutor(plan, trainer, etp=cfg.trainer_etp).install()
     reference = load_model(model_dir).to(device).requires_grad_(False).eval()
     TrainerExecutor(_bf16_plan(plan), reference).install()
-    if cfg.rollout_device:
-        from .remote import RemoteRollout
-
-        rollout = RemoteRollout(model_dir, rollout_plan, trainer_device="cuda:0" if device == "cuda" else device,
-                                rollout_device=cfg.rollout_device, etp=cfg.rollout_etp)
-    else:
-        rollout = RolloutEngine(trainer.config, rollout_plan, device=device, etp=cfg.rollout_etp)
     # With a broken contract the exporter is configured from the rollout side (as Miles' exporter reads the rollout
     # checkpoint's quantization_config), so the hash check on the channel passes while trainer != rollout.
-    channel = rollout.channel if cfg.rollout_device else LiveUpdateChannel(rollout_plan)
+    rollout = make_rollout(cfg, model_dir, rollout_plan, trainer.config)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
@@ -158,7 +174,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
 
     def weight_update() -> tuple[float, int, Optional[bool], int]:
         t0 = time.perf_counter()
-        payload = channel.send(dict(trainer.named_parameters()))
+        payload = rollout.channel.send(dict(trainer.named_parameters()))
         rollout.update_weights(payload)
         identical, differing = None, 0
         if cfg.check_weight_bytes:
@@ -232,7 +248,6 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         result.steps.append(m)
         if on_step:
             on_step(m)
-    if cfg.rollout_device:
-        rollout.close()
+    rollout.close()
     result.wall_s = time.perf_counter() - t_start
     return result

@@ -25,11 +25,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ..errors import PolicycError
 
 LinearExecutor = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(PolicycError, ValueError):
     """A checkpoint or config does not match the Qwen3-MoE architecture; message names the tensor/file + a fix."""
 
 

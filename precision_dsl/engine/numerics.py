@@ -12,9 +12,10 @@ import torch
 
 from .. import formats, kernels
 from ..precision import FormatKind, TensorFormat
+from ..errors import PolicycError
 
 
-class EngineFormatError(ValueError):
+class EngineFormatError(PolicycError, ValueError):
     """A plan asks the embedded engine for a format it cannot emulate (message names the tensor + a hint)."""
 
 

@@ -16,6 +16,7 @@ from ..plan import Plan
 from ..precision import FormatKind
 from ..resolve import resolve
 from ..resources import find_policy, policy_hint
+from ..errors import PolicycError
 
 DEFAULT_POLICY = "nvfp4-pertoken-dequant-backward"
 SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward",
@@ -23,7 +24,7 @@ SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backwa
 BROKEN_KINDS = ("per_tensor", "unshared")
 
 
-class PlanLoadError(ValueError):
+class PlanLoadError(PolicycError, ValueError):
     pass
 
 

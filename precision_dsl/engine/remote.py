@@ -27,12 +27,18 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from ..backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
 from ..plan import Plan
+from .model import Qwen3MoeConfig
+from .rollout import RolloutEngine
 from .sampling import SampleBatch
+from ..errors import PolicycError
 
 
-class RemoteRolloutError(RuntimeError):
+class RemoteRolloutError(PolicycError, RuntimeError):
     pass
 
 
@@ -57,8 +63,6 @@ def _backend_for(device: str) -> str:
 
 
 def _init_group(rank: int, port: int, device: str) -> None:
-    import torch.distributed as dist
-
     # NVLink multicast stays off (shared hosts: see the device notes); harmless elsewhere.
     for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
         os.environ.setdefault(k, v)
@@ -71,8 +75,6 @@ def _init_group(rank: int, port: int, device: str) -> None:
 
 
 def _bcast(obj=None, src: int = 0):
-    import torch.distributed as dist
-
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
@@ -96,13 +98,6 @@ def _q_to_cpu(v):
 
 def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: int = 1) -> None:
     """Rank 1: a RolloutEngine that only ever receives weights from the process group."""
-    import torch.distributed as dist
-
-    from ..backends.weight_update import TorchDistributedTransport, WeightReceiver
-
-    from .model import Qwen3MoeConfig
-    from .rollout import RolloutEngine
-
     torch.set_num_threads(max(1, torch.get_num_threads()))
     _init_group(1, port, device)
     plan = Plan.from_json(plan_json)
@@ -140,15 +135,25 @@ class _RemoteChannel:
         self.owner, self.bucket_bytes, self.version = owner, bucket_bytes, 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> RemotePayload:
-        from ..backends.weight_update import TorchDistributedTransport, WeightSender
-
-        self.version += 1
-        _bcast(("update", self.version), src=0)
         transport = TorchDistributedTransport(device=self.owner.trainer_device)
         sender = WeightSender(self.owner.plan, transport, bucket_bytes=self.bucket_bytes, check_equal=True)
         items = ((n, w.detach().to(torch.bfloat16)) for n, w in weights.items())
-        report = sender.send(items, weight_version=f"v{self.version}")
+        # Everything that can refuse the update (NaN/Inf, missing or extra tensors) runs BEFORE the worker is told
+        # an update is coming: a refusal then leaves both processes at the same point of the command protocol
+        # (otherwise the worker waits in the handshake while the next command is broadcast: a deadlock).
+        units = sender.prepare(items)
+        version = self.version + 1
+        _bcast(("update", version), src=0)
+        try:
+            report = sender.send_prepared(units, weight_version=f"v{version}")
+        except Exception:
+            try:  # the worker saw the abort and replies with its error: collect it to stay in step
+                self.owner._reply()
+            except RemoteRolloutError:
+                pass
+            raise
         self.owner._reply()  # the receiver's verdict (hash handshake, digests, load into its buffers)
+        self.version = version
         return RemotePayload(plan_hash=report.plan_hash, version=self.version, nbytes=report.bytes,
                              buckets=report.buckets)
 
@@ -168,8 +173,6 @@ class RemoteRollout:
                                          f"{torch.cuda.device_count()} CUDA device(s)")
             if torch.device(trainer_device).index == idx:
                 raise RemoteRolloutError("trainer and rollout must be on different GPUs")
-        import torch.multiprocessing as mp
-
         self.plan, self.trainer_device, self.rollout_device = plan, trainer_device, rollout_device
         port = _free_port()
         ctx = mp.get_context("spawn")
@@ -208,8 +211,6 @@ class RemoteRollout:
                            prompt_len=batch.prompt_len)
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if getattr(self, "proc", None) is None:
             return
         try:

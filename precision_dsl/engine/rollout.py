@@ -9,7 +9,7 @@ The received QuantizedTensors are kept (`received`) so tests can assert byte equ
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import torch
 
@@ -17,7 +17,23 @@ from ..plan import Plan
 from . import numerics
 from .model import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from .sampling import SampleBatch, sample
-from .weight_path import Payload, receive
+from .weight_path import LiveUpdateChannel, Payload, receive
+
+
+class Rollout(Protocol):
+    """What the RL loop needs from a rollout engine, wherever it runs: in this process (LocalRollout) or in its own
+    process on another device (remote.RemoteRollout). Weights reach it only through `channel` (the live
+    weight-update path) and `update_weights`; `received` holds the quantized weights it got, for the byte check."""
+
+    channel: object  # .send(named trainer weights) -> the payload `update_weights` takes
+    received: dict
+
+    def update_weights(self, payload) -> None: ...
+
+    def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, eos_id: int, pad_id: int,
+                 generator: torch.Generator, temperature: float = 1.0) -> SampleBatch: ...
+
+    def close(self) -> None: ...
 
 
 class RolloutExecutor:
@@ -75,3 +91,15 @@ class RolloutEngine:
             raise RuntimeError("rollout engine has no weights yet (call update_weights first)")
         return sample(self.model, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
                       generator=generator, temperature=temperature)
+
+
+class LocalRollout(RolloutEngine):
+    """The rollout engine in the trainer's process: weights still travel through the weight-update path (packed,
+    hash-checked), in memory."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, plan: Plan, device: str = "cpu", etp: int = 1):
+        super().__init__(cfg, plan, device=device, etp=etp)
+        self.channel = LiveUpdateChannel(plan)
+
+    def close(self) -> None:
+        pass

@@ -25,9 +25,10 @@ TINY_VOCAB: tuple[str, ...] = (
     "+", "-", "*", "/", "=", " ", "(", ")", "{", "}", "\\", ".", ",",
     "b", "o", "x", "e", "d",
 )
+from ..errors import PolicycError
 
 
-class TaskError(ValueError):
+class TaskError(PolicycError, ValueError):
     """Bad task input (file:line and a hint in the message)."""
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.weight_update import InProcessTransport, WeightReceiver, WeightSender
 from ..plan import Plan
 
 
@@ -35,8 +36,6 @@ class LiveUpdateChannel:
         self.version = 0
 
     def send(self, weights: dict[str, torch.Tensor]) -> Payload:
-        from ..backends.weight_update import InProcessTransport, WeightSender
-
         transport = InProcessTransport()
         self.version += 1
         sender = WeightSender(self.plan, transport, bucket_bytes=self.bucket_bytes, check_equal=True)
@@ -47,9 +46,7 @@ class LiveUpdateChannel:
 
 
 def receive(payload: Payload, plan: Plan) -> dict[str, object]:
-    """{hf_name: QuantizedTensor | Tensor}. Raises precision_dsl.backends.common.PlanMismatch when the sender's plan differs."""
-    from ..backends.weight_update import WeightReceiver
-
+    """{hf_name: QuantizedTensor | Tensor}. Raises backends.common.PlanMismatch when the sender's plan differs."""
     return WeightReceiver(plan, payload.transport, check_equal=True).receive(timeout=60)
 
 

@@ -1,0 +1,60 @@
+"""One gate for `policyc check`, `policyc emit` and `policyc run --engine miles`.
+
+It lives in the engine layer because it joins the static checks (resolve layer) and the backends, which must not
+import each other (docs/ARCHITECTURE.md); the cli commands and the Miles launch call it.
+
+Both commands call `run_gate`: it runs every static check of precision_dsl.checks AND every chosen backend
+emitter, and collects all findings (sqlglot's ErrorLevel idea: report everything, not the first). So
+
+  * what `check` accepts, `emit` emits (the emitters already ran inside check and produced the artifacts);
+  * what an emitter would refuse (UnsupportedByBackend), `check` reports as an error `unsupported-by-<backend>`,
+    naming the tensor and the capability;
+  * `emit` writes nothing unless the gate passes (errors; warnings too with --strict).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..backends.common import BACKENDS, PLAN_FILE, Artifact, UnsupportedByBackend
+from ..diagnostics import Diagnostic
+
+BACKEND_CHOICES = BACKENDS
+
+
+@dataclass
+class GateResult:
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    artifacts: list[Artifact] = field(default_factory=list)  # complete only when ok
+
+    def errors(self, strict: bool = False) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.severity == "error" or strict]
+
+    def ok(self, strict: bool = False) -> bool:
+        return not self.errors(strict)
+
+
+def refusal_diagnostics(err: UnsupportedByBackend) -> list[Diagnostic]:
+    return [Diagnostic(severity="error", code=f"unsupported-by-{e.backend}", tensor=e.tensor,
+                       message=f"{e.tensor}: {e.capability}",
+                       hint=e.hint or "change the policy for this tensor, or emit only the other backends with "
+                                      "--backend")
+            for e in (getattr(err, "errors", None) or [err])]
+
+
+def run_gate(plan, arch, backends: Optional[list[str]] = None, te_version: Optional[str] = None) -> GateResult:
+    from ..backends import converter, megatron, sglang, weight_update
+    from ..checks import check
+
+    mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
+    res = GateResult(diagnostics=list(check(plan, arch, plan.parallel)))
+    res.artifacts.append(Artifact(PLAN_FILE, plan.to_json(indent=None) + "\n", "the plan (IR) with its content_hash"))
+    for name in backends or BACKEND_CHOICES:
+        try:
+            arts = megatron.emit(plan, te_version=te_version) if name == "megatron" else mods[name].emit(plan)
+        except UnsupportedByBackend as err:
+            res.diagnostics += refusal_diagnostics(err)
+            continue
+        res.artifacts.extend(arts)
+    return res

@@ -1,0 +1,228 @@
+"""Oracle: what megatron-core 0.16.1 ITSELF runs for every TE module, given policyc's emitted Megatron artifacts.
+
+Nothing here re-implements megatron-core's decisions; each step calls its code:
+
+  * TransformerConfig / MLATransformerConfig built from the emitted flags (their __post_init__ validation runs:
+    first/last-BF16 ranges, fp8 x fp4, uneven pipeline split, router dtype). The flag -> field table is Megatron-LM
+    core_v0.16.1 `megatron/training/arguments.py` (GitHub-only, not in the wheel): fields are `--` + name with `-`
+    except the renames listed in FLAG_FIELDS (l.1329-1330 decoder_*_pipeline_num_layers, fp8_param_gather);
+  * `validate_args` rule reproduced (the only one the emitted flags can trip, arguments.py l.556-568): without
+    --decoder-first/last-pipeline-num-layers, num_layers % pipeline size must be 0;
+  * the per-module YAML loaded by `megatron.core.quantization.utils.load_quantization_recipe` (the call
+    core_transformer_config_from_args makes for --te-precision-config-file, l.1380-1383);
+  * per pipeline rank: `transformer_layer.get_transformer_layer_offset(config, pp_rank=r)` and
+    `transformer_block.get_num_layers_to_build(config, pp_rank=r)` give the rank's global layers; the module path
+    the matcher sees is GPTModel.named_modules()'s, i.e. stage-local `decoder.layers.<local>.*`;
+  * layer context: `fp8_utils.is_first_last_bf16_layer(config, global_layer)` (get_fp4_context applies the same
+    rule, fp4_utils.py l.120-136); MTP: quantized context only when config.fp8 (multi_token_prediction.py l.773-781,
+    "currently ignoring FP4 in MTP layers");
+  * per module: `quantization.utils.get_quant_config_or_none` + `TEQuantizationParams.parse_from_config` +
+    `extensions.transformer_engine._get_should_context_be_quantized_params` (the function will_execute_quantized
+    uses); when the override does not apply, the module runs the context's (global) recipe.
+
+A load failure raises OracleUnavailable with the reason (tests turn it into a failure, never a skip).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+MEGATRON_CORE_VERSION = "0.16.1"
+KIND_OF_RECIPE = {"mxfp8": "mxfp8", "blockwise": "fp8_block", "tensorwise": "fp8", "nvfp4": "nvfp4"}
+
+# Megatron-LM core_v0.16.1 CLI flag -> TransformerConfig field (value flags)
+FLAG_FIELDS = {
+    "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--fp4-format": "fp4", "--fp4-recipe": "fp4_recipe",
+    "--num-layers-at-start-in-bf16": "num_layers_at_start_in_bf16",
+    "--num-layers-at-end-in-bf16": "num_layers_at_end_in_bf16",
+    "--tensor-model-parallel-size": "tensor_model_parallel_size",
+    "--pipeline-model-parallel-size": "pipeline_model_parallel_size",
+    "--expert-model-parallel-size": "expert_model_parallel_size",
+    "--expert-tensor-parallel-size": "expert_tensor_parallel_size",
+    "--decoder-first-pipeline-num-layers": "num_layers_in_first_pipeline_stage",
+    "--decoder-last-pipeline-num-layers": "num_layers_in_last_pipeline_stage",
+    "--moe-router-dtype": "moe_router_dtype",
+}
+BOOL_FLAGS = {"--bf16": "bf16", "--first-last-layers-bf16": "first_last_layers_bf16",
+              "--fp8-param-gather": "fp8_param", "--fp4-param-gather": "fp4_param",
+              "--moe-grouped-gemm": "moe_grouped_gemm"}
+TRAINING_ONLY = {"--transformer-impl": "transformer_engine", "--te-precision-config-file": None}
+
+
+class OracleUnavailable(RuntimeError):
+    pass
+
+
+def load():
+    try:
+        import megatron.core as mc
+        from megatron.core.extensions import transformer_engine as te_ext  # noqa: F401
+        from megatron.core.quantization import utils as qutils  # noqa: F401
+        from megatron.core.transformer import transformer_block, transformer_layer  # noqa: F401
+    except Exception as err:  # pragma: no cover - the failure path is the point
+        raise OracleUnavailable(f"megatron-core {MEGATRON_CORE_VERSION} cannot be imported ({err!r}); install the "
+                                "test extra: pip install -e '.[test]'") from err
+    if mc.__version__ != MEGATRON_CORE_VERSION:
+        raise OracleUnavailable(f"megatron-core {mc.__version__} installed; the oracle is pinned to "
+                                f"{MEGATRON_CORE_VERSION}")
+    return mc
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What megatron-core runs for one TE module."""
+
+    kind: str  # bf16 | mxfp8 | fp8_block | fp8 | nvfp4
+    fp8_format: Optional[str] = None  # e4m3 | hybrid for FP8 recipes
+
+
+def parse_flags(flags: list[str]) -> tuple[dict, Optional[str]]:
+    """(TransformerConfig kwargs, --te-precision-config-file value). Unknown flags fail: every emitted flag must
+    mean something to Megatron."""
+    kw, yaml_name, i = {}, None, 0
+    while i < len(flags):
+        f = flags[i]
+        if f in BOOL_FLAGS:
+            kw[BOOL_FLAGS[f]] = True
+            i += 1
+        elif f in FLAG_FIELDS:
+            v = flags[i + 1]
+            kw[FLAG_FIELDS[f]] = int(v) if v.isdigit() else v
+            i += 2
+        elif f in TRAINING_ONLY:
+            if f == "--te-precision-config-file":
+                yaml_name = flags[i + 1]
+            elif TRAINING_ONLY[f] is not None:
+                assert flags[i + 1] == TRAINING_ONLY[f], f"{f} {flags[i + 1]}"
+            i += 2
+        else:
+            raise AssertionError(f"emitted flag {f} has no Megatron-LM core_v0.16.1 meaning known to the oracle")
+    return kw, yaml_name
+
+
+def validate_args(kw: dict, num_layers: int) -> None:
+    """Megatron-LM core_v0.16.1 validate_args, the pipeline rule (arguments.py l.556-568)."""
+    pp = kw.get("pipeline_model_parallel_size", 1)
+    if kw.get("num_layers_in_first_pipeline_stage") is None and kw.get("num_layers_in_last_pipeline_stage") is None:
+        assert num_layers % pp == 0, "Number of layers should be divisible by the pipeline-model-parallel size"
+
+
+@contextlib.contextmanager
+def _without_te():
+    """megatron-core's MoE x FP8 checks call is_te_min_version, which returns None without TE on this CPU box
+    (backends.md A.5): answer 'new enough' so the rest of __post_init__ validates."""
+    import megatron.core.transformer.transformer_config as tc
+
+    orig = tc.is_te_min_version
+    tc.is_te_min_version = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        tc.is_te_min_version = orig
+
+
+def build_config(arch, flags: list[str], yaml_dir: Optional[Path]):
+    """TransformerConfig (MLATransformerConfig for DeepSeek-V3) from the architecture's shape + the emitted flags,
+    with quant_recipe loaded from the emitted YAML by megatron-core."""
+    import torch
+    from megatron.core.quantization.utils import load_quantization_recipe
+    from megatron.core.transformer import transformer_config as tc
+
+    kw, yaml_name = parse_flags(flags)
+    validate_args(kw, arch.num_layers)
+    c = arch.config
+    base = dict(num_layers=arch.num_layers, hidden_size=c["hidden_size"],
+                num_attention_heads=c["num_attention_heads"],
+                ffn_hidden_size=c.get("intermediate_size", 4 * c["hidden_size"]),
+                num_moe_experts=c.get("num_experts") or c.get("n_routed_experts"),
+                moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_router_topk=c.get("num_experts_per_tok", 2),
+                add_bias_linear=False, gated_linear_unit=True)
+    if c.get("num_nextn_predict_layers"):
+        base["mtp_num_layers"] = int(c["num_nextn_predict_layers"])
+    base.update(kw)
+    if base.get("pipeline_model_parallel_size", 1) > 1:
+        base["pipeline_dtype"] = torch.bfloat16
+    if yaml_name is not None:
+        base["quant_recipe"] = load_quantization_recipe(str(Path(yaml_dir) / yaml_name))
+    with _without_te():
+        if c.get("model_type") == "deepseek_v3":
+            return tc.MLATransformerConfig(**base, q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"],
+                                           qk_head_dim=c["qk_nope_head_dim"],
+                                           qk_pos_emb_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"])
+        return tc.TransformerConfig(**base, num_query_groups=c.get("num_key_value_heads"),
+                                    kv_channels=c.get("head_dim"))
+
+
+def stages(config) -> list[range]:
+    """Global decoder layers of each pipeline rank, by megatron-core's own layout functions."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    out = []
+    for r in range(config.pipeline_model_parallel_size):
+        off = get_transformer_layer_offset(config, pp_rank=r)
+        n = get_num_layers_to_build(config, pp_rank=r)
+        out.append(range(off, off + n))
+    return out
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def _global_reading(config) -> Optional[Reading]:
+    if config.fp8:
+        r = getattr(config.fp8_recipe, "value", config.fp8_recipe)
+        return Reading(KIND_OF_RECIPE[str(r)], str(config.fp8))
+    if config.fp4:
+        r = getattr(config.fp4_recipe, "value", config.fp4_recipe)
+        return Reading(KIND_OF_RECIPE[str(r)])
+    return None
+
+
+def read_modules(config, modules: list[str]) -> dict[str, tuple[int, Reading]]:
+    """{global module path: (pp rank, Reading)} for decoder modules `decoder.layers.<global>.*` and MTP modules
+    `mtp.*` (built on the last pipeline rank)."""
+    from megatron.core.extensions.transformer_engine import (TEQuantizationParams,
+                                                             _get_should_context_be_quantized_params)
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+    from megatron.core.quantization.utils import get_quant_config_or_none
+
+    glob = _global_reading(config)
+    layout = stages(config)
+    assert sum(len(s) for s in layout) == config.num_layers and layout[0].start == 0
+    rank_of = {layer: (r, rng.start) for r, rng in enumerate(layout) for layer in rng}
+    out = {}
+    for mod in modules:
+        m = _LAYER.match(mod)
+        if m:
+            g = int(m.group(1))
+            rank, off = rank_of[g]
+            path = f"decoder.layers.{g - off}.{m.group(2)}"
+            ctx = glob is not None and not is_first_last_bf16_layer(config, g)
+        else:
+            assert mod.startswith("mtp."), mod
+            rank, path = len(layout) - 1, mod
+            ctx = glob is not None and bool(config.fp8)
+        qc = get_quant_config_or_none(path, config.quant_recipe)
+        qparams = TEQuantizationParams.parse_from_config(qc) if qc is not None else None
+        quantized = _get_should_context_be_quantized_params(qparams, True, ctx)
+        if not quantized:
+            out[mod] = (rank, Reading("bf16"))
+            continue
+        rec = qparams.training_recipe if qparams is not None else None
+        overridden = rec is not None and ((ctx and rec.override_quantized_autocast)
+                                          or (not ctx and rec.override_nonquantized_autocast))
+        if not overridden:
+            out[mod] = (rank, glob)
+            continue
+        if rec.fp8_quantization_recipe is not None:
+            name = getattr(rec.fp8_quantization_recipe, "value", rec.fp8_quantization_recipe)
+            out[mod] = (rank, Reading(KIND_OF_RECIPE[str(name)], rec.fp8_format))
+        else:
+            name = getattr(rec.fp4_quantization_recipe, "value", rec.fp4_quantization_recipe)
+            out[mod] = (rank, Reading(KIND_OF_RECIPE[str(name)]))
+    return out

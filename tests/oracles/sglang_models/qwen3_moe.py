@@ -1,0 +1,1 @@
+from sglang.srt.models.qwen3_moe import EntryClass  # noqa: F401

@@ -1,0 +1,102 @@
+"""megatron-core 0.16.1's own code reads policyc's Megatron artifacts (tests/megatron_oracle.py) for every shipped
+policy x {tiny-moe, qwen3-30b-a3b, deepseek-v3} x {no parallelism, uneven PP, TP+EP}: per TE module and per pipeline
+rank, format / recipe / FP8 gradient format must be the plan's; the process-wide TE settings (backward mode, NVFP4
+activation scale scope and weight blocks, FP8-block scale dtype) must be each quantized module's. A plan the trainer
+cannot run is refused by name (tensor + capability); the check/emit gate test makes sure `check` says so first."""
+
+from __future__ import annotations
+
+import pytest
+
+import megatron_oracle as mo
+from matrix import MODELS, arch_of, cells, plan_of
+
+try:
+    mo.load()
+    LOAD_ERROR = None
+except mo.OracleUnavailable as err:  # fail every test with the reason, never skip
+    LOAD_ERROR = str(err)
+
+
+def _env(text: str) -> dict[str, str]:
+    return dict(line[len("export "):].split("=", 1) for line in text.splitlines() if line.startswith("export "))
+
+
+def _expected(plan) -> dict[str, list]:
+    from precision_dsl.backends.megatron import megatron_module
+
+    mods: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
+                and t.role != "mtp.eh_proj":
+            mods.setdefault(megatron_module(t.megatron_name), []).append(t)
+    return mods
+
+
+def _plan_reading(t) -> mo.Reading:
+    p = t.precision
+    if not p.is_quantized:
+        return mo.Reading("bf16")
+    if t.weight.kind.value == "nvfp4":
+        return mo.Reading("nvfp4")
+    hybrid = p.backward.value == "quantized" and p.grad.element == "e5m2"
+    return mo.Reading(t.weight.kind.value, "hybrid" if hybrid else "e4m3")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_megatron_core_runs_the_plan(model, tmp_path):
+    if LOAD_ERROR:
+        pytest.fail(LOAD_ERROR)
+    from precision_dsl.backends import megatron as mg
+    from precision_dsl.engine.gate import run_gate
+
+    arch = arch_of(model)
+    checked = refused = 0
+    for policy, m, lay in cells():
+        if m != model:
+            continue
+        plan = plan_of(policy, model, lay)
+        where = f"{policy} x {model} x {lay}"
+        # the check/emit gate with the Megatron backend: static checks + this emitter, every problem named
+        res = run_gate(plan, arch, ["megatron"])
+        if not res.ok():
+            assert all(d.tensor and d.message for d in res.errors()), where
+            refused += 1
+            continue
+        arts = {a.path: a for a in res.artifacts}
+        d = tmp_path / policy / lay
+        d.mkdir(parents=True)
+        for p, a in arts.items():
+            if p.endswith(".yaml"):
+                (d / p.split("/")[-1]).write_text(a.content)
+        flags = mg.read_args(arts["megatron/args.txt"].content)
+        assert plan.content_hash() in arts["megatron/args.txt"].content, where
+        config = mo.build_config(arch, flags, d)  # megatron-core's own validation runs here
+        expected = _expected(plan)
+        got = mo.read_modules(config, sorted(expected))
+        wrong = {mod: (got[mod][1], _plan_reading(ts[0])) for mod, ts in expected.items()
+                 if got[mod][1] != _plan_reading(ts[0])}
+        assert not wrong, f"{where}: megatron-core runs (got, plan) {dict(list(wrong.items())[:4])}"
+        # process-wide TE settings as every quantized module sees them
+        env = _env(arts["megatron/env.sh"].content)
+        for mod, ts in expected.items():
+            for t in ts:
+                if not t.precision.is_quantized:
+                    continue
+                assert env.get("NVTE_BACKWARD_OVERRIDE", "quantized") == t.backward.value, (where, mod)
+                if t.weight.kind.value == "nvfp4":
+                    row = env.get("NVTE_NVFP4_ROW_SCALED_ACTIVATION", "0") == "1"
+                    assert row == (t.activation.global_scale == "row"), (where, mod)
+                    two_d = env.get("NVTE_NVFP4_DISABLE_2D_QUANTIZATION", "0") == "0"
+                    assert two_d == (t.weight.block == (16, 16)), (where, mod)
+                    assert env.get("NVTE_NVFP4_DISABLE_RHT") == "1" and \
+                        env.get("NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING") == "1", (where, mod)
+                if t.weight.kind.value == "fp8_block":
+                    fp32 = env.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") == "1"
+                    assert fp32 == ((t.weight.scale_dtype or "fp32") == "fp32"), (where, mod)
+        # the emitter's layout is megatron-core's layout
+        stages = mo.stages(config)
+        assert [[r.start, r.stop] for r in stages] == [[r.start, r.stop] for r in mg.stage_ranges(
+            plan.num_layers, plan.parallel.trainer.pp if plan.parallel else 1)], where
+        checked += 1
+    assert checked >= 20, (checked, refused)
