@@ -42,6 +42,9 @@ def _sha(data: bytes) -> str:
 
 
 def _file_sha(name: str, data: bytes) -> str:
+    # artifacts name the policy file by absolute path: hash them relative to the checkout, so that the figures hold
+    # in any worktree or clone (CI runs from a fresh clone elsewhere)
+    data = data.replace(str(ROOT).encode() + b"/", b"")
     if not name.endswith(PLAN_FILE):
         return _sha(data)
     from precision_dsl.plan import Plan

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from conftest import StrictCliRunner
 
 from precision_dsl.cli import app
 
@@ -35,14 +35,14 @@ def test_public_config_plans_checks_and_emits(tmp_path, model, policy, family, f
     user_dir.mkdir(parents=True)
     shutil.copyfile(MODELS / model / "config.json", user_dir / "config.json")
     pol = str(REPO / "policies" / f"{policy}.policy")
-    runner = CliRunner()
+    runner = StrictCliRunner()
 
-    res = runner.invoke(app, ["plan", pol, "--model", str(user_dir)], catch_exceptions=False)
+    res = runner.invoke(app, ["plan", pol, "--model", str(user_dir)])
     assert res.exit_code == 0, res.output
     assert f"({family}," in res.output
     plan_hash = re.search(r"plan hash: (sha256:[0-9a-f]{64})", res.output).group(1)
 
-    res = runner.invoke(app, ["check", pol, "--model", str(user_dir)], catch_exceptions=False)
+    res = runner.invoke(app, ["check", pol, "--model", str(user_dir)])
     assert res.exit_code == 0, res.output
 
     out = tmp_path / "emitted"
@@ -50,7 +50,7 @@ def test_public_config_plans_checks_and_emits(tmp_path, model, policy, family, f
     # for the 46k-70k tensors of the DeepSeek-V3 family) for the others, to keep the suite's time in budget.
     backends = ["megatron", "sglang"] + ([] if family == "deepseek_v3" else ["converter", "weight_update"])
     res = runner.invoke(app, ["emit", pol, "--model", str(user_dir), "--out", str(out)]
-                        + [x for b in backends for x in ("--backend", b)], catch_exceptions=False)
+                        + [x for b in backends for x in ("--backend", b)])
     assert res.exit_code == 0, res.output
     plan = json.loads((out / "policyc_plan.json").read_text())
     assert plan["content_hash"] == plan_hash and plan["model_type"] == family
@@ -65,8 +65,8 @@ def test_public_config_plans_checks_and_emits(tmp_path, model, policy, family, f
 def test_glm_air_fp8_block_is_refused_by_name(tmp_path):
     """GLM-4.5-Air's dense layer has intermediate_size 10944 = 85.5 x 128: SGLang's FP8-block linears need K % 128,
     so emitting the Hopper FP8-block policy names the tensor instead of writing a config the server rejects."""
-    res = CliRunner().invoke(app, ["emit", str(REPO / "policies" / "fp8-blockwise-hopper.policy"), "--model",
-                                   "glm-4.5-air", "--out", str(tmp_path / "o")], catch_exceptions=False)
+    res = StrictCliRunner().invoke(app, ["emit", str(REPO / "policies" / "fp8-blockwise-hopper.policy"), "--model",
+                                   "glm-4.5-air", "--out", str(tmp_path / "o")])
     assert res.exit_code != 0
     assert "model.layers.0.mlp.down_proj.weight" in res.output and "128" in res.output
     assert not (tmp_path / "o").exists()
@@ -76,7 +76,7 @@ def test_arch_lists_every_family_with_an_example():
     from precision_dsl.arch import list_bundled, load_architecture
     from precision_dsl.arch.families import FAMILIES
 
-    res = CliRunner().invoke(app, ["arch"], catch_exceptions=False, env={"COLUMNS": "300"})
+    res = StrictCliRunner().invoke(app, ["arch"], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
     for f in FAMILIES:
         assert f.model_type in res.output and all(a in res.output for a in f.architectures)
