@@ -158,6 +158,8 @@ def test_program_refuses_incomplete_state_dict():
     victim = plan.tensors[-1].hf_name
     with pytest.raises(WeightUpdateError, match="incomplete state dict"):
         sender.prepare_program([(n, x) for n, x in weights.items() if n != victim])
-    with pytest.raises(WeightUpdateError, match="not in the plan"):
+    with pytest.raises(WeightUpdateError, match="not in the plan|neither an HF nor a Megatron name"):
         sender.prepare_program(list(weights.items()) + [("model.layers.99.bogus.weight", weights[victim])])
+    with pytest.raises(WeightUpdateError, match="sent twice"):
+        sender.prepare_program(list(weights.items()) + [(victim, weights[victim])])
     assert tr.inner._q.empty() if _INTERP else tr._q.empty()  # nothing was sent
