@@ -12,7 +12,16 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import PolicycError
 from .common import BACKENDS
+
+
+class _Coded(PolicycError):
+    """A refusal with an explicit exit code (emit's gate: 1, valid input a backend refuses)."""
+
+    def __init__(self, message: str, hint: str = "", code: int = 2):
+        super().__init__(message)
+        self.message, self.hint, self.code = message, hint, code
 
 
 def _run(body):
