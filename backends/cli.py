@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import PolicycError
 from .common import BACKENDS
 
 
@@ -25,10 +26,11 @@ def _run(body):
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
     """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
     from . import converter, megatron, sglang, weight_update
-    from .common import PLAN_FILE, Artifact
+    from .common import PLAN_FILE, Artifact, plan_hash
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
-    arts = [Artifact(PLAN_FILE, plan.to_json(indent=None) + "\n", "the plan (IR) with its content_hash")]
+    arts = [Artifact(PLAN_FILE, plan.to_json(indent=None, content_hash=plan_hash(plan)) + "\n",
+                     "the plan (IR) with its content_hash")]
     for name in backends or BACKENDS:
         arts.extend(mods[name].emit(plan))
     return arts

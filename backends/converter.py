@@ -664,10 +664,9 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
 # emit (no checkpoint needed): what the converter WILL write
 # ---------------------------------------------------------------------------------------------------------------
 def emit(plan: Plan) -> list[Artifact]:
-    from .quantize import check_supported, output_specs
+    from .quantize import check_all_supported, output_specs
 
-    for t in plan.tensors:
-        check_supported(t, BACKEND)
+    check_all_supported(plan.tensors, BACKEND)
     qfiles = quantization_files(plan)
     manifest = {"policyc": plan_stamp(plan),
                 "formats": sorted({k.value for k in {t.weight.kind for t in plan.quantized()}}),

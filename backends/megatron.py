@@ -210,9 +210,9 @@ def _module_tensors(plan: Plan, probs: Problems) -> dict[str, list[TensorPlan]]:
     return mods
 
 
-def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, probs: Problems) -> None:
-    """TE computes one amax per TE weight tensor (per TP shard): fc1 = [gate; up] of one expert, qkv = [q; k; v]."""
-    groups = {m: g for g in plan.share_scale_groups for m in g.members}
+def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, probs: Problems, groups: dict) -> None:
+    """TE computes one amax per TE weight tensor (per TP shard): fc1 = [gate; up] of one expert, qkv = [q; k; v].
+    `groups`: HF name -> its share-scale group (built once per plan, not per module)."""
     by_param: dict[str, list[TensorPlan]] = defaultdict(list)
     for t in members:
         by_param[t.megatron_name].append(t)
@@ -241,6 +241,7 @@ def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, probs
 
 def _module_recipes(plan: Plan, probs: Problems) -> dict[str, Recipe]:
     out: dict[str, Recipe] = {}
+    groups = None
     for module, members in _module_tensors(plan, probs).items():
         first = members[0]
         rec = probs.run(_recipe_for, first)
@@ -261,7 +262,9 @@ def _module_recipes(plan: Plan, probs: Problems) -> dict[str, Recipe]:
         if bad:
             continue
         if rec.name == "nvfp4":
-            _check_nvfp4_scope(module, members, plan, probs)
+            if groups is None:
+                groups = {m: g for g in plan.share_scale_groups for m in g.members}
+            _check_nvfp4_scope(module, members, plan, probs, groups)
         out[module] = rec
     return out
 

@@ -22,16 +22,18 @@ modelopt_quant.py ~l.2740). A caller must therefore hand over all members of a g
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import torch
-
-from .. import kernels
-from ..formats import torch_dtype
 from ..plan import Plan, TensorPlan
 from ..precision import HP_DTYPE_NAMES, FormatKind
 from .common import UnsupportedByBackend, module_of
 from ..errors import PolicycError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch (and precision_dsl.formats, which imports it) are imported inside the functions that move data: `policyc
+# emit` uses only the metadata helpers (check_supported, output_specs) and must not pay torch's ~2 s import.
 
 # Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
 SUFFIXES = {
@@ -90,6 +92,17 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
 
 
+def check_all_supported(tensors: Sequence[TensorPlan], backend: str) -> None:
+    """`check_supported` for every tensor, evaluated once per distinct (weight format object, linear?, rank): the
+    check reads nothing else, and the first failing tensor in plan order is the one reported, as before."""
+    seen: set = set()
+    for t in tensors:
+        key = (id(t.precision.weight), t.is_linear, len(t.shape))
+        if key not in seen:
+            check_supported(t, backend)
+            seen.add(key)
+
+
 def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor written for `t`, without touching data. Lets the
     converter write a safetensors header before quantizing (streaming) and lets manifests be derived."""
@@ -110,6 +123,8 @@ def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
 
 
 def _assert_finite(name: str, x: torch.Tensor, after: str = "") -> None:
+    import torch
+
     # aminmax is one vectorised pass without a temporary and propagates NaN (and +-inf shows up as min/max), so a
     # finite (min, max) proves the tensor finite; only then-suspect tensors pay for the exact count. (~40x faster
     # than isfinite(x).all() on CPU bf16.)
@@ -130,6 +145,8 @@ def _assert_finite(name: str, x: torch.Tensor, after: str = "") -> None:
 def _assert_finite_fp8(name: str, x: torch.Tensor, after: str) -> None:
     """FP8 has no aminmax kernel: test the encodings. E4M3FN's only non-finite codes are S.1111.111 (NaN); E5M2's
     are S.11111.xx (Inf/NaN)."""
+    import torch
+
     b = x.contiguous().view(torch.uint8)
     if x.dtype == torch.float8_e4m3fn:
         bad = int(((b & 0x7F) == 0x7F).sum().item())
@@ -151,6 +168,11 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
                        check_finite: bool = True, kernel: str = "auto") -> dict[str, torch.Tensor]:
     """Checkpoint tensors (full names -> tensors, exact dtypes) for one unit of work: a single tensor, or ALL the
     members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
+    import torch
+
+    from .. import kernels
+    from ..formats import torch_dtype
+
     if check_finite:
         for t, x in members:
             _assert_finite(t.hf_name, x)
@@ -237,6 +259,8 @@ def needs_shared_amax(t: TensorPlan) -> bool:
 def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
     """Rebuild a QuantizedTensor for plan tensor `t` from its checkpoint tensors (inverse of checkpoint_tensors),
     or return the plain tensor for a high-precision one. Used by `verify`, the tests and WeightReceiver."""
+    import torch
+
     from ..formats.base import QuantizedTensor
 
     w = t.precision.weight

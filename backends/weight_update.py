@@ -51,9 +51,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..plan import Plan, TensorPlan
 
@@ -61,6 +59,9 @@ from .common import PLAN_FILE, PlanMismatch
 from .common import plan_hash as _plan_hash
 from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
 from ..errors import PolicycError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
@@ -183,6 +184,8 @@ def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1
     * expert weights: split over expert-TP (etp ranks), local index k on EP rank r is global r * E_local + k;
     * everything else (norms, router, MLA down-projections, which megatron-core keeps duplicated): replicated,
       checked equal across ranks."""
+    import torch
+
     experts_local = None
     by_coord: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
     for s in shards:
@@ -218,6 +221,8 @@ def gather_megatron_shards(shards: Sequence[RankShard], tp: int = 1, ep: int = 1
 
 
 def _cat(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    import torch
+
     if len(pieces) == 1:
         return pieces[0]
     if _ROW_PARALLEL_RE.search(name):
@@ -231,11 +236,16 @@ def _cat(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # wire messages
 # ---------------------------------------------------------------------------------------------------------------
-_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8,
-                                                    torch.float8_e4m3fn, torch.float8_e5m2, torch.int64)}
+def _dtypes() -> dict:
+    import torch
+
+    return {str(d).replace("torch.", ""): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.uint8,
+                                                     torch.float8_e4m3fn, torch.float8_e5m2, torch.int64)}
 
 
 def _digest(t: torch.Tensor) -> str:
+    import torch
+
     return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -244,6 +254,8 @@ def bucket_checksum(buf: torch.Tensor, algo: Optional[str] = None) -> str:
     Host buffers: CRC32 (zlib, ~1 GB/s per core here; see benchmarks/RESULTS.md). Device buffers: two wrapping int64
     sums over 8-byte words (plain and position-weighted, so reordered words change it), computed where the bytes
     are, with no host copy; the receiver recomputes the algorithm the sender named."""
+    import torch
+
     algo = algo or ("crc32" if buf.device.type == "cpu" else "sum64")
     flat = buf.reshape(-1).view(torch.uint8)
     if algo == "crc32":
@@ -269,6 +281,8 @@ def bucket_checksum(buf: torch.Tensor, algo: Optional[str] = None) -> str:
 
 def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     """(meta {names, dtypes, shapes}, one flat uint8 buffer) for a bucket: what a broadcast transport moves."""
+    import torch
+
     names = list(tensors)
     flats = [tensors[n].contiguous().reshape(-1).view(torch.uint8) for n in names]
     # A unit may mix devices (quantized data on the GPU, a constant such as NVFP4 input_scale made on the CPU):
@@ -284,6 +298,9 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
 
 
 def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    # GPU-program buckets ("offsets" layout) carry no per-bucket checksum in their meta (they are filled on the
+    # GPU after the layout is sent): WeightReceiver checks them against the on-GPU fingerprints of the closing
+    # message instead, and they never come through here.
     want = meta.get("checksum")
     if not isinstance(want, str):
         raise WeightUpdateMismatch("bucket carries no checksum", "sender and receiver must run the same policyc")
@@ -292,11 +309,12 @@ def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         raise WeightUpdateMismatch(f"bucket of {len(meta.get('names', []))} tensors (first "
                                    f"'{(meta.get('names') or ['?'])[0]}') arrived corrupted: checksum {got}, "
                                    f"sender computed {want}")
+    dtypes = _dtypes()
     out, off = {}, 0
     for n, dt, shape, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["nbytes"]):
-        if dt not in _DTYPES:
+        if dt not in dtypes:
             raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
-        out[n] = buf[off:off + nb].clone().view(_DTYPES[dt]).reshape(shape)
+        out[n] = buf[off:off + nb].clone().view(dtypes[dt]).reshape(shape)
         off += nb
     if off != buf.numel():
         raise WeightUpdateError(f"bucket declares {off} bytes but carries {buf.numel()}")
@@ -309,25 +327,64 @@ def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
 class InProcessTransport:
     """A queue between a sender and a receiver in the same process (or threads)."""
 
-    def __init__(self):
+    gpu_program = True  # CUDA senders take the GPU update program (copy stream, see send_gpu_bucket)
+
+    def __init__(self, persistent: bool = False):
+        """persistent: GPU buckets land in receiver buffers kept from one update to the next (bucket k of every
+        update overwrites the same memory, as a rollout engine updates its weights in place; views received
+        earlier then show the new weights; receive each update before the next is sent). Default: fresh
+        buffers per update."""
         self._q: "queue.Queue" = queue.Queue()
+        self.persistent = persistent
+        self._dst: dict = {}
+        self._k = 0
 
     # sender side
     def open(self, plan_hash: str) -> None:
-        self._q.put(("open", {"plan_hash": plan_hash}, None))
+        self._k = 0
+        self._q.put(("open", {"plan_hash": plan_hash}, None, None))
 
     def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
-        self._q.put(("bucket", meta, buf.clone()))
+        self._q.put(("bucket", meta, buf.clone(), None))
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Copy a GPU bucket into a fresh receiver-side buffer on a separate copy stream (ordered after the work
+        that filled it), so the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes
+        the sender's stream wait for the copy before it reuses `buf`; nothing blocks the host."""
+        import torch
+
+        cur = torch.cuda.current_stream(buf.device)
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(buf.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            dst = self._dst.get(self._k) if self.persistent else None
+            if dst is None or dst.numel() != buf.numel():
+                dst = torch.empty_like(buf)
+                if self.persistent:
+                    self._dst[self._k] = dst
+            self._k += 1
+            dst.copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        dst.record_stream(cur)  # the receiver reads it on the current stream
+        self._q.put(("bucket", meta, dst, ev))
+        return _StreamWait(ev)
 
     def close(self, summary: dict) -> None:
-        self._q.put(("close", summary, None))
+        self._q.put(("close", summary, None, None))
 
     def abort(self, reason: str) -> None:
-        self._q.put(("abort", {"reason": reason}, None))
+        self._q.put(("abort", {"reason": reason}, None, None))
 
     # receiver side
     def recv(self, timeout: Optional[float] = None):
-        return self._q.get(timeout=timeout)
+        kind, meta, buf, ev = self._q.get(timeout=timeout)
+        if ev is not None:
+            import torch
+
+            torch.cuda.current_stream(buf.device).wait_event(ev)
+        return kind, meta, buf
 
     def handshake(self, plan_hash: str) -> None:
         kind, meta, _ = self.recv(timeout=60)
@@ -337,12 +394,24 @@ class InProcessTransport:
             raise PlanMismatch("weight update receiver", plan_hash, meta["plan_hash"])
 
 
+class _StreamWait:
+    def __init__(self, ev):
+        self.ev = ev
+
+    def wait(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.ev)
+
+
 class TorchDistributedTransport:
     """Broadcast over a torch.distributed process group from rank `src` (gloo on CPU, NCCL on GPU: tensors are moved
     to `device` before the collective). Every rank first all-gathers its plan hash, so all ranks refuse together."""
 
-    def __init__(self, group=None, src: int = 0, device: str = "cpu"):
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group=None, src: int = 0, device: str = "cpu", gpu_program: bool = False):
+        # gpu_program: CUDA senders use the GPU update program (layout once, async NCCL broadcasts of
+        # double-buffered buckets). Off by default until it has run on a two-GPU machine (issue 12).
+        self.group, self.src, self.device, self.gpu_program = group, src, device, gpu_program
 
     def _dist(self):
         import torch.distributed as dist
@@ -373,6 +442,15 @@ class TorchDistributedTransport:
         b = buf.to(self.device)
         self._dist().broadcast(b, src=self.src, group=self.group)
 
+    def send_layout(self, metas: list) -> None:
+        """GPU update program: every bucket's layout in one object broadcast, then buffers only."""
+        self._bcast_obj(("layout", metas))
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Asynchronous broadcast of a GPU bucket (NCCL orders it after the work that filled `buf`); the returned
+        work's wait() makes the sender's stream - not the host - wait before `buf` is reused."""
+        return self._dist().broadcast(buf, src=self.src, group=self.group, async_op=True)
+
     def close(self, summary: dict) -> None:
         self._bcast_obj(("close", summary))
 
@@ -382,8 +460,20 @@ class TorchDistributedTransport:
         self._bcast_obj(("abort", {"reason": reason}))
 
     def recv(self, timeout: Optional[float] = None):
+        import torch
+
+        pending = getattr(self, "_pending", None)
+        if pending:
+            meta = pending.pop(0)
+            buf = torch.empty(meta["total"], dtype=torch.uint8, device=self.device)
+            self._dist().broadcast(buf, src=self.src, group=self.group)
+            return "bucket", meta, buf
         kind, meta = self._bcast_obj(None)
+        if kind == "layout":
+            self._pending = list(meta)
+            return self.recv(timeout)
         if kind in ("close", "abort"):
+            self._pending = []
             return kind, meta, None
         buf = torch.empty(sum(meta["nbytes"]), dtype=torch.uint8, device=self.device)
         self._dist().broadcast(buf, src=self.src, group=self.group)
@@ -604,26 +694,29 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
     (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
     from .common import Artifact, dump_json, plan_stamp
-    from .quantize import check_supported, output_specs
+    from .quantize import check_all_supported, output_specs
     from .safetensors_io import DTYPE_SIZES
 
-    for t in plan.tensors:
-        check_supported(t, "weight_update")
+    check_all_supported(plan.tensors, "weight_update")
     params: dict[str, dict] = {}
     sizes: dict[str, int] = {}
+    prod = math.prod
     for t in plan.tensors:
         specs = output_specs(t)
-        sizes[t.hf_name] = sum(DTYPE_SIZES[dt] * math.prod(sh) for _, dt, sh in specs)
-        key = t.megatron_name or t.hf_name
-        entry = params.setdefault(key, {"hf": [], "outputs": []})
-        entry["hf"].append(t.hf_name)
-        entry["outputs"].extend([[n, dt, list(sh)] for n, dt, sh in specs])
+        outs = [[n, dt, list(sh)] for n, dt, sh in specs]
+        sizes[t.hf_name] = sum([DTYPE_SIZES[dt] * prod(sh) for _, dt, sh in specs])
+        entry = params.get(t.megatron_name or t.hf_name)
+        if entry is None:
+            params[t.megatron_name or t.hf_name] = {"hf": [t.hf_name], "outputs": outs}
+        else:
+            entry["hf"].append(t.hf_name)
+            entry["outputs"].extend(outs)
     atoms = atomic_groups(plan)
     groups = [sorted(ns) for ns in atoms.values() if len(ns) > 1]
     order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
     buckets, size = 0, 0
-    for ns in sorted(atoms.values(), key=lambda ns: max(order[n] for n in ns)):
-        nb = sum(sizes[n] for n in ns)
+    for ns in sorted(atoms.values(), key=lambda ns: max([order[n] for n in ns])):
+        nb = sum([sizes[n] for n in ns])
         if size and size + nb > bucket_bytes:
             buckets, size = buckets + 1, 0
         size += nb
@@ -684,20 +777,117 @@ class WeightSender:
                 out.update(checkpoint_tensors(members, backend="weight_update"))
             yield out
 
-    def prepare(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    # -- GPU update program (backends/update_program.py) ------------------------------------------------------------
+    def program(self):
+        """The plan's update compiled into buckets of grouped launches (built once per sender)."""
+        if getattr(self, "_program", None) is None:
+            from .update_program import UpdateProgram
+
+            members = atomic_groups(self.plan)
+            by = self.plan.by_name()
+            units = [[by[n] for n in sorted(ns, key=self._order.__getitem__)] for ns in members.values()]
+            units.sort(key=lambda u: self._order[u[-1].hf_name])
+            self._program = UpdateProgram(self.plan, units, self.bucket_bytes)
+        return self._program
+
+    def prepare_program(self, items: Iterable[tuple[str, torch.Tensor]]) -> "PreparedUpdate":
+        """Bind the trainer's weights once (names mapped, segments stacked - zero-copy where the weights are views
+        of grouped buffers) so that every later `send(prepared)` only launches kernels. The binding holds views
+        of the weights: valid while the trainer updates them in place (as optimizers do). Refuses, with nothing
+        sent, exactly what the per-unit path refuses before sending: duplicates, names outside the plan, missing
+        tensors, wrong shapes (NaN/Inf is counted on the GPU during the update; see _send_program). `prepare`
+        picks this itself for CUDA weights on a GPU-buffer transport."""
+        by = self.plan.by_name()
+        hf: dict = {}
+        for name, x in list(items):
+            for n, y in self.names.to_hf(name, x):
+                if n in hf:
+                    raise WeightUpdateError(f"weight '{n}' was sent twice in one update")
+                if n not in by:
+                    raise WeightUpdateError(f"weight '{n}' is not in the plan",
+                                            "an update must carry exactly the plan's weights")
+                t = by[n]
+                if tuple(y.shape) != tuple(t.shape):
+                    raise WeightUpdateError(f"tensor '{n}' has shape {tuple(y.shape)}, the plan says {t.shape}")
+                hf[n] = y
+        if len(hf) != len(by):  # a lone tensor missing: the rollout would keep a stale copy of it
+            absent = [t.hf_name for t in self.plan.tensors if t.hf_name not in hf]
+            raise WeightUpdateError(f"incomplete state dict: {len(absent)} of {len(by)} plan tensors never arrived, "
+                                    f"e.g. {', '.join(absent[:3])}", "an update must carry every weight of the plan")
+        return PreparedUpdate(self.program().bind(hf), hf)
+
+    def _fast_ok(self, items: list) -> bool:
+        """CUDA weights, a transport that takes GPU buffers, Triton available: the GPU update program."""
+        if not getattr(self.transport, "gpu_program", False):
+            return False
+        if not items or not all(getattr(x, "is_cuda", False) for _, x in items):
+            return False
+        from .. import kernels
+
+        return kernels.available()
+
+    def prepare(self, items: Iterable[tuple[str, torch.Tensor]]):
         """Everything that can refuse an update, with nothing sent: names, completeness against the plan (every
-        tensor, no extras, no duplicates), quantization and the finite checks. Memory: the quantized model (<= the
-        BF16 size) is held once."""
+        tensor, no extras, no duplicates), quantization and the finite checks. Per-unit path: a list of quantized
+        units (memory: the quantized model, <= the BF16 size, held once). CUDA weights on a GPU-buffer transport:
+        a PreparedUpdate binding for the GPU update program (checked the same way; NaN/Inf there is counted on the
+        GPU while the buckets move, and the update is aborted on both ends before the closing message)."""
+        items = list(items)
+        if self._fast_ok(items):
+            return self.prepare_program(items)
         return list(self.quantize_all(items))
 
-    def send(self, items: Iterable[tuple[str, torch.Tensor]], weight_version: Optional[str] = None) -> SendReport:
-        """prepare() then send_prepared(): a refused update never opens the transport."""
+    def send(self, items, weight_version: Optional[str] = None) -> SendReport:
+        """prepare() then send_prepared(): a refused update never opens the transport. `items`: (name, tensor)
+        pairs or the result of prepare()."""
+        if isinstance(items, PreparedUpdate):
+            return self.send_prepared(items, weight_version)
         return self.send_prepared(self.prepare(items), weight_version)
 
-    def send_prepared(self, units: list[dict[str, torch.Tensor]], weight_version: Optional[str] = None) -> SendReport:
-        """Bucket and send prepared units. All or nothing: any failure after the transport is opened is followed by
-        `transport.abort(reason)` (receivers discard what they got; the SGLang client closes the bracket and rolls
-        back) and raised as WeightUpdateAborted naming the version the consumer serves afterwards."""
+    def _abort(self, err: BaseException, buckets: int, weight_version: Optional[str]):
+        served = None
+        abort = getattr(self.transport, "abort", None)
+        if abort is not None:
+            try:
+                served = abort(f"{type(err).__name__}: {err}"[:500])
+            except Exception:  # the transport is already broken; the original error is the one to report
+                pass
+        if not isinstance(err, Exception):  # KeyboardInterrupt & co. stay what they are
+            raise err
+        raise WeightUpdateAborted(f"weight update {weight_version or ''} aborted after {buckets} "
+                                  f"bucket(s): {err}", getattr(err, "hint", ""), served_version=served) from err
+
+    def _send_program(self, prep: "PreparedUpdate", weight_version: Optional[str]) -> SendReport:
+        prog = self.program()
+        plan_hash = _plan_hash(self.plan)
+        if hasattr(self.transport, "weight_version"):
+            self.transport.weight_version = weight_version
+        self.transport.open(plan_hash)
+        try:
+            if hasattr(self.transport, "send_layout"):
+                self.transport.send_layout(prog.metas)
+            # fingerprints always on: they are the GPU buckets' checksums (the receiver always verifies them)
+            bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
+                                check_equal=True)
+            n_bad = int(bad.item())  # the update's one host synchronisation
+            if n_bad:  # every bucket has moved; abort instead of closing: receivers discard them
+                raise NonFiniteWeight(_first_nonfinite(self.plan, prep.tensors) or "?", n_bad)
+            report = SendReport(plan_hash=plan_hash, buckets=len(prog.buckets), tensors=prog.tensors,
+                                bytes=prog.bytes, bucket_names=prog.bucket_names)
+            self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
+                                  "weight_version": weight_version, "digests": None,
+                                  "fingerprints": fps.tolist()})
+        except BaseException as err:
+            self._abort(err, len(prog.buckets), weight_version)
+        return report
+
+    def send_prepared(self, units, weight_version: Optional[str] = None) -> SendReport:
+        """Bucket and send prepared units (or a GPU-program binding). All or nothing: any failure after the
+        transport is opened is followed by `transport.abort(reason)` (receivers discard what they got; the SGLang
+        client closes the bracket and rolls back) and raised as WeightUpdateAborted naming the version the consumer
+        serves afterwards."""
+        if isinstance(units, PreparedUpdate):
+            return self._send_program(units, weight_version)
         plan_hash = _plan_hash(self.plan)
         report = SendReport(plan_hash=plan_hash)
         if hasattr(self.transport, "weight_version"):
@@ -706,18 +896,7 @@ class WeightSender:
         try:
             self._send_units(units, report, plan_hash, weight_version)
         except BaseException as err:
-            served = None
-            abort = getattr(self.transport, "abort", None)
-            if abort is not None:
-                try:
-                    served = abort(f"{type(err).__name__}: {err}"[:500])
-                except Exception:  # the transport is already broken; the original error is the one to report
-                    pass
-            if not isinstance(err, Exception):  # KeyboardInterrupt & co. stay what they are
-                raise
-            raise WeightUpdateAborted(f"weight update {weight_version or ''} aborted after {report.buckets} "
-                                      f"bucket(s): {err}", getattr(err, "hint", ""),
-                                      served_version=served) from err
+            self._abort(err, report.buckets, weight_version)
         return report
 
     def _send_units(self, units, report: SendReport, plan_hash: str, weight_version) -> None:
@@ -750,6 +929,89 @@ class WeightSender:
                               "digests": report.digests if self.check_equal else None})
 
 
+class _BucketViews(dict):
+    """{name: tensor} over received GPU-program buckets; each view is made when first looked up (a 30B-parameter
+    NVFP4 update carries ~75k checkpoint tensors: building them all eagerly costs more than moving the bytes)."""
+
+    def __init__(self):
+        super().__init__()
+        self._buckets: list = []  # (meta, buf, {name: i})
+        self._where: dict = {}  # name -> bucket number (dict.fromkeys / dict(zip) run at C speed)
+
+    def add(self, meta: dict, buf) -> None:
+        names = meta["names"]
+        self._buckets.append((meta, buf, dict(zip(names, range(len(names))))))
+        self._where.update(dict.fromkeys(names, len(self._buckets) - 1))
+
+    def update_from(self, other: dict) -> None:
+        self._where.update(dict.fromkeys(other, -1))
+        super().update(other)
+
+    def spec(self, n) -> tuple[str, tuple]:
+        """(dtype name, shape) of `n` without making its view."""
+        b = self._where[n]
+        if b < 0:
+            x = dict.__getitem__(self, n)
+            return str(x.dtype).replace("torch.", ""), tuple(x.shape)
+        meta, _buf, idx = self._buckets[b]
+        i = idx[n]
+        return meta["dtypes"][i], tuple(meta["shapes"][i])
+
+    def _make(self, n):
+        meta, buf, idx = self._buckets[self._where[n]]
+        i = idx[n]
+        off, nb = meta["offsets"][i], meta["nbytes"][i]
+        v = buf[off:off + nb].view(_dtypes()[meta["dtypes"][i]]).reshape(meta["shapes"][i])
+        dict.__setitem__(self, n, v)
+        return v
+
+    def __getitem__(self, n):
+        if dict.__contains__(self, n):
+            return dict.__getitem__(self, n)
+        if n in self._where:
+            return self._make(n)
+        raise KeyError(n)
+
+    def get(self, n, default=None):
+        return self[n] if n in self._where else default
+
+    def __contains__(self, n) -> bool:
+        return n in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def keys(self):
+        return self._where.keys()
+
+    def items(self):
+        return ((n, self[n]) for n in self._where)
+
+    def values(self):
+        return (self[n] for n in self._where)
+
+
+@dataclass
+class PreparedUpdate:
+    """Trainer weights bound to a sender's GPU update program (WeightSender.prepare)."""
+
+    bound: object
+    tensors: dict
+
+
+def _first_nonfinite(plan: Plan, tensors: dict) -> Optional[str]:
+    import torch
+
+    for t in plan.tensors:
+        x = tensors.get(t.hf_name)
+        if x is not None and x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            return t.hf_name
+    return None
+
+
 class WeightReceiver:
     """Receiving end for InProcessTransport / TorchDistributedTransport."""
 
@@ -761,6 +1023,8 @@ class WeightReceiver:
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
         self.transport.handshake(_plan_hash(self.plan))
+        bufs: list = []
+        lazy = _BucketViews()
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()
@@ -770,16 +1034,29 @@ class WeightReceiver:
             if kind == "close":
                 self.summary = meta
                 break
+            if "offsets" in meta:  # GPU program layout: views made on first access, not per tensor here
+                bufs.append(buf)
+                lazy.add(meta, buf)
+                continue
             try:
                 self.raw.update(unpack_bucket(meta, buf))
             except WeightUpdateError:
                 self._drain(timeout)  # keep the stream in step: the next update starts at its own 'open'
                 self.raw = {}
                 raise
-        if self.summary.get("tensors") != len(self.raw):
-            raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
-                                       f"the sender sent {self.summary.get('tensors')}")
-        self._check_complete()
+        if len(lazy):
+            lazy.update_from(self.raw)
+            self.raw = lazy
+        try:
+            if bufs:
+                self._check_fingerprints(bufs)
+            if self.summary.get("tensors") != len(self.raw):
+                raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
+                                           f"the sender sent {self.summary.get('tensors')}")
+            self._check_complete()
+        except WeightUpdateError:
+            self.raw = {}
+            raise
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)
@@ -795,6 +1072,25 @@ class WeightReceiver:
             if kind in ("close", "abort"):
                 return
 
+    def _check_fingerprints(self, bufs: list) -> None:
+        """GPU-program buckets: the on-GPU fingerprints the sender computed after filling each bucket (always sent)
+        must match the bytes that arrived - their per-bucket checksum."""
+        import torch
+
+        from ..kernels import triton_segments
+
+        fps = self.summary.get("fingerprints")
+        if not isinstance(fps, list):
+            raise WeightUpdateMismatch("GPU-program buckets arrived without fingerprints",
+                                       "sender and receiver must run the same policyc")
+        mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device)
+        for k, b in enumerate(bufs):
+            triton_segments.fingerprint(b, mine[k:k + 1])
+        bad = [k for k, (x, y) in enumerate(zip(mine.tolist(), fps)) if x != y]
+        if bad or len(bufs) != len(fps):
+            raise WeightUpdateMismatch(f"bucket(s) {bad or 'count'} differ between sender and receiver "
+                                       "(on-GPU fingerprints)")
+
     def _check_complete(self) -> None:
         """Exactly the plan's checkpoint tensors, with the plan's dtypes and shapes: nothing missing, nothing
         extra, so an update is applied whole or not at all."""
@@ -807,11 +1103,15 @@ class WeightReceiver:
         if missing or extra:
             raise WeightUpdateMismatch(f"update does not match the plan: {len(missing)} tensor(s) missing (e.g. "
                                        f"{missing[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})")
+        spec = getattr(self.raw, "spec", None)  # lazy GPU-program views: dtype/shape from the bucket layout
         for n, (dt, sh) in want.items():
-            x = self.raw[n]
-            if str(x.dtype) != f"torch.{_TORCH_DT[dt]}" or tuple(x.shape) != sh:
-                raise WeightUpdateMismatch(f"tensor '{n}' arrived as {x.dtype} {tuple(x.shape)}, the plan says {dt} "
-                                           f"{sh}")
+            if spec is not None:
+                got_dt, got_sh = spec(n)
+            else:
+                x = self.raw[n]
+                got_dt, got_sh = str(x.dtype).replace("torch.", ""), tuple(x.shape)
+            if got_dt != _TORCH_DT[dt] or got_sh != sh:
+                raise WeightUpdateMismatch(f"tensor '{n}' arrived as {got_dt} {got_sh}, the plan says {dt} {sh}")
 
     def receive(self, timeout: Optional[float] = 600) -> dict:
         """{hf_name: QuantizedTensor | Tensor} for every plan tensor."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from enum import Enum
 from functools import lru_cache
 from typing import Optional
 
@@ -141,20 +142,23 @@ class Plan(BaseModel):
     # -- contract ------------------------------------------------------------------------------------------------
     def content_hash(self) -> str:
         """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes."""
-        # One line per tensor, precision JSON cached per distinct Precision (they are few and shared by thousands of
-        # tensors). Still linear in the tensors (46k for DeepSeek-V3): backends memoize it (backends.common.per_plan).
-        dumped: dict[Precision, str] = {}
+        # One line per tensor; the precision JSON is cached per Precision *object* (a plan shares a handful of them
+        # across thousands of tensors; keying by value would hash the nested pydantic models 46k times, ~0.5 s on
+        # DeepSeek-V3). The ids stay valid: the plan holds every Precision for the duration.
+        dumped: dict[int, str] = {}
         h = hashlib.sha256(json.dumps({"target": self.target}, sort_keys=True).encode())
         lines = []
+        append = lines.append
         for t in self.tensors:
-            p = dumped.get(t.precision)
+            prec = t.precision
+            p = dumped.get(id(prec))
             if p is None:
-                p = dumped[t.precision] = json.dumps(t.precision.model_dump(mode="json"), sort_keys=True,
-                                                     separators=(",", ":"))
-            lines.append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
-                         f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
+                p = dumped[id(prec)] = json.dumps(prec.model_dump(mode="json"), sort_keys=True,
+                                                  separators=(",", ":"))
+            append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
+                   f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
         for g in self.share_scale_groups:
-            lines.append(f"G|{g.id}|{','.join(g.members)}")
+            append(f"G|{g.id}|{','.join(g.members)}")
         blob = "\n".join(lines).encode()
         h.update(blob)
         return "sha256:" + h.hexdigest()
@@ -181,15 +185,23 @@ class Plan(BaseModel):
     def quantized(self) -> list[TensorPlan]:
         return [t for t in self.tensors if t.is_linear and t.weight.is_quantized]
 
-    def to_json(self, indent: Optional[int] = None) -> str:
-        """JSON with the content hash as the first key. Compact by default (pydantic's Rust serializer, the fast path
-        for a 46k-tensor DeepSeek-V3 plan); `indent` pretty-prints through the json module (slower)."""
-        head = '{"content_hash":' + json.dumps(self.content_hash())
-        if indent is None:
-            body = self.model_dump_json()
-            return head + ("," + body[1:] if body != "{}" else "}")
-        d = {"content_hash": self.content_hash(), **self.model_dump(mode="json")}
-        return json.dumps(d, indent=indent)
+    def to_json(self, indent: Optional[int] = None, content_hash: Optional[str] = None) -> str:
+        """JSON with the content hash as the first key (`content_hash`: a hash the caller already computed for this
+        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_resolve.py),
+        built from per-object cached fragments because a plan shares a few Precision / RuleRef objects among
+        tens of thousands of tensors (DeepSeek-V3: 47 MB in ~0.15 s instead of ~0.8 s); `indent` pretty-prints
+        through the json module (slower)."""
+        ch = content_hash or self.content_hash()
+        if indent is not None:
+            d = {"content_hash": ch, **self.model_dump(mode="json")}
+            return json.dumps(d, indent=indent)
+        empty = self.model_construct(**{**dict(self), "tensors": (), "share_scale_groups": ()})
+        shell = empty.model_dump_json()
+        slot = '"tensors":[],"share_scale_groups":[]'
+        assert shell.count(slot) == 1
+        body = shell.replace(slot, '"tensors":[' + _tensors_json(self.tensors) + '],"share_scale_groups":['
+                             + _groups_json(self.share_scale_groups) + "]")
+        return '{"content_hash":' + json.dumps(ch) + ("," + body[1:] if body != "{}" else "}")
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -204,3 +216,64 @@ class Plan(BaseModel):
         if expected is not None and expected != plan.content_hash():
             raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
         return plan
+
+
+# ---- fast compact JSON (same bytes as pydantic's serializer) ----------------------------------------------------------
+_enc = json.encoder.encode_basestring  # C; escapes like serde_json ('"', '\\', control chars), keeps non-ASCII
+
+
+def _cached(cache: dict, obj) -> str:
+    s = cache.get(id(obj))
+    if s is None:
+        s = cache[id(obj)] = obj.model_dump_json() if obj is not None else "null"
+    return s
+
+
+def _value_json(v, cache: dict) -> str:
+    """Compact JSON of one field value as pydantic writes it: nested models (Precision, RuleRef) and tuples of
+    them cached per object (a plan shares a few among tens of thousands of tensors)."""
+    if isinstance(v, Enum):
+        return _enc(v.value)
+    if isinstance(v, tuple) and all(type(x) is int for x in v):
+        return "[" + ",".join(map(str, v)) + "]"  # shapes: per tensor, not worth caching
+    s = cache.get(id(v))
+    if s is None:
+        if isinstance(v, BaseModel):
+            s = v.model_dump_json()
+        elif isinstance(v, tuple):
+            s = "[" + ",".join(_value_json(x, cache) for x in v) + "]"
+        else:
+            raise TypeError(type(v))
+        cache[id(v)] = s
+    return s
+
+
+_SCALAR = {str: _enc, int: str, type(None): lambda v: "null", bool: lambda v: "true" if v else "false"}
+
+
+def _tensors_json(tensors) -> str:
+    """Every TensorPlan field, in declaration order (so fields added to TensorPlan are picked up); a value of a
+    type not handled above falls back to pydantic for that tensor."""
+    names = list(TensorPlan.model_fields)
+    heads = [f'"{n}":' for n in names]
+    cache: dict = {}
+    out = []
+    append = out.append
+    for t in tensors:
+        d = t.__dict__
+        try:
+            parts = []
+            for h, n in zip(heads, names):
+                v = d[n]
+                f = _SCALAR.get(type(v))
+                parts.append(h + (f(v) if f is not None else _value_json(v, cache)))
+            append("{" + ",".join(parts) + "}")
+        except TypeError:
+            append(t.model_dump_json())
+    return ",".join(out)
+
+
+def _groups_json(groups) -> str:
+    refs: dict = {}
+    return ",".join(f'{{"id":{_enc(g.id)},"members":[{",".join(map(_enc, g.members))}],'
+                    f'"declared_at":{_cached(refs, g.declared_at)}}}' for g in groups)

@@ -95,11 +95,12 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, R, C, stride_x, stride_d, strid
 
 
 def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, block_r=None, block_c=None,
-             num_warps=4):
+             num_warps=4, out=None):
     """FP8 block quantization of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor.
 
     transpose=False: the recipe on x (axis="row"); transpose=True: on x.T (axis="col"), data [K, M].
-    Returns (data uint8, scale_inv fp32 compact grid)."""
+    Returns (data uint8, scale_inv fp32 compact grid); `out` = (data, scale_inv) tensors of those shapes to write
+    into instead of new ones."""
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -111,8 +112,11 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
         sgrid = (-(-rr // 128), -(-cc // 128))
     else:
         sgrid = (rr, -(-cc // 128))
-    data = torch.empty((rr, cc), dtype=torch.uint8, device=dev)
-    sinv = torch.empty(sgrid, dtype=torch.float32, device=dev)
+    if out is not None:
+        data, sinv = out
+    else:
+        data = torch.empty((rr, cc), dtype=torch.uint8, device=dev)
+        sinv = torch.empty(sgrid, dtype=torch.float32, device=dev)
     if m and k:
         in_max = float(torch.finfo(x2.dtype).max)
         if transpose:

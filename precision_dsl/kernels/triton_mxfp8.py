@@ -122,19 +122,24 @@ def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
                  mask=(cols2 < K) & (pid_m * 32 < M))
 
 
-def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=8, group=1, nkb=8, num_warps=4):
+def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=8, group=1, nkb=8, num_warps=4,
+                    out_row=None):
     """MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor, both copies from one read of x.
 
     Needs K % 32 == 0 (rowwise) and M % 32 == 0 (colwise). Returns (row_data, row_scale, col_data, col_scale),
     None for a copy not asked for. Data are uint8 fp8 bytes [M, K]; scales uint8 E8M0 [M, K/32] / [M/32, K].
     split_ro: use _mxfp8_rowcol_split_kernel with the 32 rows split RO x 32/RO (default, tuned on the H200);
-    None: _mxfp8_rowcol_kernel with `group` 32-row stripes per program."""
+    None: _mxfp8_rowcol_kernel with `group` 32-row stripes per program. out_row: (data, scale) row-major 2-D uint8
+    tensors of those shapes to write the rowwise copy into (e.g. slices of a weight-update wire buffer)."""
     import torch
 
     m, k = x2.shape
     dev = x2.device
-    rd = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
-    rs = torch.empty((m, k // 32), dtype=torch.uint8, device=dev) if rowwise else None
+    if out_row is not None:
+        rd, rs = out_row
+    else:
+        rd = torch.empty((m, k), dtype=torch.uint8, device=dev) if rowwise else None
+        rs = torch.empty((m, k // 32), dtype=torch.uint8, device=dev) if rowwise else None
     cd = torch.empty((m, k), dtype=torch.uint8, device=dev) if colwise else None
     cs = torch.empty((m // 32, k), dtype=torch.uint8, device=dev) if colwise else None
     if m and k:

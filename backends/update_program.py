@@ -1,0 +1,443 @@
+"""The GPU weight-update program: the plan's update compiled once into buckets of grouped kernel launches.
+
+`WeightSender` uses it when the trainer's weights are CUDA tensors and the transport can take GPU buffers
+(in-process or torch.distributed/NCCL). Built once per (plan, bucket size), it fixes:
+
+* segments: runs of atomic units (fused siblings / share-scale groups, see weight_update.atomic_groups) of one layer
+  with the same weight format and K, stacked along rows - e.g. all 128 experts' gate/up of a layer (interleaved
+  gate_e, up_e as in Megatron's fc1) - quantized by ONE kernel launch (precision_dsl/kernels/triton_segments.py,
+  triton_mxfp8, triton_fp8_block) straight into the wire buffer, or copied into it (high precision);
+* the wire layout of every bucket: each output tensor's (name, dtype, shape, byte range), 256-byte aligned;
+* which segments fall back to the per-unit path (`quantize.checkpoint_tensors`, then copied into place): formats
+  without a segment kernel (NVFP4 per-row weight scales, 2-D tiles), unequal member shapes under NVFP4, dtype
+  conversions of high-precision tensors.
+
+Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
+(`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
+expert weights; otherwise one gather per segment), no host synchronisation until the single check of the on-GPU
+non-finite counter at the end. Buckets are double-buffered: bucket k+1 is quantized while the transport moves
+bucket k (the transport returns a handle the producer waits on - on the GPU, not the host - before it reuses a
+buffer). Bytes are exactly those of `checkpoint_tensors` for each tensor (tests/test_weight_update_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..plan import Plan, TensorPlan
+from ..precision import FormatKind
+from .quantize import needs_shared_amax, output_specs
+from .safetensors_io import DTYPE_SIZES
+
+_ALIGN = 256
+_TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass
+class Region:
+    """One output tensor inside a bucket buffer."""
+
+    name: str
+    dtype: str  # safetensors dtype
+    shape: tuple
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Segment:
+    kind: str  # hp | nvfp4 | mxfp8 | fp8_block | ref
+    members: list  # TensorPlan, stacking order
+    units: list  # list of lists of TensorPlan (the atomic units, for the ref path)
+    regions: dict = field(default_factory=dict)  # (member index, suffix) -> Region
+    k: int = 0
+    rows_per_member: int = 0
+    rows_per_group: int = 0
+    block: tuple = (0, 0)  # (offset, nbytes) of the whole segment's regions in the bucket
+
+
+@dataclass
+class Bucket:
+    segments: list
+    regions: list  # wire order
+    nbytes: int
+
+    def meta(self) -> dict:
+        return {"names": [r.name for r in self.regions], "dtypes": [_TORCH_DT[r.dtype] for r in self.regions],
+                "shapes": [list(r.shape) for r in self.regions], "offsets": [r.offset for r in self.regions],
+                "nbytes": [r.nbytes for r in self.regions], "total": self.nbytes}
+
+
+def _kind(t: TensorPlan) -> str:
+    w = t.precision.weight
+    if not (t.is_linear and w.is_quantized):
+        return "hp"
+    if w.kind == FormatKind.NVFP4 and w.block == (1, 16) and w.global_scale in (None, "tensor", "group"):
+        return "nvfp4"
+    if w.kind == FormatKind.MXFP8 and w.block == (1, 32) and w.element == "e4m3":
+        return "mxfp8"
+    if w.kind == FormatKind.FP8_BLOCK and w.block == (128, 128) and w.element == "e4m3":
+        return "fp8_block"
+    return "ref"
+
+
+def _unit_kind(unit: list) -> str:
+    kinds = {_kind(t) for t in unit}
+    if len(kinds) != 1:
+        return "ref"
+    kind = kinds.pop()
+    if kind == "hp":
+        return kind
+    if any(len(t.shape) != 2 for t in unit):
+        return "ref"
+    ks = {t.shape[-1] for t in unit}
+    ns = {t.shape[0] for t in unit}
+    if len(ks) != 1 or len({t.precision.weight for t in unit}) != 1:
+        return "ref"
+    if kind == "nvfp4" and (len(ns) != 1 or next(iter(ks)) % 16):
+        return "ref"
+    if kind == "nvfp4" and len(unit) > 1 and not all(needs_shared_amax(t) for t in unit):
+        return "ref"  # members of one unit with separate per-tensor scales: fine per tensor, keep it simple
+    if kind == "mxfp8" and next(iter(ks)) % 32:
+        return "ref"
+    if kind == "fp8_block" and any(n % 128 for n in ns):
+        return "ref"  # 128-row blocks must not straddle two stacked tensors
+    return kind
+
+
+def _merge_key(unit: list, kind: str) -> tuple:
+    t = unit[0]
+    roles = tuple(x.role for x in unit)
+    if kind == "hp":
+        return (kind, t.mtp, t.layer, t.precision.weight.kind, roles)
+    return (kind, t.mtp, t.layer, roles, t.precision.weight, t.shape[-1], len(unit),
+            tuple(x.shape[0] for x in unit) if kind == "nvfp4" else None)
+
+
+def _grouped_order(units: list) -> list:
+    """Units of one layer that can share a launch made adjacent (stable): e.g. every expert's [gate, up] unit,
+    then every expert's [down], instead of the checkpoint's per-expert interleaving."""
+    layers: dict = {}
+    keys: dict = {}
+
+    def sort_key(unit):
+        t = unit[0]
+        lk = (t.mtp, t.layer)
+        kind = _unit_kind(unit)
+        mk = _merge_key(unit, kind) if kind != "ref" else ("ref", id(unit))
+        return layers.setdefault(lk, len(layers)), keys.setdefault((lk, mk), len(keys))
+
+    return sorted(units, key=sort_key)
+
+
+class UpdateProgram:
+    def __init__(self, plan: Plan, units: list, bucket_bytes: int):
+        """units: the atomic units (lists of TensorPlan in plan order), in send order."""
+        self.plan = plan
+        units = _grouped_order(units)
+        self.buckets: list[Bucket] = []
+        sizes = {}
+        for unit in units:
+            for t in unit:
+                sizes[t.hf_name] = sum(_align(DTYPE_SIZES[dt] * math.prod(sh)) for _, dt, sh in output_specs(t))
+        cur: list = []
+        cur_size = 0
+        for unit in units:
+            nb = sum(sizes[t.hf_name] for t in unit)
+            if cur and cur_size + nb > bucket_bytes:
+                self.buckets.append(self._bucket(cur))
+                cur, cur_size = [], 0
+            cur.append(unit)
+            cur_size += nb
+        if cur:
+            self.buckets.append(self._bucket(cur))
+        self.metas = [b.meta() for b in self.buckets]  # static: built once, sent as is every update
+        self.bucket_names = [list(m["names"]) for m in self.metas]
+        self.max_bucket = max((b.nbytes for b in self.buckets), default=0)
+        self.tensors = sum(len(b.regions) for b in self.buckets)
+        self.bytes = sum(r.nbytes for b in self.buckets for r in b.regions)
+
+    # -- static layout ---------------------------------------------------------------------------------------------
+    def _bucket(self, units: list) -> Bucket:
+        segs: list[Segment] = []
+        key_prev = None
+        for unit in units:
+            kind = _unit_kind(unit)
+            key = _merge_key(unit, kind) if kind != "ref" else None
+            if key is not None and key == key_prev:
+                segs[-1].members.extend(unit)
+                segs[-1].units.append(unit)
+            else:
+                segs.append(Segment(kind=kind, members=list(unit), units=[unit]))
+            key_prev = key
+        regions: list[Region] = []
+        off = 0
+        for seg in segs:
+            start = off
+            off = self._layout(seg, regions, off)
+            seg.block = (start, off - start)
+        return Bucket(segments=segs, regions=regions, nbytes=off)
+
+    def _layout(self, seg: Segment, regions: list, off: int) -> int:
+        """Assign byte ranges. Quantized segments: all members' data first, then all scales, ... (each kind of
+        output contiguous over the stacked rows, which is what one kernel launch writes)."""
+        specs = [output_specs(t) for t in seg.members]
+        if seg.kind in ("nvfp4", "mxfp8", "fp8_block"):
+            seg.k = seg.members[0].shape[1]
+            seg.rows_per_member = seg.members[0].shape[0]
+            seg.rows_per_group = seg.rows_per_member * (len(seg.units[0]) if needs_shared_amax(seg.members[0])
+                                                        else 1)
+            for j in range(len(specs[0])):  # output j of every member, back to back
+                start = off
+                for i, sp in enumerate(specs):
+                    name, dt, sh = sp[j]
+                    nb = DTYPE_SIZES[dt] * math.prod(sh)
+                    r = Region(name, dt, tuple(sh), off, nb)
+                    seg.regions[(i, j)] = r
+                    regions.append(r)
+                    off += nb
+                off = start + _align(off - start)
+            return off
+        if seg.kind == "hp":  # one dtype per segment: members back to back, so one copy can fill the segment
+            start = off
+            for i, sp in enumerate(specs):
+                name, dt, sh = sp[0]
+                nb = DTYPE_SIZES[dt] * math.prod(sh)
+                r = Region(name, dt, tuple(sh), off, nb)
+                seg.regions[(i, 0)] = r
+                regions.append(r)
+                off += nb
+            return start + _align(off - start)
+        for i, sp in enumerate(specs):  # ref: member by member, every output aligned
+            for j, (name, dt, sh) in enumerate(sp):
+                nb = DTYPE_SIZES[dt] * math.prod(sh)
+                r = Region(name, dt, tuple(sh), off, nb)
+                seg.regions[(i, j)] = r
+                regions.append(r)
+                off += _align(nb)
+        return off
+
+    # -- binding ---------------------------------------------------------------------------------------------------
+    def bind(self, tensors: dict) -> "Bound":
+        """tensors: {hf_name: CUDA tensor}. Per segment, a 2-D [rows, K] (quantized) or flat (hp) view of the
+        stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run."""
+        return Bound(self, tensors)
+
+    # -- one update ------------------------------------------------------------------------------------------------
+    def run(self, bound: "Bound", send, check_equal: bool = False):
+        """Fill and hand every bucket to `send(k, meta, buf) -> handle` (handle: None, or an object whose
+        .wait() makes the current stream wait until the buffer may be reused). Returns (bad count tensor,
+        fingerprints tensor or None) - both still on the GPU.
+
+        From the second run on, each bucket's launches (a few hundred for a large MoE: per layer the expert
+        segments plus the small norms/router/attention pieces) are replayed from one CUDA graph per bucket: the
+        inputs, the double buffers and the counters have fixed addresses, so the graph is the whole program and
+        the host cost no longer scales with the number of segments. Buckets with a per-unit (`ref`) segment, whose
+        reference code may synchronise with the host, stay eager."""
+        import torch
+
+        from ..kernels import triton_segments as ks
+
+        dev = bound.device
+        if bound.pool is None or bound.pool[0].numel() < self.max_bucket:
+            bound.pool = [torch.empty(self.max_bucket, dtype=torch.uint8, device=dev) for _ in range(2)]
+            bound.bad = torch.zeros(1, dtype=torch.int32, device=dev)
+            bound.graphs = None
+        bad = bound.bad
+        bad.zero_()
+        fps = torch.zeros(len(self.buckets), dtype=torch.int64, device=dev) if check_equal else None
+        handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
+        if bound.graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
+            bound.graphs = self._capture(bound)
+        for k, b in enumerate(self.buckets):
+            slot = k % 2
+            if handles[slot] is not None:
+                handles[slot].wait()
+            buf = bound.pool[slot][:b.nbytes]
+            g = bound.graphs[k] if bound.graphs else None
+            if g is not None:
+                g.replay()
+            else:
+                self._fill_bucket(k, b, bound, buf, bad, dev)
+            if fps is not None:
+                ks.fingerprint(buf, fps[k:k + 1])
+            handles[slot] = send(k, self.metas[k], buf)
+        bound.runs += 1
+        return bad, fps
+
+    def _fill_bucket(self, k, b, bound, buf, bad, dev) -> None:
+        import torch
+
+        for si, seg in enumerate(b.segments):
+            x = bound.inputs[k][si]
+            gather = bound.gather[k][si]
+            if gather is not None:  # members not laid out back to back: one copy into the staging rows
+                torch.cat(gather, dim=0, out=x)
+            self._fill(seg, x, buf, bad, dev)
+
+    def _capture(self, bound: "Bound") -> list:
+        import torch
+
+        torch.cuda.synchronize(bound.device)
+        graphs = []
+        for k, b in enumerate(self.buckets):
+            if any(seg.kind == "ref" for seg in b.segments):
+                graphs.append(None)
+                continue
+            g = torch.cuda.CUDAGraph()
+            buf = bound.pool[k % 2][:b.nbytes]
+            with torch.cuda.graph(g):
+                self._fill_bucket(k, b, bound, buf, bound.bad, bound.device)
+            graphs.append(g)
+        torch.cuda.synchronize(bound.device)
+        return graphs
+
+    def _fill(self, seg: Segment, x, buf, bad, dev) -> None:
+        import torch
+
+        from ..kernels import triton_fp8_block, triton_mxfp8
+        from ..kernels import triton_segments as ks
+
+        def region(i, j):
+            r = seg.regions[(i, j)]
+            return buf[r.offset:r.offset + r.nbytes]
+
+        def stacked(j, cols_bytes):
+            first = seg.regions[(0, j)]
+            last = seg.regions[(len(seg.members) - 1, j)]
+            span = buf[first.offset:last.offset + last.nbytes]
+            return span.view(-1, cols_bytes) if cols_bytes else span
+
+        if seg.kind == "hp":
+            if not isinstance(x, list):  # zero-copy flat view of all members: one pass
+                ks.check_copy(x, stacked(0, 0), bad)
+                return
+            for i, t in enumerate(seg.members):
+                want = getattr(torch, _TORCH_DT[seg.regions[(i, 0)].dtype])
+                xi = x[i] if x[i].dtype == want else x[i].to(want)
+                ks.check_copy(xi, region(i, 0), bad)
+            return
+        if seg.kind == "ref":
+            from .quantize import checkpoint_tensors
+
+            i0 = 0
+            for unit in seg.units:
+                xs = [x[i0 + i] for i in range(len(unit))]
+                for xi in xs:
+                    if xi.is_floating_point():
+                        ks.check_copy(xi, None, bad)
+                out = checkpoint_tensors(list(zip(unit, xs)), backend="weight_update", check_finite=False)
+                for y in out.values():  # finite after the cast too (issue 11), counted on the GPU: no host sync
+                    if y.is_floating_point():
+                        bad.add_((~torch.isfinite(y.float())).sum().to(torch.int32))
+                for i, t in enumerate(unit):
+                    for j, (name, _, _) in enumerate(output_specs(t)):
+                        region(i0 + i, j).copy_(out[name].reshape(-1).view(torch.uint8))
+                i0 += len(unit)
+            return
+        k = seg.k
+        rows = x.shape[0]
+        if seg.kind == "nvfp4":
+            n_groups = rows // seg.rows_per_group
+            bits = torch.zeros(n_groups, dtype=torch.int32, device=dev)
+            ks.seg_amax(x, seg.rows_per_group, bits, bad)
+            data = stacked(0, k // 2)
+            scale = stacked(1, k // 16)
+            sdec = stacked(2, 0).view(torch.float32)
+            ks.nvfp4_segment(x, bits.view(torch.float32), seg.rows_per_group, seg.rows_per_member, data, scale, sdec)
+            stacked(3, 0).view(torch.float32).fill_(1.0)  # ModelOpt input_scale (unused with per-token acts)
+            return
+        ks.check_copy(x, None, bad)  # MXFP8 / FP8-block kernels do not count NaN/Inf themselves
+        if seg.kind == "mxfp8":
+            triton_mxfp8.quantize_rowcol(x, "e4m3", True, False, out_row=(stacked(0, k), stacked(1, k // 32)))
+            return
+        if seg.kind == "fp8_block":
+            w = seg.members[0].precision.weight
+            sinv = stacked(1, 0).view(torch.float32).view(-1, -(-k // 128))
+            triton_fp8_block.quantize(x, "e4m3", square=True, pow2=w.scale_dtype == "pow2",
+                                      out=(stacked(0, k), sinv))
+            return
+        raise AssertionError(seg.kind)
+
+
+class Bound:
+    """The trainer's tensors arranged per bucket and segment (see UpdateProgram.bind)."""
+
+    def __init__(self, prog: UpdateProgram, tensors: dict):
+        import torch
+
+        self.pool = None
+        self.bad = None
+        self.graphs = None  # per-bucket CUDA graphs, captured on the second run (the first compiles the kernels)
+        self.use_graphs = True
+        self.runs = 0
+        self.handles: list = [None, None]
+        self.inputs: list[list] = []
+        self.gather: list[list] = []
+        self.gathers = 0
+        dev = None
+        for b in prog.buckets:
+            per_seg = []
+            per_gather = []
+            self.gather.append(per_gather)
+            for seg in b.segments:
+                xs = [tensors[t.hf_name] for t in seg.members]
+                for t, x in zip(seg.members, xs):
+                    if tuple(x.shape) != tuple(t.shape):
+                        raise ValueError(f"tensor '{t.hf_name}' has shape {tuple(x.shape)}, the plan says {t.shape}")
+                dev = dev or xs[0].device
+                if seg.kind == "hp":
+                    want = getattr(torch, _TORCH_DT[seg.regions[(0, 0)].dtype])
+                    flat = _stack_flat(xs, want)
+                    per_seg.append(xs if flat is None else flat)
+                    per_gather.append(None)
+                    continue
+                if seg.kind == "ref":
+                    per_seg.append(xs)
+                    per_gather.append(None)
+                    continue
+                view, members = _stack_rows(xs, seg.k, torch)
+                per_seg.append(view)
+                per_gather.append(members)
+                self.gathers += members is not None
+            self.inputs.append(per_seg)
+        self.device = dev
+
+
+def _back_to_back(xs: list) -> bool:
+    x0 = xs[0]
+    if not all(x.is_contiguous() and x.dtype == x0.dtype and x.device == x0.device for x in xs):
+        return False
+    if x0.untyped_storage().data_ptr() != xs[-1].untyped_storage().data_ptr():
+        return False
+    ptr = x0.data_ptr()
+    for x in xs:
+        if x.data_ptr() != ptr:
+            return False
+        ptr += x.numel() * x.element_size()
+    return True
+
+
+def _stack_flat(xs: list, dtype):
+    """Flat zero-copy view of high-precision tensors stored back to back in the storage dtype, else None."""
+    import torch
+
+    if xs[0].dtype != dtype or not _back_to_back(xs):
+        return None
+    return torch.as_strided(xs[0], (sum(x.numel() for x in xs),), (1,))
+
+
+def _stack_rows(xs: list, k: int, torch):
+    """(view, None): a zero-copy [sum rows, K] view when every tensor starts where the previous one ends in one
+    storage (Megatron's grouped-expert buffers); else (staging buffer, [2-D members]) for a gather per run."""
+    x0 = xs[0]
+    rows = sum(x.shape[0] for x in xs)
+    if _back_to_back(xs):
+        return torch.as_strided(x0, (rows, k), (k, 1)), None
+    dtype = x0.dtype if all(x.dtype == x0.dtype for x in xs) else torch.float32  # cat(out=) casts per run
+    return torch.empty((rows, k), dtype=dtype, device=x0.device), [x.reshape(-1, k) for x in xs]

@@ -1,0 +1,191 @@
+"""Grouped ("segment") kernels for the live weight update: many same-shaped tensors in ONE launch.
+
+A segment is a [rows, K] matrix made of `n_members` stacked tensors of `rows_per_member` rows each (all routed
+experts of one layer, gate/up interleaved per expert as in Megatron's fc1). Per-tensor quantities (NVFP4's
+second-level scale) are computed per member - or per share-scale group of `rows_per_group` rows (gate + up of one
+expert share one amax) - so every member's bytes equal what the per-tensor kernels / the references produce for
+that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on the GPU).
+
+  * `_seg_amax_kernel`: per-group NaN-ignoring amax (integer atomic max on the fp32 bits, like
+    triton_nvfp4._amax_kernel, reduced per row first so a program may straddle groups) + a non-finite element
+    count (the update refuses NaN/Inf weights; folded into the pass that reads the weights anyway).
+  * `_nvfp4_seg_kernel`: triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with G read per row's group and S_dec
+    written once per member.
+  * `_check_copy_kernel`: copy raw 16/32-bit words into the wire buffer and count non-finite elements in the same
+    pass (high-precision segments), or count only (MXFP8 / FP8-block segments, whose kernels do not report it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import unpack_pair
+from .triton_nvfp4 import _block_scale, _global_scales, _pack_codes
+
+
+@triton.jit
+def _seg_amax_kernel(xp_ptr, amax_bits_ptr, bad_ptr, M, NP, stride_xp, RPG, IN_DTYPE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < NP)[None, :]
+    u = tl.load(xp_ptr + rows.to(tl.int64)[:, None] * stride_xp + cols[None, :], mask=mask, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    alo = tl.abs(lo)
+    ahi = tl.abs(hi)
+    a = tl.maximum(tl.max(tl.maximum(alo, ahi), axis=1), 0.0)  # [BLOCK_M], NaN ignored
+    tl.atomic_max(amax_bits_ptr + rows // RPG, a.to(tl.int32, bitcast=True), mask=rmask, sem="relaxed")
+    # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both
+    nf = tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32) + (~(ahi <= 3.4028234663852886e38)).to(tl.int32),
+                       axis=1), axis=0)
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
+@triton.jit
+def _nvfp4_seg_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s, RPG, RPM,
+                      IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_d = tl.multiple_of(stride_d, 8)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    pr = tl.arange(0, 8)
+    rmask = rows < M
+    bmask = nb < NB
+    mask3 = rmask[:, None, None] & bmask[None, :, None]
+    r64 = rows.to(tl.int64)
+    u = tl.load(xp_ptr + tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
+                mask=mask3, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    g = tl.load(g_ptr + rows // RPG, mask=rmask, other=0.0)  # [BM]
+    s_enc, s_dec = _global_scales(g)
+    tl.store(sdec_ptr + rows // RPM, s_dec, mask=rmask & (rows % RPM == 0) & (pid_b == 0))
+    amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, BNB]
+    sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc[:, None], s_dec[:, None])
+    packed = _pack_codes(lo, hi, enc[:, :, None])
+    tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+    tl.store(data_ptr + tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
+             packed, mask=mask3)
+
+
+@triton.jit
+def _check_copy_kernel(x_ptr, out_ptr, bad_ptr, N, IS_F32: tl.constexpr, DO_COPY: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    """x: N raw words (int16 for bf16/fp16 viewed as bf16 bits... see wrapper), copied to out if DO_COPY."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    u = tl.load(x_ptr + offs, mask=m, other=0)
+    if DO_COPY:
+        tl.store(out_ptr + offs, u, mask=m)
+    if IS_F32:
+        e = (u.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        bad = e == 0xFF
+    else:
+        bad = ((u.to(tl.int16, bitcast=True).to(tl.int32) >> 10) & 0x1F) == 0x1F  # fp16 exponent all ones
+    nf = tl.sum(bad.to(tl.int32), axis=0)
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
+@triton.jit
+def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    u = tl.load(x_ptr + offs, mask=m, other=0)
+    if DO_COPY:
+        tl.store(out_ptr + offs, u, mask=m)
+    bad = ((u.to(tl.int32) >> 7) & 0xFF) == 0xFF  # bf16 exponent all ones: inf or NaN
+    nf = tl.sum(bad.to(tl.int32), axis=0)
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
+# ----------------------------------------------------------------------------------------------- host wrappers
+def seg_amax(x2, rows_per_group: int, amax_bits, bad):
+    """amax_bits (int32 [M / rows_per_group], zeroed by the caller) = per-group max|x| bits; bad (int32 [1])
+    += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even."""
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    if not (m and k):
+        return
+    xp = pair_view(x2)
+    np_ = xp.shape[1]
+    bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
+    bm = max(1, 8192 // bp)
+    grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
+    _seg_amax_kernel[grid](xp, amax_bits, bad, m, np_, xp.stride(0), rows_per_group, IN_DTYPE=in_dtype_code(x2.dtype),
+                           BLOCK_M=bm, BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+
+
+def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec):
+    """Per-tensor (or share-scale-group) NVFP4 1x16 of every member of a segment, written into the given outputs:
+    data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group]."""
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    nb = k // 16
+    if not (m and k):
+        return
+    xp = pair_view(x2)
+    bnb = min(64, max(1, 1 << (nb - 1).bit_length()))
+    grid = (triton.cdiv(m, 4), triton.cdiv(nb, bnb))
+    _nvfp4_seg_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
+                            rows_per_group, rows_per_member, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=4,
+                            BLOCK_NB=bnb, num_warps=2, **LAUNCH_OPTS)
+
+
+def check_copy(x, out, bad):
+    """Count non-finite elements of the contiguous float tensor x into bad (int32 [1]); copy its bytes into out
+    (a uint8 buffer of x's byte size) when out is given - one read of x either way."""
+    import torch
+
+    from ._common import LAUNCH_OPTS
+
+    n = x.numel()
+    if n == 0:
+        return
+    block = 4096
+    if x.dtype == torch.bfloat16:
+        w = x.reshape(-1).view(torch.int16)
+        o = out.view(torch.int16) if out is not None else w
+        _check_copy_bf16_kernel[(triton.cdiv(n, block),)](w, o, bad, n, DO_COPY=out is not None, BLOCK=block,
+                                                          num_warps=8, **LAUNCH_OPTS)
+        return
+    w = x.reshape(-1).view(torch.int32 if x.dtype == torch.float32 else torch.int16)
+    o = out.view(w.dtype) if out is not None else w
+    _check_copy_kernel[(triton.cdiv(n, block),)](w, o, bad, n, IS_F32=x.dtype == torch.float32,
+                                                 DO_COPY=out is not None, BLOCK=block, num_warps=8, **LAUNCH_OPTS)
+
+
+@triton.jit
+def _fingerprint_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    w = tl.load(w_ptr + offs, mask=m, other=0).to(tl.int64)
+    # position-weighted sum mod 2^64 (odd multipliers): any single changed or swapped word changes it
+    acc = tl.sum(w * (offs * 2654435761 + 1), axis=0)
+    tl.atomic_add(out_ptr, acc, sem="relaxed")
+
+
+def fingerprint(buf, out):
+    """out (int64 [1], zeroed) += position-weighted sum of the int32 words of the uint8 buffer `buf` (its size a
+    multiple of 4): a cheap on-GPU digest of a weight-update bucket, compared by both ends (order-independent
+    atomics, so deterministic)."""
+    import torch
+
+    from ._common import LAUNCH_OPTS
+
+    w = buf.view(torch.int32)
+    n = w.numel()
+    if n:
+        _fingerprint_kernel[(triton.cdiv(n, 8192),)](w, out, n, BLOCK=8192, num_warps=8, **LAUNCH_OPTS)
