@@ -12,7 +12,6 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import PolicycError
 from .common import BACKENDS
 
 
