@@ -493,11 +493,15 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         if after is None:
             after = bytes_cache[bkey] = storage_bytes(p.weight, shape)
         sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
+        skey = (shape, t.dtype, id(sf))  # source formats are shared objects of the architecture (alive here)
+        before = bytes_cache.get(skey)
+        if before is None:
+            before = bytes_cache[skey] = source_bytes(t.dtype, shape, sf)
         plans.append(template.model_copy(update=dict(
             hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
             sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
             shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
-            bytes_before=source_bytes(t.dtype, shape, sf), bytes_after=after,
+            bytes_before=before, bytes_after=after,
             decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
             source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
     if arch.source_quantization and not any(t.source_format for t in tensors):
