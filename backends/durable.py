@@ -49,15 +49,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is written (os.write may write fewer bytes than asked)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_atomic(path: Path, data: bytes, tmp_dir: Optional[Path] = None) -> None:
     """Replace `path` with `data` atomically and durably (the temp file lives in `tmp_dir`, same filesystem)."""
     path = Path(path)
     tmp = Path(tmp_dir or path.parent) / f".{path.name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -159,9 +164,7 @@ def copy_regular(fd: int, dst: Path, tmp_dir: Path) -> None:
             chunk = os.read(fd, 1 << 20)
             if not chunk:
                 break
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(out, view):]
+            _write_all(out, chunk)
         os.fsync(out)
     finally:
         os.close(out)
