@@ -124,17 +124,23 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
         assert n_seg < len(plan.quantized())
 
 
-def test_nonfinite_aborts_both_ends():
-    """NaN/Inf is counted on the GPU while the buckets move; the sender then aborts instead of closing (issue 11's
-    protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards what it got."""
+@pytest.mark.parametrize("policy,value", [("nvfp4-pertoken-dequant-backward", float("nan")),
+                                          ("mxfp8-e2e", float("inf")), ("mxfp8-e2e", float("nan")),
+                                          ("fp8-blockwise-hopper", float("-inf"))])
+def test_nonfinite_aborts_both_ends(policy, value):
+    """NaN/Inf is counted on the GPU while the buckets move - by the quantize kernels themselves, in the pass that
+    reads the weights (NVFP4's amax pass, MXFP8's and FP8-block's quantize pass); the sender then aborts instead of
+    closing (issue 11's protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards
+    what it got."""
     from precision_dsl.backends.quantize import NonFiniteWeight
     from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateAborted
     from precision_dsl.arch import load_architecture
 
-    plan = _plan("nvfp4-pertoken-dequant-backward")
+    plan = _plan(policy)
     weights = _weights(load_architecture("tiny-moe"), True)
     victim = "model.layers.2.mlp.experts.5.up_proj.weight"
-    weights[victim][3, 7] = float("nan")
+    assert plan.by_name()[victim].precision.weight.is_quantized  # the victim goes through a quantize kernel
+    weights[victim][3, 7] = value
     tr = _transport()
     sender = WeightSender(plan, tr)
     with pytest.raises(WeightUpdateAborted, match="experts.5.up_proj") as exc:
