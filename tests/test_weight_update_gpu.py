@@ -152,6 +152,39 @@ def test_nonfinite_aborts_both_ends(policy, value):
     assert rx.raw == {}
 
 
+def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
+    """A rollout keeps one WeightReceiver: the first update checks every checkpoint tensor's name, dtype and shape
+    against the plan; later updates with the same bucket layouts skip that per-tensor pass (same bytes received),
+    and a layout that differs - even by one shape - is checked again and refused."""
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateMismatch
+    from precision_dsl.arch import load_architecture
+
+    plan = _plan("mxfp8-e2e")
+    weights = _weights(load_architecture("tiny-moe"), True)
+    tr = _transport()
+    sender = WeightSender(plan, tr, bucket_bytes=64 << 10)
+    prep = sender.prepare_program(weights.items())
+    rx = WeightReceiver(plan, tr, check_equal=False)
+    checks = []
+    original = rx._check_complete
+    rx._check_complete = lambda: (checks.append(1), original())[1]
+    first = None
+    for _ in range(3):
+        sender.send(prep)
+        raw = rx.receive_raw()
+        got = {n: raw[n].cpu().clone() for n in raw}
+        first = first or got
+        assert set(got) == set(first) and all(torch.equal(got[n].view(torch.uint8).reshape(-1),
+                                                          first[n].view(torch.uint8).reshape(-1)) for n in got)
+    assert len(checks) == 1  # checked on the first update only
+    meta = sender.program().metas[0]
+    meta["shapes"][0] = [meta["shapes"][0][0] + 1] + list(meta["shapes"][0][1:])  # a sender that changed its layout
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="the plan says"):
+        rx.receive_raw()
+    assert len(checks) == 2 and rx.raw == {}
+
+
 def test_program_refuses_incomplete_state_dict():
     """The GPU path refuses what the per-unit path refuses, before anything is sent."""
     from precision_dsl.backends.weight_update import WeightSender, WeightUpdateError
