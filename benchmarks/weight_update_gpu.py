@@ -96,7 +96,7 @@ def _timed(fn, reps):
     return statistics.median(ts), ts
 
 
-def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True):
+def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True, kernels=False):
     import torch
 
     from precision_dsl.backends.weight_update import InProcessTransport, WeightReceiver, WeightSender
@@ -184,6 +184,16 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
         torch.cuda.synchronize()
         t_recv = time.perf_counter() - t0
         holder.clear()
+        if kernels:  # where the GPU time of one update goes, per kernel (torch profiler, CUDA activity)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                update()
+                torch.cuda.synchronize()
+            holder.clear()
+            ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+            print(f"[{label}] {pname} kernels: " + "; ".join(
+                f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in ka), flush=True)
         if pname == "nvfp4":
             import cProfile
             import io
@@ -251,6 +261,7 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="fresh receiver buffers per update")
+    ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     args = ap.parse_args()
     import torch
 
@@ -262,7 +273,7 @@ def main():
         while layers >= 8:
             try:
                 bench_model(f"qwen3-30b-a3b-shaped ({layers} layers)", dict(QWEN3_30B, num_hidden_layers=layers),
-                            max(3, args.reps - 2), False, args.bucket_mb, results, not args.fresh)
+                            max(3, args.reps - 2), False, args.bucket_mb, results, not args.fresh, args.kernels)
                 break
             except torch.cuda.OutOfMemoryError as err:
                 print(f"OOM at {layers} layers: {str(err)[:120]}", flush=True)
