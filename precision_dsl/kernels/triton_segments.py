@@ -109,9 +109,10 @@ def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, B
 
 
 # ----------------------------------------------------------------------------------------------- host wrappers
-def seg_amax(x2, rows_per_group: int, amax_bits, bad):
+def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=8):
     """amax_bits (int32 [M / rows_per_group], zeroed by the caller) = per-group max|x| bits; bad (int32 [1])
-    += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even."""
+    += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even. elems / num_warps:
+    pairs per program and warps (launch shape only: the result does not depend on them)."""
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
@@ -120,15 +121,18 @@ def seg_amax(x2, rows_per_group: int, amax_bits, bad):
     xp = pair_view(x2)
     np_ = xp.shape[1]
     bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
-    bm = max(1, 8192 // bp)
+    bm = max(1, elems // bp)
     grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
     _seg_amax_kernel[grid](xp, amax_bits, bad, m, np_, xp.stride(0), rows_per_group, IN_DTYPE=in_dtype_code(x2.dtype),
-                           BLOCK_M=bm, BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+                           BLOCK_M=bm, BLOCK_P=bp, num_warps=num_warps, **LAUNCH_OPTS)
 
 
-def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec):
+def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec, *, block_m=4, block_nb=64,
+                  num_warps=2):
     """Per-tensor (or share-scale-group) NVFP4 1x16 of every member of a segment, written into the given outputs:
-    data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group]."""
+    data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group].
+    block_m / block_nb / num_warps: the launch shape (rows, 16-element blocks per program; the bytes do not depend
+    on it)."""
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
@@ -136,11 +140,11 @@ def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale,
     if not (m and k):
         return
     xp = pair_view(x2)
-    bnb = min(64, max(1, 1 << (nb - 1).bit_length()))
-    grid = (triton.cdiv(m, 4), triton.cdiv(nb, bnb))
+    bnb = min(block_nb, max(1, 1 << (nb - 1).bit_length()))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(nb, bnb))
     _nvfp4_seg_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
-                            rows_per_group, rows_per_member, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=4,
-                            BLOCK_NB=bnb, num_warps=2, **LAUNCH_OPTS)
+                            rows_per_group, rows_per_member, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=block_m,
+                            BLOCK_NB=bnb, num_warps=num_warps, **LAUNCH_OPTS)
 
 
 def check_copy(x, out, bad):
