@@ -230,7 +230,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True,
 
             def old():
                 holder.pop("raw", None)
-                s3._send_units(weights.items())
+                s3.send_prepared(list(s3.quantize_all(weights.items())))  # the per-unit path, forced
                 holder["raw"] = WeightReceiver(plan, tr3, check_equal=False).receive_raw()
 
             row["per_unit_s"] = _timed(old, 1)[0]

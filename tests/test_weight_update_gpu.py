@@ -185,6 +185,36 @@ def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
     assert len(checks) == 2 and rx.raw == {}
 
 
+def test_segment_amax_of_bf16_equals_the_float_path():
+    """The bf16 amax pass works on integer magnitude bits; for finite input its per-group amax bits equal the fp32
+    (float compare) path's and torch's, zeros / subnormals / negative values / ties included, and both count the
+    same non-finite elements."""
+    from precision_dsl.kernels import triton_segments as ks
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn((48, 64), generator=g) * 0.05).to(torch.bfloat16)
+    x[0:8] = 0.0  # an all-zero group
+    x[8, 3] = -7.5  # negative maximum
+    x[9, 5] = 7.5  # tie in magnitude with a negative value
+    x[16:24] = torch.tensor(1e-40, dtype=torch.bfloat16)  # subnormal group
+    x[17, 7] = -2e-40
+    x = x.to(DEV)
+
+    def amax(y):
+        bits = torch.zeros(6, dtype=torch.int32, device=DEV)
+        bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+        ks.seg_amax(y, 8, bits, bad)
+        return bits.cpu(), int(bad.item())
+
+    b16, n16 = amax(x)
+    b32, n32 = amax(x.float())
+    want = x.float().abs().reshape(6, -1).amax(dim=1).cpu().view(torch.int32)
+    assert torch.equal(b16, b32) and torch.equal(b16, want) and n16 == n32 == 0
+    y = x.clone()
+    y[30, 1], y[41, 2], y[41, 3] = float("inf"), float("-inf"), float("nan")
+    assert amax(y)[1] == amax(y.float())[1] == 3
+
+
 def test_program_refuses_incomplete_state_dict():
     """The GPU path refuses what the per-unit path refuses, before anything is sent."""
     from precision_dsl.backends.weight_update import WeightSender, WeightUpdateError

@@ -6,7 +6,8 @@ second-level scale) are computed per member - or per share-scale group of `rows_
 expert share one amax) - so every member's bytes equal what the per-tensor kernels / the references produce for
 that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on the GPU).
 
-  * `_seg_amax_kernel`: per-group NaN-ignoring amax (integer atomic max on the fp32 bits, like
+  * `_seg_amax_kernel`: per-group amax (NaN-ignoring; for bf16 computed on the integer magnitude bits, see the
+    kernel; integer atomic max on the fp32 bits, like
     triton_nvfp4._amax_kernel, reduced per row first so a program may straddle groups) + a non-finite element
     count (the update refuses NaN/Inf weights; folded into the pass that reads the weights anyway).
   * `_nvfp4_seg_kernel`: triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with G read per row's group and S_dec
@@ -34,14 +35,26 @@ def _seg_amax_kernel(xp_ptr, amax_bits_ptr, bad_ptr, M, NP, stride_xp, RPG, IN_D
     rmask = rows < M
     mask = rmask[:, None] & (cols < NP)[None, :]
     u = tl.load(xp_ptr + rows.to(tl.int64)[:, None] * stride_xp + cols[None, :], mask=mask, other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    alo = tl.abs(lo)
-    ahi = tl.abs(hi)
-    a = tl.maximum(tl.max(tl.maximum(alo, ahi), axis=1), 0.0)  # [BLOCK_M], NaN ignored
-    tl.atomic_max(amax_bits_ptr + rows // RPG, a.to(tl.int32, bitcast=True), mask=rmask, sem="relaxed")
-    # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both
-    nf = tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32) + (~(ahi <= 3.4028234663852886e38)).to(tl.int32),
-                       axis=1), axis=0)
+    if IN_DTYPE == 0:
+        # bf16: on the magnitude bits, integer order is float order for finite values, and |x| << 16 is the fp32
+        # bits of |x|; a non-finite element has all exponent bits set (magnitude >= 0x7F80). A few integer ops
+        # per pair instead of unpack + float compares: this pass reads every expert weight, so its instruction
+        # count decides whether it runs at memory speed. (With NaN present the amax differs from the float path's
+        # NaN-ignoring one, but then `bad` > 0 and the update is aborted - its bytes are never used.)
+        mlo = u & 0x7FFF
+        mhi = (u >> 16) & 0x7FFF
+        a_bits = tl.max(tl.maximum(mlo, mhi), axis=1) << 16  # [BLOCK_M]
+        nf = tl.sum(tl.sum((mlo >= 0x7F80).to(tl.int32) + (mhi >= 0x7F80).to(tl.int32), axis=1), axis=0)
+    else:
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        alo = tl.abs(lo)
+        ahi = tl.abs(hi)
+        a = tl.maximum(tl.max(tl.maximum(alo, ahi), axis=1), 0.0)  # [BLOCK_M], NaN ignored
+        a_bits = a.to(tl.int32, bitcast=True)
+        # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both
+        nf = tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32)
+                           + (~(ahi <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    tl.atomic_max(amax_bits_ptr + rows // RPG, a_bits, mask=rmask, sem="relaxed")
     if nf > 0:
         tl.atomic_add(bad_ptr, nf, sem="relaxed")
 
