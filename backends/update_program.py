@@ -229,7 +229,7 @@ class UpdateProgram:
         return Bound(self, tensors)
 
     # -- one update ------------------------------------------------------------------------------------------------
-    def run(self, bound: "Bound", send, check_equal: bool = False):
+    def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1):
         """Fill and hand every bucket to `send(k, meta, buf) -> handle` (handle: None, or an object whose
         .wait() makes the current stream wait until the buffer may be reused). Returns (bad count tensor,
         fingerprints tensor or None) - both still on the GPU.
@@ -265,7 +265,7 @@ class UpdateProgram:
             else:
                 self._fill_bucket(k, b, bound, buf, bad, dev)
             if fps is not None:
-                ks.fingerprint(buf, fps[k:k + 1])
+                ks.fingerprint(buf, fps[k:k + 1], fingerprint_stride)
             handles[slot] = send(k, self.metas[k], buf)
         bound.runs += 1
         return bad, fps

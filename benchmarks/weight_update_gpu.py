@@ -12,7 +12,9 @@ Qwen3-30B-A3B-shaped one (hidden 2048, 128 experts of 768, 32/4 heads of 128, vo
 without copies. Rows:
   * program   = WeightSender.send(prepared) + WeightReceiver.receive_raw (quantize, pack, copy, views), median;
                 the rollout keeps one WeightReceiver, which checks the bucket layout against the plan on the first
-                update only (recv of a new receiver is reported as "first update's recv");
+                update only (recv of a new receiver is reported as "first update's recv"); sender without
+                check_equal, so bucket fingerprints are sampled (1/16 of the bytes, see triton_segments.fingerprint);
+                the check_equal run after the timings (every byte fingerprinted on both ends) is not timed;
   * send(items) = the same through the plain (name, tensor) API (binding per call: per-tensor Python);
   * per-unit  = the previous path (one quantize call per tensor / share group, host checks), 1.34B only;
   * quantize  = the program with a no-op transport;
@@ -210,6 +212,8 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True,
             print("\n".join(sio.getvalue().splitlines()[-14:]), flush=True)
         # check_equal run (GPU fingerprints), not timed; the persistent receiver buffers are released first so
         # that the 48-layer model still fits (weights + one received copy)
+        rx.raw = {}  # the kept receiver's views hold the persistent buffers
+        holder.clear()
         tr._dst.clear()
         torch.cuda.empty_cache()
         tr2 = InProcessTransport()

@@ -185,6 +185,38 @@ def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
     assert len(checks) == 2 and rx.raw == {}
 
 
+def test_sampled_fingerprints_catch_a_changed_bucket_and_a_full_check_receiver_refuses_them():
+    """Without check_equal the sender digests every 16th 32 KB block of each bucket (and its last block): a word
+    changed in transit inside a sampled block is caught; a receiver that asked for full checks refuses sampled
+    digests instead of pretending it checked every byte."""
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateMismatch
+    from precision_dsl.arch import load_architecture
+
+    plan = _plan("mxfp8-e2e")
+    weights = _weights(load_architecture("tiny-moe"), True)
+    tr = _transport()
+    sender = WeightSender(plan, tr, bucket_bytes=64 << 10)  # check_equal=False: sampled digests
+    prep = sender.prepare_program(weights.items())
+    sender.send(prep)
+    WeightReceiver(plan, tr, check_equal=False).receive_raw()  # intact: accepted
+    recv = tr.recv
+
+    def flip_first_word(*a, **kw):
+        kind, meta, buf = recv(*a, **kw)
+        if kind == "bucket" and "offsets" in meta and meta is sender.program().metas[0]:
+            buf.view(torch.int32)[0] ^= 1
+        return kind, meta, buf
+
+    tr.recv = flip_first_word
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="fingerprints"):
+        WeightReceiver(plan, tr, check_equal=False).receive_raw()
+    tr.recv = recv
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="1/16 of each bucket"):
+        WeightReceiver(plan, tr, check_equal=True).receive_raw()
+
+
 def test_segment_amax_of_bf16_equals_the_float_path():
     """The bf16 amax pass works on integer magnitude bits; for finite input its per-group amax bits equal the fp32
     (float compare) path's and torch's, zeros / subnormals / negative values / ties included, and both count the

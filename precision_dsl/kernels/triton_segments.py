@@ -184,9 +184,10 @@ def check_copy(x, out, bad):
 
 
 @triton.jit
-def _fingerprint_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _fingerprint_kernel(w_ptr, out_ptr, N, NBLK, STRIDE, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    blk = tl.where(pid * STRIDE < NBLK, pid * STRIDE, NBLK - 1)  # every STRIDE-th block, and the last one
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     w = tl.load(w_ptr + offs, mask=m, other=0).to(tl.int64)
     # position-weighted sum mod 2^64 (odd multipliers): any single changed or swapped word changes it
@@ -194,10 +195,16 @@ def _fingerprint_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.atomic_add(out_ptr, acc, sem="relaxed")
 
 
-def fingerprint(buf, out):
+FINGERPRINT_BLOCK_WORDS = 8192  # 32 KB per block
+
+
+def fingerprint(buf, out, stride: int = 1):
     """out (int64 [1], zeroed) += position-weighted sum of the int32 words of the uint8 buffer `buf` (its size a
     multiple of 4): a cheap on-GPU digest of a weight-update bucket, compared by both ends (order-independent
-    atomics, so deterministic)."""
+    atomics, so deterministic). stride > 1 samples: every stride-th 32 KB block plus the last block (1/stride of
+    the bytes read). A sampled digest still catches a bucket landing in the wrong buffer or at the wrong offset,
+    a short or missing transfer and a stale buffer (every weight changes between updates), but not a corrupted
+    word outside the sampled blocks; stride 1 covers every word."""
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -205,4 +212,7 @@ def fingerprint(buf, out):
     w = buf.view(torch.int32)
     n = w.numel()
     if n:
-        _fingerprint_kernel[(triton.cdiv(n, 8192),)](w, out, n, BLOCK=8192, num_warps=8, **LAUNCH_OPTS)
+        nblk = triton.cdiv(n, FINGERPRINT_BLOCK_WORDS)
+        grid = triton.cdiv(nblk, stride) + (1 if (nblk - 1) % stride else 0)
+        _fingerprint_kernel[(grid,)](w, out, n, nblk, stride, BLOCK=FINGERPRINT_BLOCK_WORDS, num_warps=8,
+                                     **LAUNCH_OPTS)
