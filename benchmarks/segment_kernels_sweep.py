@@ -71,8 +71,8 @@ def main() -> None:
     for kind in ("amax", "nvfp4"):
         rs = sorted((r for r in rows if r["kernel"] == kind), key=lambda r: r["us"])
         default = next(r for r in rows if r["kernel"] == kind and r.get("elems", 8192) == 8192
-                       and r.get("block_m", 4) == 4 and r.get("block_nb", 64) == 64
-                       and r["num_warps"] == (8 if kind == "amax" else 2))
+                       and r.get("block_m", 2) == 2 and r.get("block_nb", 128) == 128
+                       and r["num_warps"] == (4 if kind == "amax" else 2))
         print(f"{kind}: default {default['us']:.0f} us ({default['vs_copy_bw']:.2f} of copy bw); best 3: " + "; ".join(
             f"{ {k: v for k, v in r.items() if k in ('elems', 'block_m', 'block_nb', 'num_warps')} } {r['us']:.0f} us "
             f"({r['vs_copy_bw']:.2f}) same={r['same']}" for r in rs[:3]))

@@ -122,7 +122,7 @@ def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, B
 
 
 # ----------------------------------------------------------------------------------------------- host wrappers
-def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=8):
+def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=4):
     """amax_bits (int32 [M / rows_per_group], zeroed by the caller) = per-group max|x| bits; bad (int32 [1])
     += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even. elems / num_warps:
     pairs per program and warps (launch shape only: the result does not depend on them)."""
@@ -140,7 +140,7 @@ def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=8
                            BLOCK_M=bm, BLOCK_P=bp, num_warps=num_warps, **LAUNCH_OPTS)
 
 
-def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec, *, block_m=4, block_nb=64,
+def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec, *, block_m=2, block_nb=128,
                   num_warps=2):
     """Per-tensor (or share-scale-group) NVFP4 1x16 of every member of a segment, written into the given outputs:
     data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group].
