@@ -229,7 +229,7 @@ class UpdateProgram:
         return Bound(self, tensors)
 
     # -- one update ------------------------------------------------------------------------------------------------
-    def run(self, bound: "Bound", send, check_equal: bool = False):
+    def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1):
         """Fill and hand every bucket to `send(k, meta, buf) -> handle` (handle: None, or an object whose
         .wait() makes the current stream wait until the buffer may be reused). Returns (bad count tensor,
         fingerprints tensor or None) - both still on the GPU.
@@ -265,7 +265,7 @@ class UpdateProgram:
             else:
                 self._fill_bucket(k, b, bound, buf, bad, dev)
             if fps is not None:
-                ks.fingerprint(buf, fps[k:k + 1])
+                ks.fingerprint(buf, fps[k:k + 1], fingerprint_stride)
             handles[slot] = send(k, self.metas[k], buf)
         bound.runs += 1
         return bad, fps
@@ -352,15 +352,16 @@ class UpdateProgram:
             ks.nvfp4_segment(x, bits.view(torch.float32), seg.rows_per_group, seg.rows_per_member, data, scale, sdec)
             stacked(3, 0).view(torch.float32).fill_(1.0)  # ModelOpt input_scale (unused with per-token acts)
             return
-        ks.check_copy(x, None, bad)  # MXFP8 / FP8-block kernels do not count NaN/Inf themselves
+        # the quantize kernels count NaN/Inf in the same read of x (no separate checking pass over the weights)
         if seg.kind == "mxfp8":
-            triton_mxfp8.quantize_rowcol(x, "e4m3", True, False, out_row=(stacked(0, k), stacked(1, k // 32)))
+            triton_mxfp8.quantize_rowcol(x, "e4m3", True, False, out_row=(stacked(0, k), stacked(1, k // 32)),
+                                         bad=bad)
             return
         if seg.kind == "fp8_block":
             w = seg.members[0].precision.weight
             sinv = stacked(1, 0).view(torch.float32).view(-1, -(-k // 128))
             triton_fp8_block.quantize(x, "e4m3", square=True, pow2=w.scale_dtype == "pow2",
-                                      out=(stacked(0, k), sinv))
+                                      out=(stacked(0, k), sinv), bad=bad)
             return
         raise AssertionError(seg.kind)
 

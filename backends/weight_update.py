@@ -443,8 +443,14 @@ class TorchDistributedTransport:
         self._dist().broadcast(b, src=self.src, group=self.group)
 
     def send_layout(self, metas: list) -> None:
-        """GPU update program: every bucket's layout in one object broadcast, then buffers only."""
+        """GPU update program: every bucket's layout in one object broadcast, then buffers only. The layout is sent
+        whole once per transport; later updates with the same program send only a reference to it (pickling ~75k
+        tensor names on one end and unpickling them on the other cost tens of ms per update at 30B)."""
+        if metas is getattr(self, "_sent_layout", None):
+            self._bcast_obj(("layout", None))
+            return
         self._bcast_obj(("layout", metas))
+        self._sent_layout = metas
 
     def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
         """Asynchronous broadcast of a GPU bucket (NCCL orders it after the work that filled `buf`); the returned
@@ -470,6 +476,12 @@ class TorchDistributedTransport:
             return "bucket", meta, buf
         kind, meta = self._bcast_obj(None)
         if kind == "layout":
+            if meta is None:  # "the same layout as last time" (see send_layout)
+                meta = getattr(self, "_layout", None)
+                if meta is None:
+                    raise WeightUpdateMismatch("the sender referred to a bucket layout this receiver never got",
+                                               "keep one TorchDistributedTransport per end for the whole run")
+            self._layout = meta
             self._pending = list(meta)
             return self.recv(timeout)
         if kind in ("close", "abort"):
@@ -866,9 +878,12 @@ class WeightSender:
         try:
             if hasattr(self.transport, "send_layout"):
                 self.transport.send_layout(prog.metas)
-            # fingerprints always on: they are the GPU buckets' checksums (the receiver always verifies them)
+            # fingerprints always on: they are the GPU buckets' checksums (the receiver always verifies them).
+            # Every word with check_equal; else sampled (1/16 of each bucket): reading all the wire bytes once more
+            # on each end was a third of a BF16 update's GPU time on one H200 (issue 12)
+            stride = 1 if self.check_equal else SAMPLED_FINGERPRINT_STRIDE
             bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
-                                check_equal=True)
+                                check_equal=True, fingerprint_stride=stride)
             n_bad = int(bad.item())  # the update's one host synchronisation
             if n_bad:  # every bucket has moved; abort instead of closing: receivers discard them
                 raise NonFiniteWeight(_first_nonfinite(self.plan, prep.tensors) or "?", n_bad)
@@ -876,7 +891,7 @@ class WeightSender:
                                 bytes=prog.bytes, bucket_names=prog.bucket_names)
             self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
                                   "weight_version": weight_version, "digests": None,
-                                  "fingerprints": fps.tolist()})
+                                  "fingerprints": fps.tolist(), "fingerprint_stride": stride})
         except BaseException as err:
             self._abort(err, len(prog.buckets), weight_version)
         return report
@@ -929,21 +944,35 @@ class WeightSender:
                               "digests": report.digests if self.check_equal else None})
 
 
+def layout_index(metas: list) -> tuple:
+    """([{name: i} per bucket], {name: bucket number}) of GPU-program bucket layouts (dict(zip) / dict.fromkeys
+    run at C speed)."""
+    idxs = [dict(zip(m["names"], range(len(m["names"])))) for m in metas]
+    where: dict = {}
+    for k, m in enumerate(metas):
+        where.update(dict.fromkeys(m["names"], k))
+    return idxs, where
+
+
+def _copy_layout(metas: list) -> list:
+    """A copy of bucket layouts that later changes to the sender's objects cannot reach (the in-process transport
+    hands over the sender's own dicts); elements are shared, so comparing with the next update's layouts is mostly
+    identity checks."""
+    return [{k: ([list(x) for x in v] if k == "shapes" else list(v) if isinstance(v, list) else v)
+             for k, v in m.items()} for m in metas]
+
+
 class _BucketViews(dict):
     """{name: tensor} over received GPU-program buckets; each view is made when first looked up (a 30B-parameter
     NVFP4 update carries ~75k checkpoint tensors: building them all eagerly costs more than moving the bytes)."""
 
-    def __init__(self):
+    def __init__(self, metas: list, bufs: list, index: Optional[tuple] = None):
         super().__init__()
-        self._buckets: list = []  # (meta, buf, {name: i})
-        self._where: dict = {}  # name -> bucket number (dict.fromkeys / dict(zip) run at C speed)
-
-    def add(self, meta: dict, buf) -> None:
-        names = meta["names"]
-        self._buckets.append((meta, buf, dict(zip(names, range(len(names))))))
-        self._where.update(dict.fromkeys(names, len(self._buckets) - 1))
+        idxs, self._where = index if index is not None else layout_index(metas)  # _where: name -> bucket number
+        self._buckets: list = list(zip(metas, bufs, idxs))  # (meta, buf, {name: i})
 
     def update_from(self, other: dict) -> None:
+        self._where = dict(self._where)  # the index may be shared with the receiver's cached layout
         self._where.update(dict.fromkeys(other, -1))
         super().update(other)
 
@@ -1012,6 +1041,9 @@ def _first_nonfinite(plan: Plan, tensors: dict) -> Optional[str]:
     return None
 
 
+SAMPLED_FINGERPRINT_STRIDE = 16  # a GPU-program sender without check_equal digests every 16th 32 KB block
+
+
 class WeightReceiver:
     """Receiving end for InProcessTransport / TorchDistributedTransport."""
 
@@ -1019,12 +1051,17 @@ class WeightReceiver:
         self.plan, self.transport, self.check_equal = plan, transport, check_equal
         self.raw: dict[str, torch.Tensor] = {}
         self.summary: Optional[dict] = None
+        # (bucket metas, their index) of the last GPU-program layout that passed _check_complete: a rollout keeps
+        # one receiver, and the program sends the same layout every update, so its per-tensor check (~75k
+        # checkpoint tensors for a 30B NVFP4 model) is done once, not on every update
+        self._layout: Optional[tuple] = None
 
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
         self.transport.handshake(_plan_hash(self.plan))
+        self.raw = {}
         bufs: list = []
-        lazy = _BucketViews()
+        metas: list = []
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()
@@ -1036,7 +1073,7 @@ class WeightReceiver:
                 break
             if "offsets" in meta:  # GPU program layout: views made on first access, not per tensor here
                 bufs.append(buf)
-                lazy.add(meta, buf)
+                metas.append(meta)
                 continue
             try:
                 self.raw.update(unpack_bucket(meta, buf))
@@ -1044,8 +1081,14 @@ class WeightReceiver:
                 self._drain(timeout)  # keep the stream in step: the next update starts at its own 'open'
                 self.raw = {}
                 raise
-        if len(lazy):
-            lazy.update_from(self.raw)
+        program_only = bool(metas) and not self.raw  # every tensor came in GPU-program buckets
+        # the same layout as an update already checked (list equality: identity first, then by value)
+        known = program_only and self._layout is not None and self._layout[0] == metas
+        if metas:
+            index = self._layout[1] if known else layout_index(metas)
+            lazy = _BucketViews(metas, bufs, index)
+            if self.raw:
+                lazy.update_from(self.raw)
             self.raw = lazy
         try:
             if bufs:
@@ -1053,10 +1096,13 @@ class WeightReceiver:
             if self.summary.get("tensors") != len(self.raw):
                 raise WeightUpdateMismatch(f"received {len(self.raw)} tensors, "
                                            f"the sender sent {self.summary.get('tensors')}")
-            self._check_complete()
+            if not known:
+                self._check_complete()
         except WeightUpdateError:
             self.raw = {}
             raise
+        if program_only and not known:
+            self._layout = (_copy_layout(metas), index)
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)
@@ -1080,12 +1126,17 @@ class WeightReceiver:
         from ..kernels import triton_segments
 
         fps = self.summary.get("fingerprints")
-        if not isinstance(fps, list):
+        stride = self.summary.get("fingerprint_stride", 1)
+        if not isinstance(fps, list) or not isinstance(stride, int) or stride < 1:
             raise WeightUpdateMismatch("GPU-program buckets arrived without fingerprints",
                                        "sender and receiver must run the same policyc")
+        if self.check_equal and stride != 1:
+            raise WeightUpdateMismatch(f"the sender fingerprinted 1/{stride} of each bucket, this receiver checks "
+                                       "every byte (check_equal=True)", "create the WeightSender with "
+                                       "check_equal=True too, or the receiver with check_equal=False")
         mine = torch.zeros(len(bufs), dtype=torch.int64, device=bufs[0].device)
         for k, b in enumerate(bufs):
-            triton_segments.fingerprint(b, mine[k:k + 1])
+            triton_segments.fingerprint(b, mine[k:k + 1], stride)
         bad = [k for k, (x, y) in enumerate(zip(mine.tolist(), fps)) if x != y]
         if bad or len(bufs) != len(fps):
             raise WeightUpdateMismatch(f"bucket(s) {bad or 'count'} differ between sender and receiver "

@@ -11,6 +11,10 @@ Qwen3-30B-A3B-shaped one (hidden 2048, 128 experts of 768, 32/4 heads of 128, vo
 ([E, 2N, K] fc1 = gate_e/up_e, [E, H, N] fc2) like Megatron's grouped experts, so the update program stacks them
 without copies. Rows:
   * program   = WeightSender.send(prepared) + WeightReceiver.receive_raw (quantize, pack, copy, views), median;
+                the rollout keeps one WeightReceiver, which checks the bucket layout against the plan on the first
+                update only (recv of a new receiver is reported as "first update's recv"); sender without
+                check_equal, so bucket fingerprints are sampled (1/16 of the bytes, see triton_segments.fingerprint);
+                the check_equal run after the timings (every byte fingerprinted on both ends) is not timed;
   * send(items) = the same through the plain (name, tensor) API (binding per call: per-tensor Python);
   * per-unit  = the previous path (one quantize call per tensor / share group, host checks), 1.34B only;
   * quantize  = the program with a no-op transport;
@@ -94,7 +98,7 @@ def _timed(fn, reps):
     return statistics.median(ts), ts
 
 
-def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True):
+def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True, kernels=False):
     import torch
 
     from precision_dsl.backends.weight_update import InProcessTransport, WeightReceiver, WeightSender
@@ -124,11 +128,12 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
         t_bind = time.perf_counter() - t0
         n_seg = sum(len(b.segments) for b in prog.buckets)
         holder = {}
+        rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
 
         def update():
             holder.pop("raw", None)
             sender.send(prep)
-            holder["raw"] = WeightReceiver(plan, tr, check_equal=False).receive_raw()
+            holder["raw"] = rx.receive_raw()
 
         update()  # warm-up: Triton compilation, allocator
         med, ts = _timed(update, reps)
@@ -137,7 +142,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
         def update_items():
             holder.pop("raw", None)
             sender.send(weights.items())
-            holder["raw"] = WeightReceiver(plan, tr, check_equal=False).receive_raw()
+            holder["raw"] = rx.receive_raw()
 
         med_items, _ = _timed(update_items, 1)
         holder.clear()
@@ -170,10 +175,27 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
         torch.cuda.synchronize()
         t_send = time.perf_counter() - t0
         t0 = time.perf_counter()
-        holder["raw"] = WeightReceiver(plan, tr, check_equal=False).receive_raw()
+        holder["raw"] = WeightReceiver(plan, tr, check_equal=False).receive_raw()  # a new receiver: first update
+        torch.cuda.synchronize()
+        t_recv_first = time.perf_counter() - t0
+        holder.clear()
+        sender.send(prep)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        holder["raw"] = rx.receive_raw()  # the kept receiver: layout already checked against the plan
         torch.cuda.synchronize()
         t_recv = time.perf_counter() - t0
         holder.clear()
+        if kernels:  # where the GPU time of one update goes, per kernel (torch profiler, CUDA activity)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                update()
+                torch.cuda.synchronize()
+            holder.clear()
+            ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+            print(f"[{label}] {pname} kernels: " + "; ".join(
+                f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in ka), flush=True)
         if pname == "nvfp4":
             import cProfile
             import io
@@ -190,6 +212,8 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
             print("\n".join(sio.getvalue().splitlines()[-14:]), flush=True)
         # check_equal run (GPU fingerprints), not timed; the persistent receiver buffers are released first so
         # that the 48-layer model still fits (weights + one received copy)
+        rx.raw = {}  # the kept receiver's views hold the persistent buffers
+        holder.clear()
         tr._dst.clear()
         torch.cuda.empty_cache()
         tr2 = InProcessTransport()
@@ -202,7 +226,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
                "segments": n_seg, "zero_copy": prep.bound.gathers == 0, "program_build_s": t_prog,
                "bind_s": t_bind, "update_s": med, "update_all_s": ts, "send_items_s": med_items,
                "quantize_s": med_q, "bare_copy_s": med_bare, "one_copy_s": med_one, "send_only_s": t_send,
-               "receive_only_s": t_recv,
+               "receive_only_s": t_recv, "receive_first_update_s": t_recv_first,
                "update_over_bare": med / med_bare, "fingerprints_checked": True}
         if per_unit:
             tr3 = InProcessTransport()
@@ -210,7 +234,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
 
             def old():
                 holder.pop("raw", None)
-                s3._send_units(weights.items())
+                s3.send_prepared(list(s3.quantize_all(weights.items())))  # the per-unit path, forced
                 holder["raw"] = WeightReceiver(plan, tr3, check_equal=False).receive_raw()
 
             row["per_unit_s"] = _timed(old, 1)[0]
@@ -220,7 +244,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True)
         print(f"[{label}] {pname:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update {med * 1e3:8.1f} ms  "
               f"send(items) {med_items * 1e3:8.1f} ms  quantize {med_q * 1e3:7.1f} ms  bare copy {med_bare * 1e3:7.1f} "
               f"ms (one copy {med_one * 1e3:6.1f})  x{med / med_bare:4.2f} of bare  [send {t_send * 1e3:.1f} / "
-              f"recv {t_recv * 1e3:.1f} ms]"
+              f"recv {t_recv * 1e3:.1f} ms, first update's recv {t_recv_first * 1e3:.1f} ms]"
               + (f"  per-unit {row['per_unit_s'] * 1e3:8.1f} ms" if per_unit else ""), flush=True)
         del sender, prep, qprog, s2
         torch.cuda.empty_cache()
@@ -241,6 +265,7 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--fresh", action="store_true", help="fresh receiver buffers per update")
+    ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     args = ap.parse_args()
     import torch
 
@@ -252,7 +277,7 @@ def main():
         while layers >= 8:
             try:
                 bench_model(f"qwen3-30b-a3b-shaped ({layers} layers)", dict(QWEN3_30B, num_hidden_layers=layers),
-                            max(3, args.reps - 2), False, args.bucket_mb, results, not args.fresh)
+                            max(3, args.reps - 2), False, args.bucket_mb, results, not args.fresh, args.kernels)
                 break
             except torch.cuda.OutOfMemoryError as err:
                 print(f"OOM at {layers} layers: {str(err)[:120]}", flush=True)

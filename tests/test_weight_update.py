@@ -390,3 +390,39 @@ def test_sglang_http_refuses_a_server_with_another_plan(src, converted):
     finally:
         stub.close()
     assert [p for p, _ in stub.calls] == ["/model_info"]  # nothing begun, nothing sent
+
+
+def test_distributed_transport_sends_a_program_layout_once_and_refuses_a_dangling_reference():
+    """The GPU program's bucket layouts go over the wire whole once per transport; later updates of the same
+    program send a reference. A receiver that never got the layout refuses the reference by name."""
+    from precision_dsl.backends.weight_update import TorchDistributedTransport, WeightUpdateMismatch
+
+    wire: list = []
+
+    class _FakeDist:  # broadcasts of the bucket buffers themselves: not what this test is about
+        @staticmethod
+        def broadcast(buf, src=0, group=None, async_op=False):
+            return None
+
+    def pair():
+        tx, rx = TorchDistributedTransport(), TorchDistributedTransport()
+        tx._bcast_obj = lambda obj: wire.append(obj)
+        rx._bcast_obj = lambda obj: wire.pop(0)
+        rx._dist = lambda: _FakeDist
+        return tx, rx
+
+    metas = [{"names": ["a.weight"], "offsets": [0], "nbytes": [8], "dtypes": ["bfloat16"], "shapes": [[2, 2]],
+              "total": 8}]
+    tx, rx = pair()
+    for expect_whole in (True, False, False):
+        tx.send_layout(metas)
+        assert (wire[0][1] is not None) == expect_whole
+        kind, meta, buf = rx.recv()
+        assert kind == "bucket" and meta == metas[0] and buf.numel() == 8
+    tx.send_layout(list(metas))  # another program (another list): sent whole again
+    assert wire[0][1] is not None
+    wire.clear()
+    _, fresh = pair()
+    wire.append(("layout", None))
+    with pytest.raises(WeightUpdateMismatch, match="never got"):
+        fresh.recv()

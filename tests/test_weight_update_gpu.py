@@ -124,17 +124,23 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
         assert n_seg < len(plan.quantized())
 
 
-def test_nonfinite_aborts_both_ends():
-    """NaN/Inf is counted on the GPU while the buckets move; the sender then aborts instead of closing (issue 11's
-    protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards what it got."""
+@pytest.mark.parametrize("policy,value", [("nvfp4-pertoken-dequant-backward", float("nan")),
+                                          ("mxfp8-e2e", float("inf")), ("mxfp8-e2e", float("nan")),
+                                          ("fp8-blockwise-hopper", float("-inf"))])
+def test_nonfinite_aborts_both_ends(policy, value):
+    """NaN/Inf is counted on the GPU while the buckets move - by the quantize kernels themselves, in the pass that
+    reads the weights (NVFP4's amax pass, MXFP8's and FP8-block's quantize pass); the sender then aborts instead of
+    closing (issue 11's protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards
+    what it got."""
     from precision_dsl.backends.quantize import NonFiniteWeight
     from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateAborted
     from precision_dsl.arch import load_architecture
 
-    plan = _plan("nvfp4-pertoken-dequant-backward")
+    plan = _plan(policy)
     weights = _weights(load_architecture("tiny-moe"), True)
     victim = "model.layers.2.mlp.experts.5.up_proj.weight"
-    weights[victim][3, 7] = float("nan")
+    assert plan.by_name()[victim].precision.weight.is_quantized  # the victim goes through a quantize kernel
+    weights[victim][3, 7] = value
     tr = _transport()
     sender = WeightSender(plan, tr)
     with pytest.raises(WeightUpdateAborted, match="experts.5.up_proj") as exc:
@@ -144,6 +150,101 @@ def test_nonfinite_aborts_both_ends():
     with pytest.raises(WeightUpdateAborted, match="experts.5.up_proj"):
         rx.receive_raw()
     assert rx.raw == {}
+
+
+def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
+    """A rollout keeps one WeightReceiver: the first update checks every checkpoint tensor's name, dtype and shape
+    against the plan; later updates with the same bucket layouts skip that per-tensor pass (same bytes received),
+    and a layout that differs - even by one shape - is checked again and refused."""
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateMismatch
+    from precision_dsl.arch import load_architecture
+
+    plan = _plan("mxfp8-e2e")
+    weights = _weights(load_architecture("tiny-moe"), True)
+    tr = _transport()
+    sender = WeightSender(plan, tr, bucket_bytes=64 << 10)
+    prep = sender.prepare_program(weights.items())
+    rx = WeightReceiver(plan, tr, check_equal=False)
+    checks = []
+    original = rx._check_complete
+    rx._check_complete = lambda: (checks.append(1), original())[1]
+    first = None
+    for _ in range(3):
+        sender.send(prep)
+        raw = rx.receive_raw()
+        got = {n: raw[n].cpu().clone() for n in raw}
+        first = first or got
+        assert set(got) == set(first) and all(torch.equal(got[n].view(torch.uint8).reshape(-1),
+                                                          first[n].view(torch.uint8).reshape(-1)) for n in got)
+    assert len(checks) == 1  # checked on the first update only
+    meta = sender.program().metas[0]
+    meta["shapes"][0] = [meta["shapes"][0][0] + 1] + list(meta["shapes"][0][1:])  # a sender that changed its layout
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="the plan says"):
+        rx.receive_raw()
+    assert len(checks) == 2 and rx.raw == {}
+
+
+def test_sampled_fingerprints_catch_a_changed_bucket_and_a_full_check_receiver_refuses_them():
+    """Without check_equal the sender digests every 16th 32 KB block of each bucket (and its last block): a word
+    changed in transit inside a sampled block is caught; a receiver that asked for full checks refuses sampled
+    digests instead of pretending it checked every byte."""
+    from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateMismatch
+    from precision_dsl.arch import load_architecture
+
+    plan = _plan("mxfp8-e2e")
+    weights = _weights(load_architecture("tiny-moe"), True)
+    tr = _transport()
+    sender = WeightSender(plan, tr, bucket_bytes=64 << 10)  # check_equal=False: sampled digests
+    prep = sender.prepare_program(weights.items())
+    sender.send(prep)
+    WeightReceiver(plan, tr, check_equal=False).receive_raw()  # intact: accepted
+    recv = tr.recv
+
+    def flip_first_word(*a, **kw):
+        kind, meta, buf = recv(*a, **kw)
+        if kind == "bucket" and "offsets" in meta and meta is sender.program().metas[0]:
+            buf.view(torch.int32)[0] ^= 1
+        return kind, meta, buf
+
+    tr.recv = flip_first_word
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="fingerprints"):
+        WeightReceiver(plan, tr, check_equal=False).receive_raw()
+    tr.recv = recv
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match="1/16 of each bucket"):
+        WeightReceiver(plan, tr, check_equal=True).receive_raw()
+
+
+def test_segment_amax_of_bf16_equals_the_float_path():
+    """The bf16 amax pass works on integer magnitude bits; for finite input its per-group amax bits equal the fp32
+    (float compare) path's and torch's, zeros / subnormals / negative values / ties included, and both count the
+    same non-finite elements."""
+    from precision_dsl.kernels import triton_segments as ks
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn((48, 64), generator=g) * 0.05).to(torch.bfloat16)
+    x[0:8] = 0.0  # an all-zero group
+    x[8, 3] = -7.5  # negative maximum
+    x[9, 5] = 7.5  # tie in magnitude with a negative value
+    x[16:24] = torch.tensor(1e-40, dtype=torch.bfloat16)  # subnormal group
+    x[17, 7] = -2e-40
+    x = x.to(DEV)
+
+    def amax(y):
+        bits = torch.zeros(6, dtype=torch.int32, device=DEV)
+        bad = torch.zeros(1, dtype=torch.int32, device=DEV)
+        ks.seg_amax(y, 8, bits, bad)
+        return bits.cpu(), int(bad.item())
+
+    b16, n16 = amax(x)
+    b32, n32 = amax(x.float())
+    want = x.float().abs().reshape(6, -1).amax(dim=1).cpu().view(torch.int32)
+    assert torch.equal(b16, b32) and torch.equal(b16, want) and n16 == n32 == 0
+    y = x.clone()
+    y[30, 1], y[41, 2], y[41, 3] = float("inf"), float("-inf"), float("nan")
+    assert amax(y)[1] == amax(y.float())[1] == 3
 
 
 def test_program_refuses_incomplete_state_dict():

@@ -106,6 +106,8 @@ def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: 
     engine = RolloutEngine(Qwen3MoeConfig.from_file(Path(model_dir) / "config.json"), plan, device=device, etp=etp,
                            numerics=numerics)
     generator = torch.Generator()
+    # one receiver for the whole run: the update's layout is checked against the plan once, not every step
+    receiver = WeightReceiver(plan, TorchDistributedTransport(device=device), check_equal=True)
     try:
         while True:
             cmd = _bcast(None, src=0)
@@ -113,8 +115,7 @@ def rollout_worker(model_dir: str, plan_json: str, device: str, port: int, etp: 
                 if cmd[0] == "stop":
                     break
                 if cmd[0] == "update":
-                    transport = TorchDistributedTransport(device=device)
-                    tensors = WeightReceiver(plan, transport, check_equal=True).receive()
+                    tensors = receiver.receive()
                     engine.load_received(tensors, version=cmd[1])
                     reply = ("ok", None)
                 elif cmd[0] == "received":

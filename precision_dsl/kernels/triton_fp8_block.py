@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ..precision import FP8_MAX as FMAX
+from .triton_mxfp8 import _count_non_finite
 
 
 @triton.jit
@@ -32,12 +33,14 @@ def _scale_from_amax(a, FMAX: tl.constexpr, IN_MAX: tl.constexpr, POW2: tl.const
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, R, C, stride_x, stride_d, stride_s, FMAX: tl.constexpr,
+def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, R, C, stride_x, stride_d, stride_s, FMAX: tl.constexpr,
                       IN_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, SQUARE: tl.constexpr,
-                      TRANSPOSE_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      TRANSPOSE_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      COUNT_BAD: tl.constexpr):
     """x: [R, C]. Not transposed: blocks of 1x128 (SQUARE=False) or 128x128 along C; data [R, C], scale_inv
     [R, ceil(C/128)] or [ceil(R/128), ceil(C/128)]. TRANSPOSE_OUT: blocks of 128x1 / 128x128 along R (BLOCK_R must
-    be 128); data [C, R] (= quantization of x.T), scale_inv [C, ceil(R/128)] or [ceil(C/128), ceil(R/128)]."""
+    be 128); data [C, R] (= quantization of x.T), scale_inv [C, ceil(R/128)] or [ceil(C/128), ceil(R/128)].
+    COUNT_BAD: add the tile's NaN/Inf count to *bad_ptr (the weight update's refusal, in the same read of x)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -50,6 +53,8 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, R, C, stride_x, stride_d, strid
     r64 = rows.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
     ax = tl.abs(x)
+    if COUNT_BAD:
+        _count_non_finite(ax, bad_ptr)
     if not TRANSPOSE_OUT:
         if SQUARE:
             a = tl.maximum(tl.max(tl.max(ax, axis=2), axis=0), 0.0)  # [NCB]
@@ -95,12 +100,12 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, R, C, stride_x, stride_d, strid
 
 
 def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, block_r=None, block_c=None,
-             num_warps=4, out=None):
+             num_warps=4, out=None, bad=None):
     """FP8 block quantization of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor.
 
     transpose=False: the recipe on x (axis="row"); transpose=True: on x.T (axis="col"), data [K, M].
     Returns (data uint8, scale_inv fp32 compact grid); `out` = (data, scale_inv) tensors of those shapes to write
-    into instead of new ones."""
+    into instead of new ones. bad: an int32 CUDA tensor of one element that the NaN/Inf count of x is added to."""
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -127,8 +132,9 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
             br, bc = block_r or 8, block_c or 512
             bc = min(bc, max(128, 1 << (k - 1).bit_length()))
         grid = (triton.cdiv(m, br), triton.cdiv(k, bc))
-        _fp8_block_kernel[grid](x2, data, sinv, m, k, x2.stride(0), data.stride(0), sinv.stride(0),
-                                FMAX=FMAX[element], IN_MAX=in_max, E5M2=element == "e5m2", POW2=pow2,
+        _fp8_block_kernel[grid](x2, data, sinv, bad if bad is not None else sinv, m, k, x2.stride(0), data.stride(0),
+                                sinv.stride(0), FMAX=FMAX[element], IN_MAX=in_max, E5M2=element == "e5m2", POW2=pow2,
                                 SQUARE=square, TRANSPOSE_OUT=transpose, BLOCK_R=br, BLOCK_C=bc,
+                                COUNT_BAD=bad is not None,
                                 num_warps=num_warps if not (square or transpose) else 8, **LAUNCH_OPTS)
     return data, sinv

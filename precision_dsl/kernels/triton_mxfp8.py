@@ -32,6 +32,14 @@ def _to_fp8_bytes(v, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _count_non_finite(ax, bad_ptr):
+    # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both (masked lanes are 0)
+    nf = tl.sum((~(ax <= 3.4028234663852886e38)).to(tl.int32))
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
+@triton.jit
 def _mxfp8_rowcol_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K, stride_x,
                          stride_rd, stride_rs, stride_cd, stride_cs, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
                          DO_ROW: tl.constexpr, DO_COL: tl.constexpr, G: tl.constexpr, NKB: tl.constexpr):
@@ -78,14 +86,16 @@ def _mxfp8_rowcol_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_s
 
 
 @triton.jit
-def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, M, K, stride_x,
-                               stride_rd, stride_rs, stride_cd, stride_cs, FMAX_RCP: tl.constexpr,
+def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr, col_scale_ptr, bad_ptr, M, K,
+                               stride_x, stride_rd, stride_rs, stride_cd, stride_cs, FMAX_RCP: tl.constexpr,
                                E5M2: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr, RO: tl.constexpr,
-                               NKB: tl.constexpr):
+                               NKB: tl.constexpr, COUNT_BAD: tl.constexpr):
     """Same result as _mxfp8_rowcol_kernel for one 32-row stripe x 32*NKB columns per program, with the 32 rows
     split as RO x (32/RO) and held as a 4-D [RO, NKB, 32/RO, 32] block. Threads spread over RO first, so the 32x1
     column reduction is (32/RO) in-thread steps plus log2(RO) warp shuffles - no shared memory, no barrier - and
-    the warps spread over column blocks only (needs NKB >= 2 * num_warps)."""
+    the warps spread over column blocks only (needs NKB >= 2 * num_warps).
+    COUNT_BAD: add the tile's NaN/Inf count to *bad_ptr (the weight update refuses non-finite weights; counting in
+    the pass that reads x anyway saves the update a separate read of every byte)."""
     RI: tl.constexpr = 32 // RO
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -103,6 +113,8 @@ def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     ax = tl.abs(x)
+    if COUNT_BAD:
+        _count_non_finite(ax, bad_ptr)
     if DO_ROW:
         amax_r = tl.maximum(tl.max(ax, axis=3), 0.0)  # [RO, NKB, RI]
         e_r, s_r = e8m0_from_amax(amax_r, FMAX_RCP)
@@ -123,14 +135,15 @@ def _mxfp8_rowcol_split_kernel(x_ptr, row_data_ptr, row_scale_ptr, col_data_ptr,
 
 
 def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=8, group=1, nkb=8, num_warps=4,
-                    out_row=None):
+                    out_row=None, bad=None):
     """MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor, both copies from one read of x.
 
     Needs K % 32 == 0 (rowwise) and M % 32 == 0 (colwise). Returns (row_data, row_scale, col_data, col_scale),
     None for a copy not asked for. Data are uint8 fp8 bytes [M, K]; scales uint8 E8M0 [M, K/32] / [M/32, K].
     split_ro: use _mxfp8_rowcol_split_kernel with the 32 rows split RO x 32/RO (default, tuned on the H200);
     None: _mxfp8_rowcol_kernel with `group` 32-row stripes per program. out_row: (data, scale) row-major 2-D uint8
-    tensors of those shapes to write the rowwise copy into (e.g. slices of a weight-update wire buffer)."""
+    tensors of those shapes to write the rowwise copy into (e.g. slices of a weight-update wire buffer). bad: an int32
+    CUDA tensor of one element that the NaN/Inf count of x is added to (split kernel only)."""
     import torch
 
     m, k = x2.shape
@@ -154,8 +167,11 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
                       num_warps=num_warps, **LAUNCH_OPTS)
         if split_ro:
             grid = (triton.cdiv(m, 32), triton.cdiv(k // 32, nkb))
-            _mxfp8_rowcol_split_kernel[grid](*args, RO=split_ro, **common)
+            _mxfp8_rowcol_split_kernel[grid](*args[:5], bad if bad is not None else dummy, *args[5:], RO=split_ro,
+                                             COUNT_BAD=bad is not None, **common)
         else:
+            if bad is not None:
+                raise ValueError("bad= (NaN/Inf count) needs the split kernel (split_ro)")
             grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
             _mxfp8_rowcol_kernel[grid](*args, G=group, **common)
     return rd, rs, cd, cs

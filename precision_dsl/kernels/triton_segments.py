@@ -6,7 +6,8 @@ second-level scale) are computed per member - or per share-scale group of `rows_
 expert share one amax) - so every member's bytes equal what the per-tensor kernels / the references produce for
 that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on the GPU).
 
-  * `_seg_amax_kernel`: per-group NaN-ignoring amax (integer atomic max on the fp32 bits, like
+  * `_seg_amax_kernel`: per-group amax (NaN-ignoring; for bf16 computed on the integer magnitude bits, see the
+    kernel; integer atomic max on the fp32 bits, like
     triton_nvfp4._amax_kernel, reduced per row first so a program may straddle groups) + a non-finite element
     count (the update refuses NaN/Inf weights; folded into the pass that reads the weights anyway).
   * `_nvfp4_seg_kernel`: triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with G read per row's group and S_dec
@@ -34,14 +35,26 @@ def _seg_amax_kernel(xp_ptr, amax_bits_ptr, bad_ptr, M, NP, stride_xp, RPG, IN_D
     rmask = rows < M
     mask = rmask[:, None] & (cols < NP)[None, :]
     u = tl.load(xp_ptr + rows.to(tl.int64)[:, None] * stride_xp + cols[None, :], mask=mask, other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    alo = tl.abs(lo)
-    ahi = tl.abs(hi)
-    a = tl.maximum(tl.max(tl.maximum(alo, ahi), axis=1), 0.0)  # [BLOCK_M], NaN ignored
-    tl.atomic_max(amax_bits_ptr + rows // RPG, a.to(tl.int32, bitcast=True), mask=rmask, sem="relaxed")
-    # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both
-    nf = tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32) + (~(ahi <= 3.4028234663852886e38)).to(tl.int32),
-                       axis=1), axis=0)
+    if IN_DTYPE == 0:
+        # bf16: on the magnitude bits, integer order is float order for finite values, and |x| << 16 is the fp32
+        # bits of |x|; a non-finite element has all exponent bits set (magnitude >= 0x7F80). A few integer ops
+        # per pair instead of unpack + float compares: this pass reads every expert weight, so its instruction
+        # count decides whether it runs at memory speed. (With NaN present the amax differs from the float path's
+        # NaN-ignoring one, but then `bad` > 0 and the update is aborted - its bytes are never used.)
+        mlo = u & 0x7FFF
+        mhi = (u >> 16) & 0x7FFF
+        a_bits = tl.max(tl.maximum(mlo, mhi), axis=1) << 16  # [BLOCK_M]
+        nf = tl.sum(tl.sum((mlo >= 0x7F80).to(tl.int32) + (mhi >= 0x7F80).to(tl.int32), axis=1), axis=0)
+    else:
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        alo = tl.abs(lo)
+        ahi = tl.abs(hi)
+        a = tl.maximum(tl.max(tl.maximum(alo, ahi), axis=1), 0.0)  # [BLOCK_M], NaN ignored
+        a_bits = a.to(tl.int32, bitcast=True)
+        # |x| > FLT_MAX is inf; NaN fails every comparison, so `not (|x| <= FLT_MAX)` catches both
+        nf = tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32)
+                           + (~(ahi <= 3.4028234663852886e38)).to(tl.int32), axis=1), axis=0)
+    tl.atomic_max(amax_bits_ptr + rows // RPG, a_bits, mask=rmask, sem="relaxed")
     if nf > 0:
         tl.atomic_add(bad_ptr, nf, sem="relaxed")
 
@@ -109,9 +122,10 @@ def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, B
 
 
 # ----------------------------------------------------------------------------------------------- host wrappers
-def seg_amax(x2, rows_per_group: int, amax_bits, bad):
+def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=4):
     """amax_bits (int32 [M / rows_per_group], zeroed by the caller) = per-group max|x| bits; bad (int32 [1])
-    += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even."""
+    += number of non-finite elements. x2: contiguous [M, K] bf16/fp16/fp32 CUDA tensor, K even. elems / num_warps:
+    pairs per program and warps (launch shape only: the result does not depend on them)."""
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
@@ -120,15 +134,18 @@ def seg_amax(x2, rows_per_group: int, amax_bits, bad):
     xp = pair_view(x2)
     np_ = xp.shape[1]
     bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
-    bm = max(1, 8192 // bp)
+    bm = max(1, elems // bp)
     grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
     _seg_amax_kernel[grid](xp, amax_bits, bad, m, np_, xp.stride(0), rows_per_group, IN_DTYPE=in_dtype_code(x2.dtype),
-                           BLOCK_M=bm, BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+                           BLOCK_M=bm, BLOCK_P=bp, num_warps=num_warps, **LAUNCH_OPTS)
 
 
-def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec):
+def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale, sdec, *, block_m=2, block_nb=128,
+                  num_warps=2):
     """Per-tensor (or share-scale-group) NVFP4 1x16 of every member of a segment, written into the given outputs:
-    data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group]."""
+    data uint8 [M, K/2], scale uint8 [M, K/16], sdec fp32 [M / rows_per_member]; g fp32 [M / rows_per_group].
+    block_m / block_nb / num_warps: the launch shape (rows, 16-element blocks per program; the bytes do not depend
+    on it)."""
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
@@ -136,11 +153,11 @@ def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale,
     if not (m and k):
         return
     xp = pair_view(x2)
-    bnb = min(64, max(1, 1 << (nb - 1).bit_length()))
-    grid = (triton.cdiv(m, 4), triton.cdiv(nb, bnb))
+    bnb = min(block_nb, max(1, 1 << (nb - 1).bit_length()))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(nb, bnb))
     _nvfp4_seg_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
-                            rows_per_group, rows_per_member, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=4,
-                            BLOCK_NB=bnb, num_warps=2, **LAUNCH_OPTS)
+                            rows_per_group, rows_per_member, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=block_m,
+                            BLOCK_NB=bnb, num_warps=num_warps, **LAUNCH_OPTS)
 
 
 def check_copy(x, out, bad):
@@ -167,9 +184,10 @@ def check_copy(x, out, bad):
 
 
 @triton.jit
-def _fingerprint_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _fingerprint_kernel(w_ptr, out_ptr, N, NBLK, STRIDE, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    blk = tl.where(pid * STRIDE < NBLK, pid * STRIDE, NBLK - 1)  # every STRIDE-th block, and the last one
+    offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     w = tl.load(w_ptr + offs, mask=m, other=0).to(tl.int64)
     # position-weighted sum mod 2^64 (odd multipliers): any single changed or swapped word changes it
@@ -177,10 +195,16 @@ def _fingerprint_kernel(w_ptr, out_ptr, N, BLOCK: tl.constexpr):
     tl.atomic_add(out_ptr, acc, sem="relaxed")
 
 
-def fingerprint(buf, out):
+FINGERPRINT_BLOCK_WORDS = 8192  # 32 KB per block
+
+
+def fingerprint(buf, out, stride: int = 1):
     """out (int64 [1], zeroed) += position-weighted sum of the int32 words of the uint8 buffer `buf` (its size a
     multiple of 4): a cheap on-GPU digest of a weight-update bucket, compared by both ends (order-independent
-    atomics, so deterministic)."""
+    atomics, so deterministic). stride > 1 samples: every stride-th 32 KB block plus the last block (1/stride of
+    the bytes read). A sampled digest still catches a bucket landing in the wrong buffer or at the wrong offset,
+    a short or missing transfer and a stale buffer (every weight changes between updates), but not a corrupted
+    word outside the sampled blocks; stride 1 covers every word."""
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -188,4 +212,7 @@ def fingerprint(buf, out):
     w = buf.view(torch.int32)
     n = w.numel()
     if n:
-        _fingerprint_kernel[(triton.cdiv(n, 8192),)](w, out, n, BLOCK=8192, num_warps=8, **LAUNCH_OPTS)
+        nblk = triton.cdiv(n, FINGERPRINT_BLOCK_WORDS)
+        grid = triton.cdiv(nblk, stride) + (1 if (nblk - 1) % stride else 0)
+        _fingerprint_kernel[(grid,)](w, out, n, nblk, stride, BLOCK=FINGERPRINT_BLOCK_WORDS, num_warps=8,
+                                     **LAUNCH_OPTS)
