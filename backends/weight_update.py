@@ -741,8 +741,11 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
 
 class WeightSender:
     def __init__(self, plan: Plan, transport, bucket_bytes: int = 512 << 20, check_equal: bool = False,
-                 arch_config: Optional[dict] = None):
+                 arch_config: Optional[dict] = None, min_buckets: int = 1):
+        # min_buckets (GPU update program only): shrink the buckets until the update has at least this many, so
+        # quantization overlaps the transfer even for a small model (bucket_bytes stays the upper bound)
         self.plan, self.transport, self.bucket_bytes = plan, transport, int(bucket_bytes)
+        self.min_buckets = max(1, int(min_buckets))
         self.check_equal = check_equal
         self.names = _NameMap(plan, arch_config)
         self._groups = {m: g for g in plan.share_scale_groups for m in g.members}
@@ -799,7 +802,14 @@ class WeightSender:
             by = self.plan.by_name()
             units = [[by[n] for n in sorted(ns, key=self._order.__getitem__)] for ns in members.values()]
             units.sort(key=lambda u: self._order[u[-1].hf_name])
-            self._program = UpdateProgram(self.plan, units, self.bucket_bytes)
+            prog = UpdateProgram(self.plan, units, self.bucket_bytes)
+            if len(prog.buckets) < self.min_buckets:
+                # a small model in a few large buckets leaves nothing to overlap: the first bucket's quantization
+                # and the last one's transfer run alone. Smaller buckets (not below 32 MiB) deepen the pipeline.
+                size = max(32 << 20, -(-prog.bytes // self.min_buckets))
+                if size < self.bucket_bytes:
+                    prog = UpdateProgram(self.plan, units, size)
+            self._program = prog
         return self._program
 
     def prepare_program(self, items: Iterable[tuple[str, torch.Tensor]]) -> "PreparedUpdate":

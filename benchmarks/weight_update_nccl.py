@@ -46,7 +46,7 @@ def _barrier_time(fn, reps, dist, torch, dev):
     return statistics.median(ts), ts
 
 
-def bench_model(rank, label, cfg, reps, bucket_mb, results):
+def bench_model(rank, label, cfg, reps, bucket_mb, results, min_buckets=1):
     import torch
     import torch.distributed as dist
 
@@ -67,7 +67,7 @@ def bench_model(rank, label, cfg, reps, bucket_mb, results):
         plan = resolve(ROOT / "policies" / f"{pfile}.policy", arch)
         tr = TorchDistributedTransport(device=str(dev), gpu_program=True)
         if rank == 0:
-            sender = WeightSender(plan, tr, bucket_bytes=bucket_mb << 20)
+            sender = WeightSender(plan, tr, bucket_bytes=bucket_mb << 20, min_buckets=min_buckets)
             t0 = time.perf_counter()
             prep = sender.prepare(weights.items())
             t_bind = time.perf_counter() - t0
@@ -130,7 +130,7 @@ def bench_model(rank, label, cfg, reps, bucket_mb, results):
         ok = _bcast_obj(ok, dist, src=1)
         if rank == 0:
             total = sum(sizes)
-            row = {"model": label, "params": n_params, "policy": pname, "wire_bytes": total,
+            row = {"model": label, "params": n_params, "policy": pname, "wire_bytes": total, "min_buckets": min_buckets,
                    "buckets": len(sizes), "tensors_out": prog.tensors, "bind_s": t_bind, "update_s": med,
                    "update_all_s": ts, "bare_bcast_s": med_bare, "bf16_bare_bcast_s": med_bf16_bare,
                    "update_over_bare": med / med_bare, "link_GBps": total / med_bare / 1e9,
@@ -170,7 +170,9 @@ def worker(rank: int, args) -> None:
     dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device(f"cuda:{rank}"))
     results: list = []
     try:
-        bench_model(rank, "qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results)
+        for mb in args.min_buckets:
+            bench_model(rank, f"qwen3-moe-1.3b, min {mb} buckets" if mb > 1 else "qwen3-moe-1.3b", MOE_1B, args.reps,
+                        args.bucket_mb, results, mb)
         if not args.skip_30b:
             bench_model(rank, f"qwen3-30b-a3b-shaped ({args.layers} layers)",
                         dict(QWEN3_30B, num_hidden_layers=args.layers), args.reps, args.bucket_mb, results)
@@ -190,6 +192,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--skip-30b", action="store_true")
+    ap.add_argument("--min-buckets", type=int, nargs="+", default=[1],
+                    help="WeightSender(min_buckets=) values to run the 1.34B model with")
     args = ap.parse_args()
     import torch
     import torch.multiprocessing as mp

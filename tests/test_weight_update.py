@@ -426,3 +426,28 @@ def test_distributed_transport_sends_a_program_layout_once_and_refuses_a_danglin
     wire.append(("layout", None))
     with pytest.raises(WeightUpdateMismatch, match="never got"):
         fresh.recv()
+
+
+def test_min_buckets_deepens_the_gpu_program_pipeline_for_a_small_model(tmp_path):
+    """A 1.34B-parameter MoE's NVFP4 update fits in 3 buckets of 512 MiB; min_buckets=8 shrinks them (not below
+    32 MiB) so quantization can overlap the transfer; every checkpoint tensor is still sent exactly once."""
+    import json
+
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.backends.weight_update import WeightSender
+    from precision_dsl.resolve import resolve
+
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 1024,
+           "intermediate_size": 2048, "moe_intermediate_size": 512, "num_experts": 32, "num_experts_per_tok": 4,
+           "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+           "vocab_size": 32768, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+           "tie_word_embeddings": False, "torch_dtype": "bfloat16", "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "norm_topk_prob": True, "attention_bias": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    plan = resolve(REPO / "policies" / "nvfp4-pertoken-dequant-backward.policy", load_architecture(str(tmp_path)))
+    one = WeightSender(plan, None).program()
+    deep = WeightSender(plan, None, min_buckets=8).program()
+    assert len(one.buckets) == 3 and len(deep.buckets) >= 8
+    assert max(b.nbytes for b in deep.buckets) <= -(-one.bytes // 8) and deep.bytes == one.bytes
+    names = lambda p: [n for m in p.metas for n in m["names"]]  # noqa: E731
+    assert sorted(names(one)) == sorted(names(deep)) and len(names(deep)) == len(set(names(deep)))
