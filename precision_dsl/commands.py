@@ -372,7 +372,8 @@ def register(app: typer.Typer) -> None:
                     data["tensors"] = [json.loads(t.model_dump_json()) for t in keep]
                     sys.stdout.write(json.dumps(data, indent=2) + "\n")
                 else:
-                    sys.stdout.write(plan.to_json() + "\n")
+                    sys.stdout.write(plan.to_json())  # 55 MB for DeepSeek-V3: no concatenated copy
+                    sys.stdout.write("\n")
             else:
                 _print_plan(plan, tensor, expand)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import re
 from enum import Enum
 from functools import lru_cache
@@ -17,7 +18,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__
-from .arch.base import CheckpointTensor
+from .arch.base import CheckpointTensor, unvalidated_constructor
 from .precision import CHECKPOINT_DTYPES, DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat, hp
 
 
@@ -114,6 +115,14 @@ class TensorPlan(CheckpointTensor, BaseModel):
         return self.precision.backward
 
 
+# The resolver builds one TensorPlan per checkpoint tensor (46k on DeepSeek-V3) from values that are valid by
+# construction: without per-object validation (arch.base.unvalidated_constructor, same objects as model_construct).
+new_tensor_plan = unvalidated_constructor(TensorPlan, dict(
+    hf_name="model.layers.0.mlp.experts.1.gate_proj.weight", megatron_name="m", megatron_part="gate",
+    sglang_prefix="s", role="routed_experts.gate", layer=0, expert=1, mtp=None, shape=(4, 2), is_linear=True,
+    precision=Precision.high(), share_scale_group=None, bytes_before=16, bytes_after=16, decided_by=None,
+    overridden=(), fused_group="experts.gate_up", source_dtype=DEFAULT_SOURCE_DTYPE, source_format=None))
+
 
 class ShareScaleGroup(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -188,20 +197,17 @@ class Plan(BaseModel):
     def to_json(self, indent: Optional[int] = None, content_hash: Optional[str] = None) -> str:
         """JSON with the content hash as the first key (`content_hash`: a hash the caller already computed for this
         plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_resolve.py),
-        built from per-object cached fragments because a plan shares a few Precision / RuleRef objects among
-        tens of thousands of tensors (DeepSeek-V3: 47 MB in ~0.15 s instead of ~0.8 s); `indent` pretty-prints
-        through the json module (slower)."""
+        built from per-group templates because a plan shares a few Precision / RuleRef objects among tens of
+        thousands of tensors (DeepSeek-V3: 55 MB); `indent` pretty-prints through the json module (slower)."""
         ch = content_hash or self.content_hash()
         if indent is not None:
             d = {"content_hash": ch, **self.model_dump(mode="json")}
             return json.dumps(d, indent=indent)
         empty = self.model_construct(**{**dict(self), "tensors": (), "share_scale_groups": ()})
-        shell = empty.model_dump_json()
-        slot = '"tensors":[],"share_scale_groups":[]'
-        assert shell.count(slot) == 1
-        body = shell.replace(slot, '"tensors":[' + _tensors_json(self.tensors) + '],"share_scale_groups":['
-                             + _groups_json(self.share_scale_groups) + "]")
-        return '{"content_hash":' + json.dumps(ch) + ("," + body[1:] if body != "{}" else "}")
+        head, tail = empty.model_dump_json().split('"tensors":[],"share_scale_groups":[]')
+        opening = '{"content_hash":' + json.dumps(ch) + "," + head[1:] + '"tensors":['
+        closing = '],"share_scale_groups":[' + _groups_json(self.share_scale_groups) + "]" + tail
+        return _joined(opening, _tensor_objects(self.tensors), closing)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -235,7 +241,7 @@ def _value_json(v, cache: dict) -> str:
     if isinstance(v, Enum):
         return _enc(v.value)
     if isinstance(v, tuple) and all(type(x) is int for x in v):
-        return "[" + ",".join(map(str, v)) + "]"  # shapes: per tensor, not worth caching
+        return "[" + ",".join(map(str, v)) + "]"
     s = cache.get(id(v))
     if s is None:
         if isinstance(v, BaseModel):
@@ -250,27 +256,77 @@ def _value_json(v, cache: dict) -> str:
 
 _SCALAR = {str: _enc, int: str, type(None): lambda v: "null", bool: lambda v: "true" if v else "false"}
 
+# The TensorPlan fields that tell tensors of one module group apart, written per tensor into a `%` template (the
+# order of `_row_values`). Every other field (precision, rules, role, fused group, source format: a plan shares a
+# few dozen combinations among tens of thousands of tensors) is written once per distinct combination into that
+# template, so the per-tensor work is one `%` format of already-encoded values.
+_ROW_FIELDS = ("hf_name", "megatron_name", "megatron_part", "sglang_prefix", "layer", "expert", "mtp", "shape",
+               "share_scale_group", "bytes_before", "bytes_after")
+_GROUP_FIELDS = tuple(n for n in TensorPlan.model_fields if n not in _ROW_FIELDS)
+_group_values = operator.attrgetter(*_GROUP_FIELDS)
 
-def _tensors_json(tensors) -> str:
-    """Every TensorPlan field, in declaration order (so fields added to TensorPlan are picked up); a value of a
-    type not handled above falls back to pydantic for that tensor."""
-    names = list(TensorPlan.model_fields)
-    heads = [f'"{n}":' for n in names]
-    cache: dict = {}
+
+def _template(t: TensorPlan, cache: dict) -> str:
+    """The compact JSON object of `t` in TensorPlan's field order (so a field added to TensorPlan is picked up),
+    with a `%s` hole for each row field."""
+    parts = []
+    for name in TensorPlan.model_fields:
+        if name in _ROW_FIELDS:
+            value = "%s"
+        else:
+            v = getattr(t, name)
+            f = _SCALAR.get(type(v))
+            value = (f(v) if f is not None else _value_json(v, cache)).replace("%", "%%")
+        parts.append(f'"{name}":{value}')
+    return "{" + ",".join(parts) + "}"
+
+
+def _joined(opening: str, items: list[str], closing: str) -> str:
+    """`opening + ",".join(items) + closing` in one allocation: every copy of DeepSeek-V3's 55 MB plan JSON costs
+    ~50 ms (fresh pages), as much as writing a third of its tensors."""
+    if not items:
+        return opening + closing
+    items[0] = opening + items[0]
+    items[-1] = items[-1] + closing
+    return ",".join(items)
+
+
+def _tensor_objects(tensors) -> list[str]:
+    """Each tensor's compact JSON object, byte for byte as pydantic writes it. Templates are keyed by the identity of
+    the group fields' values (a plan holds them all, so the ids stay valid; equal values in different objects only
+    make an extra template)."""
+    templates: dict[tuple, str] = {}
+    fragments: dict = {}  # nested models / tuples -> their JSON, by object
+    shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
+    enc = _enc
     out = []
     append = out.append
     for t in tensors:
+        key = tuple(map(id, _group_values(t)))
+        tpl = templates.get(key)
+        if tpl is None:
+            tpl = templates[key] = _template(t, fragments)
         d = t.__dict__
-        try:
-            parts = []
-            for h, n in zip(heads, names):
-                v = d[n]
-                f = _SCALAR.get(type(v))
-                parts.append(h + (f(v) if f is not None else _value_json(v, cache)))
-            append("{" + ",".join(parts) + "}")
-        except TypeError:
-            append(t.model_dump_json())
-    return ",".join(out)
+        shape = d["shape"]
+        shape_json = shapes.get(id(shape))
+        if shape_json is None:
+            shape_json = shapes[id(shape)] = "[" + ",".join(map(str, shape)) + "]"
+        meg, part, sg, layer, expert, mtp, group = (d["megatron_name"], d["megatron_part"], d["sglang_prefix"],
+                                                     d["layer"], d["expert"], d["mtp"], d["share_scale_group"])
+        append(tpl % (
+            enc(d["hf_name"]),
+            "null" if meg is None else enc(meg),
+            "null" if part is None else enc(part),
+            "null" if sg is None else enc(sg),
+            "null" if layer is None else layer,
+            "null" if expert is None else expert,
+            "null" if mtp is None else mtp,
+            shape_json,
+            "null" if group is None else enc(group),
+            d["bytes_before"],
+            d["bytes_after"],
+        ))
+    return out
 
 
 def _groups_json(groups) -> str:

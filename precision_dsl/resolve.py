@@ -14,8 +14,8 @@ Problems that come from the MODEL or the PARALLEL LAYOUT (block divisibility, TP
 split, ETP mismatch, pipeline stages) are reported by `checks.check(plan, arch, parallel)` as Diagnostics.
 
 Performance: selector matching is done once per (role, layer, is-mtp) group, not per tensor (only `name(...)` globs
-are evaluated per tensor), and TensorPlans are built by `model_copy` of a template (the inputs are already
-validated).
+are evaluated per tensor), and TensorPlans are built without re-validation (`plan.new_tensor_plan`: the inputs
+are validated already).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from .diagnostics import PolicyError
 from .lang import ast
 from .lang.formats import precision_from_spec
 from .lang.parser import parse_policy as _parse_text
-from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
+from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan, new_tensor_plan
 from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, SOURCE_DTYPE_OF_FORMAT, FormatError,
                         Precision, source_bytes, storage_bytes)
 from .resources import find_policy, policies_dir, policy_hint
@@ -478,32 +478,7 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         notes.append(f"target hopper emulate: {names} are not native on Hopper; they run by exact emulation "
                      "(quantize -> dequantize -> bf16/fp32 GEMM): same numerics, no speed-up")
 
-    # TensorPlans are built by copying one template with every field replaced (pydantic's public model_copy; the
-    # inputs are validated already): twice as fast as model_construct on DeepSeek-V3's 46k tensors.
-    template = TensorPlan.model_construct(hf_name="", role="", shape=(), is_linear=False, precision=Precision.high(),
-                                          bytes_before=0, bytes_after=0)
-    bytes_cache: dict = {}
-    plans = []
-    linear_roles = LINEAR_ROLES
-    for i, t in enumerate(tensors):
-        p = precs[i]
-        shape = t.shape
-        bkey = (shape, id(p.weight))
-        after = bytes_cache.get(bkey)
-        if after is None:
-            after = bytes_cache[bkey] = storage_bytes(p.weight, shape)
-        sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
-        skey = (shape, t.dtype, id(sf))  # source formats are shared objects of the architecture (alive here)
-        before = bytes_cache.get(skey)
-        if before is None:
-            before = bytes_cache[skey] = source_bytes(t.dtype, shape, sf)
-        plans.append(template.model_copy(update=dict(
-            hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
-            sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
-            shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
-            bytes_before=before, bytes_after=after,
-            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
-            source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
+    plans = _tensor_plans(tensors, precs, decided, overridden, group_of)
     if arch.source_quantization and not any(t.source_format for t in tensors):
         notes.append(f"the checkpoint's quantization_config says quant_method '{arch.source_quantization}', which "
                      "policyc cannot describe: bytes before are counted in torch_dtype and `convert` will refuse it")
@@ -512,6 +487,34 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,
         parallel=parallel, tensors=tuple(plans), share_scale_groups=tuple(share_groups), policyc_version=__version__,
         notes=tuple(notes))
+
+
+def _tensor_plans(tensors, precs: list, decided: list, overridden: list, group_of: dict) -> list[TensorPlan]:
+    """One TensorPlan per checkpoint tensor, in HF order. Byte counts are computed once per distinct (shape, format):
+    DeepSeek-V3's 46k tensors have a few dozen."""
+    storage: dict = {}
+    source: dict = {}
+    plans = []
+    append = plans.append
+    linear_roles = LINEAR_ROLES
+    for i, t in enumerate(tensors):
+        p = precs[i]
+        shape = t.shape
+        after = storage.get((shape, id(p.weight)))  # precisions are shared objects, alive for the whole call
+        if after is None:
+            after = storage[shape, id(p.weight)] = storage_bytes(p.weight, shape)
+        sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
+        before = source.get((shape, t.dtype, id(sf)))  # source formats are shared objects of the architecture
+        if before is None:
+            before = source[shape, t.dtype, id(sf)] = source_bytes(t.dtype, shape, sf)
+        append(new_tensor_plan(dict(
+            hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
+            sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
+            shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
+            bytes_before=before, bytes_after=after,
+            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
+            source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
+    return plans
 
 
 def _describe_selector(sel: ast.Selector, arch: Architecture) -> str:

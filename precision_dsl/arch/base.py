@@ -7,7 +7,7 @@ names the other consumers use (Megatron-core parameter name, SGLang module prefi
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -95,6 +95,37 @@ class CheckpointTensor:
         groups, SGLang, weight-update atomic groups)."""
         g = self.fused_group
         return None if g is None else (g, self.mtp, self.layer, self.expert)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def unvalidated_constructor(model: type[M], sample: dict) -> Callable[[dict], M]:
+    """`make(values)`: a `model` instance from a dict holding EVERY field's value in declaration order, without
+    validation -- for objects valid by construction that are built by the ten thousand (DeepSeek-V3: 46k TensorInfos,
+    then 46k TensorPlans). The result is exactly what `model.model_construct(**values)` returns (pydantic 2 sets
+    `__dict__`, `__pydantic_fields_set__`, `__pydantic_extra__`, `__pydantic_private__`) without its per-call field
+    loop: ~0.8 us instead of ~3.6 us per object. `values` becomes the instance's `__dict__` (not copied).
+    The equivalence is checked on `sample` here; if pydantic's internals ever differ, `make` is model_construct."""
+    fields = tuple(model.model_fields)
+    new, set_attr = object.__new__, object.__setattr__
+
+    def construct_unvalidated(values: dict) -> M:
+        obj = new(model)
+        set_attr(obj, "__dict__", values)
+        set_attr(obj, "__pydantic_fields_set__", set(fields))
+        set_attr(obj, "__pydantic_extra__", None)
+        set_attr(obj, "__pydantic_private__", None)
+        return obj
+
+    def construct_via_pydantic(values: dict) -> M:
+        return model.model_construct(**values)
+
+    ref, fast = model.model_construct(**sample), construct_unvalidated(dict(sample))
+    same = all(getattr(ref, a, None) == getattr(fast, a, None)
+               for a in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")) \
+        and list(ref.__dict__) == list(fields) == list(fast.__dict__) and ref == fast
+    return construct_unvalidated if same else construct_via_pydantic
 
 
 class TensorInfo(CheckpointTensor, BaseModel):
