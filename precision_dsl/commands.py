@@ -372,7 +372,8 @@ def register(app: typer.Typer) -> None:
                     data["tensors"] = [json.loads(t.model_dump_json()) for t in keep]
                     sys.stdout.write(json.dumps(data, indent=2) + "\n")
                 else:
-                    sys.stdout.write(plan.to_json())  # 55 MB for DeepSeek-V3: no concatenated copy
+                    for piece in plan.json_pieces():  # DeepSeek-V3: 55 MB, never held whole
+                        sys.stdout.write(piece)
                     sys.stdout.write("\n")
             else:
                 _print_plan(plan, tensor, expand)

@@ -8,12 +8,13 @@ not where rules came from, so moving a policy file does not change the contract.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import operator
 import re
 from enum import Enum
 from functools import lru_cache
-from typing import Optional
+from typing import Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -132,6 +133,10 @@ class ShareScaleGroup(BaseModel):
     declared_at: Optional[RuleRef] = None
 
 
+new_share_scale_group = unvalidated_constructor(ShareScaleGroup, dict(
+    id="model.layers.0.mlp.experts.1.{gate_proj,up_proj}", members=("a", "b"), declared_at=None))
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
@@ -154,23 +159,28 @@ class Plan(BaseModel):
         # One line per tensor; the precision JSON is cached per Precision *object* (a plan shares a handful of them
         # across thousands of tensors; keying by value would hash the nested pydantic models 46k times, ~0.5 s on
         # DeepSeek-V3). The ids stay valid: the plan holds every Precision for the duration.
-        dumped: dict[int, str] = {}
         h = hashlib.sha256(json.dumps({"target": self.target}, sort_keys=True).encode())
-        lines = []
-        append = lines.append
+        _update_joined(h, self._contract_lines())
+        return "sha256:" + h.hexdigest()
+
+    def _contract_lines(self) -> Iterator[str]:
+        """One line per tensor, then one per share-scale group: what content_hash covers."""
+        dumped: dict[int, str] = {}
+        shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
         for t in self.tensors:
-            prec = t.precision
+            d = t.__dict__
+            prec, shape = d["precision"], d["shape"]
             p = dumped.get(id(prec))
             if p is None:
                 p = dumped[id(prec)] = json.dumps(prec.model_dump(mode="json"), sort_keys=True,
                                                   separators=(",", ":"))
-            append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
-                   f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
+            dims = shapes.get(id(shape))
+            if dims is None:
+                dims = shapes[id(shape)] = ",".join(map(str, shape))
+            yield (f"T|{d['hf_name']}|{d['megatron_name']}|{d['megatron_part']}|{d['sglang_prefix']}|{dims}|{p}|"
+                   f"{d['share_scale_group']}")
         for g in self.share_scale_groups:
-            append(f"G|{g.id}|{','.join(g.members)}")
-        blob = "\n".join(lines).encode()
-        h.update(blob)
-        return "sha256:" + h.hexdigest()
+            yield f"G|{g.id}|{','.join(g.members)}"
 
     # -- convenience lookups -------------------------------------------------------------------------------------
     def by_name(self) -> dict[str, TensorPlan]:
@@ -196,18 +206,26 @@ class Plan(BaseModel):
 
     def to_json(self, indent: Optional[int] = None, content_hash: Optional[str] = None) -> str:
         """JSON with the content hash as the first key (`content_hash`: a hash the caller already computed for this
-        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_resolve.py),
-        built from per-group templates because a plan shares a few Precision / RuleRef objects among tens of
-        thousands of tensors (DeepSeek-V3: 55 MB); `indent` pretty-prints through the json module (slower)."""
-        ch = content_hash or self.content_hash()
+        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_commands.py),
+        see `json_pieces`; `indent` pretty-prints through the json module (slower)."""
         if indent is not None:
-            d = {"content_hash": ch, **self.model_dump(mode="json")}
+            d = {"content_hash": content_hash or self.content_hash(), **self.model_dump(mode="json")}
             return json.dumps(d, indent=indent)
+        return "".join(self.json_pieces(content_hash))
+
+    def json_pieces(self, content_hash: Optional[str] = None) -> Iterator[str]:
+        """The compact `to_json` text in consecutive pieces of about a thousand tensors each, so that a large plan
+        (DeepSeek-V3: 55 MB) is written without holding its text. Built from per-group templates because a plan
+        shares a few Precision / RuleRef objects among tens of thousands of tensors (`_tensor_objects`)."""
+        ch = content_hash or self.content_hash()
         empty = self.model_construct(**{**dict(self), "tensors": (), "share_scale_groups": ()})
         head, tail = empty.model_dump_json().split('"tensors":[],"share_scale_groups":[]')
-        opening = '{"content_hash":' + json.dumps(ch) + "," + head[1:] + '"tensors":['
-        closing = '],"share_scale_groups":[' + _groups_json(self.share_scale_groups) + "]" + tail
-        return _joined(opening, _tensor_objects(self.tensors), closing)
+        yield '{"content_hash":' + json.dumps(ch) + "," + head[1:] + '"tensors":['
+        sep = ""
+        for objects in _tensor_objects(self.tensors):
+            yield sep + ",".join(objects)
+            sep = ","
+        yield '],"share_scale_groups":[' + _groups_json(self.share_scale_groups) + "]" + tail
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -222,6 +240,18 @@ class Plan(BaseModel):
         if expected is not None and expected != plan.content_hash():
             raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
         return plan
+
+
+def _update_joined(h, lines: Iterator[str], per_piece: int = 1024) -> None:
+    """`h.update("\\n".join(lines).encode())` a thousand lines at a time, without building the whole text (the
+    DeepSeek-V3 contract is 28 MB)."""
+    sep = b""
+    while True:
+        piece = list(itertools.islice(lines, per_piece))
+        if not piece:
+            return
+        h.update(sep + "\n".join(piece).encode())
+        sep = b"\n"
 
 
 # ---- fast compact JSON (same bytes as pydantic's serializer) ----------------------------------------------------------
@@ -281,27 +311,21 @@ def _template(t: TensorPlan, cache: dict) -> str:
     return "{" + ",".join(parts) + "}"
 
 
-def _joined(opening: str, items: list[str], closing: str) -> str:
-    """`opening + ",".join(items) + closing` in one allocation: every copy of DeepSeek-V3's 55 MB plan JSON costs
-    ~50 ms (fresh pages), as much as writing a third of its tensors."""
-    if not items:
-        return opening + closing
-    items[0] = opening + items[0]
-    items[-1] = items[-1] + closing
-    return ",".join(items)
-
-
-def _tensor_objects(tensors) -> list[str]:
-    """Each tensor's compact JSON object, byte for byte as pydantic writes it. Templates are keyed by the identity of
+def _tensor_objects(tensors, per_piece: int = 1024) -> Iterator[list[str]]:
+    """Each tensor's compact JSON object, byte for byte as pydantic writes it, in lists of `per_piece`. Templates are keyed by the identity of
     the group fields' values (a plan holds them all, so the ids stay valid; equal values in different objects only
     make an extra template)."""
     templates: dict[tuple, str] = {}
     fragments: dict = {}  # nested models / tuples -> their JSON, by object
     shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
     enc = _enc
-    out = []
+    out: list[str] = []
     append = out.append
     for t in tensors:
+        if len(out) == per_piece:
+            yield out
+            out = []
+            append = out.append
         key = tuple(map(id, _group_values(t)))
         tpl = templates.get(key)
         if tpl is None:
@@ -326,7 +350,8 @@ def _tensor_objects(tensors) -> list[str]:
             d["bytes_before"],
             d["bytes_after"],
         ))
-    return out
+    if out:
+        yield out
 
 
 def _groups_json(groups) -> str:
