@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..plan import Plan, TensorPlan
 from ..precision import HP_DTYPE_NAMES, FormatKind
-from .common import UnsupportedByBackend, module_of
+from .common import UnsupportedByBackend, module_of, per_plan
 from ..errors import PolicycError
 
 if TYPE_CHECKING:
@@ -101,6 +101,12 @@ def check_all_supported(tensors: Sequence[TensorPlan], backend: str) -> None:
         if key not in seen:
             check_supported(t, backend)
             seen.add(key)
+
+
+def plan_output_specs(plan: Plan) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+    """`output_specs` of every plan tensor, in plan order, computed once per plan object (the converter and the
+    weight-update manifests both list them). Shared between callers: read, never modify."""
+    return per_plan(plan, "output_specs", lambda p: [output_specs(t) for t in p.tensors])
 
 
 def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
