@@ -25,10 +25,10 @@ def _run(body):
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
     """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
     from . import converter, megatron, sglang, weight_update
-    from .common import PLAN_FILE, Artifact, plan_json_bytes
+    from .common import plan_artifact
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
-    arts = [Artifact(PLAN_FILE, plan_json_bytes(plan), "the plan (IR) with its content_hash")]
+    arts = [plan_artifact(plan, "the plan (IR) with its content_hash")]
     for name in backends or BACKENDS:
         arts.extend(mods[name].emit(plan))
     return arts
