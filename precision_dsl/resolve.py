@@ -439,7 +439,11 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         sig = tuple(r.matcher.name_re.match(t.hf_name) is not None for r in name_rules) if name_rules else ()
-        groups.setdefault((t.role, t.layer, t.mtp is not None, sig), []).append(i)
+        key = (t.role, t.layer, t.mtp is not None, sig)
+        idxs = groups.get(key)
+        if idxs is None:
+            idxs = groups[key] = []
+        idxs.append(i)
 
     for (role, layer, is_mtp, sig), idxs in groups.items():
         linear = role in LINEAR_ROLES
@@ -651,9 +655,9 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
             shared_of[id(first)] = (first, first.model_copy(
                 update={"weight": w.model_copy(update={"global_scale": "group"})}))
         shared = shared_of[id(first)][1]
-        names = tuple(tensors[i].hf_name for i in idxs)
+        names = tuple([tensors[i].hf_name for i in idxs])
         gid = _group_id(names)
-        out.append(new_share_scale_group(dict(id=gid, members=names, declared_at=inst.ref)))
+        out.append(new_share_scale_group({"id": gid, "members": names, "declared_at": inst.ref}))
         for i in idxs:
             precs[i] = shared
             group_of[i] = gid
