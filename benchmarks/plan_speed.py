@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# Measure this checkout (the CLI children run in ROOT too), not whichever precision_dsl is installed: a script's
+# sys.path[0] is benchmarks/, so an editable install of another checkout would otherwise win.
+sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from . import __version__
-from .arch.base import Architecture, LINEAR_ROLES, ROLES
+from .arch.base import Architecture, LINEAR_ROLES, ROLES, gc_paused
 from .diagnostics import PolicyError
 from .lang import ast
 from .lang.formats import precision_from_spec
@@ -420,7 +420,8 @@ def _decide(rules: list[_Rule], base: Precision, linear: bool, ckpt_bits: int = 
 def resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout] = None) -> Plan:
     """Resolve a policy (path, or an already parsed `ast.Policy`) against an architecture. Raises PolicyError for
     policy-level errors; run `checks.check(plan, arch, parallel)` for model/layout checks."""
-    return _resolve(policy_path, arch, parallel)
+    with gc_paused():  # one TensorPlan per tensor, no cycles
+        return _resolve(policy_path, arch, parallel)
 
 
 def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout]) -> Plan:

@@ -7,7 +7,9 @@ names the other consumers use (Megatron-core parameter name, SGLang module prefi
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,6 +100,22 @@ class CheckpointTensor:
 
 
 M = TypeVar("M", bound=BaseModel)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while tens of thousands of model objects are built (the architecture's TensorInfos, the
+    plan's TensorPlans): otherwise allocation-triggered collections rescan every live object again and again
+    (DeepSeek-V3: resolve 0.2 s -> 0.7 s in a process with default GC thresholds). The builders make no cycles, and
+    the previous state is always restored."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 
 def unvalidated_constructor(model: type[M], sample: dict) -> Callable[[dict], M]:
