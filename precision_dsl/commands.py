@@ -128,10 +128,16 @@ def _layer_rows(tensors: list[TensorPlan]) -> list[tuple]:
     """Rows of one layer, experts collapsed: key = (local name pattern, formats, rule) -> expert ids."""
     # First bucket on cheap identity keys (routed experts are ~99% of DeepSeek-V3's 46k tensors and share their
     # name pattern per role), then derive display strings once per bucket.
+    # Precision / RuleRef by identity: the plan holds them (shared by thousands of tensors) and hashing the nested
+    # pydantic models by value was a third of `policyc plan`'s table time.
     buckets: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
     for t in tensors:
-        ident = (t.role, t.shape, t.precision, t.decided_by, t.is_linear) if t.expert is not None else (t.hf_name,)
-        buckets.setdefault(ident, []).append(t)
+        ident = (t.role, t.shape, id(t.precision), id(t.decided_by), t.is_linear) if t.expert is not None \
+            else (t.hf_name,)
+        bucket = buckets.get(ident)
+        if bucket is None:
+            bucket = buckets[ident] = []
+        bucket.append(t)
     groups: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
     for ts in buckets.values():
         t = ts[0]
@@ -183,13 +189,28 @@ def plan_rows(plan: Plan, tensor_glob: Optional[str] = None, expand: bool = Fals
     return out
 
 
+def _short_by_identity():
+    """`fmt.short()` memoised by object for one pass over a plan (TensorFormat.short's own cache hashes the model by
+    value on every call; a plan shares a few format objects among all its tensors and keeps them alive)."""
+    memo: dict[int, str] = {}
+
+    def short(fmt) -> str:
+        s = memo.get(id(fmt))
+        if s is None:
+            s = memo[id(fmt)] = fmt.short()
+        return s
+
+    return short
+
+
 def summarize(plan: Plan) -> list[tuple[str, int, float, int, int]]:
     """(weight format, params, % of params, bytes before, bytes after) per weight format, largest first."""
     acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     total = 0
+    short = _short_by_identity()
     for t in plan.tensors:
         n = t.numel
-        a = acc[t.weight.short()]
+        a = acc[short(t.weight)]
         a[0] += n
         a[1] += t.bytes_before
         a[2] += t.bytes_after
@@ -208,13 +229,14 @@ def role_summary(plan: Plan) -> tuple[list[tuple[str, int, float, str]], int, in
     acc: dict[str, int] = defaultdict(int)
     fmts: dict[str, set] = defaultdict(set)
     main = mtp = 0
+    short = _short_by_identity()
     for t in plan.tensors:
         if t.mtp is not None:
             mtp += t.numel
             continue
         group = t.role.split(".")[0]
         acc[group] += t.numel
-        fmts[group].add(t.weight.short())
+        fmts[group].add(short(t.weight))
         main += t.numel
     order = [g for g in ROLE_GROUP_ORDER if g in acc] + sorted(g for g in acc if g not in ROLE_GROUP_ORDER)
     rows = [(g, acc[g], 100.0 * acc[g] / main if main else 0.0, ", ".join(sorted(fmts[g]))) for g in order]
