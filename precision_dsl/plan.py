@@ -286,10 +286,11 @@ def _value_json(v, cache: dict) -> str:
 
 _SCALAR = {str: _enc, int: str, type(None): lambda v: "null", bool: lambda v: "true" if v else "false"}
 
-# The TensorPlan fields that tell tensors of one module group apart, written per tensor into a `%` template (the
-# order of `_row_values`). Every other field (precision, rules, role, fused group, source format: a plan shares a
-# few dozen combinations among tens of thousands of tensors) is written once per distinct combination into that
-# template, so the per-tensor work is one `%` format of already-encoded values.
+# The TensorPlan fields that tell tensors of one module group apart, written per tensor into the `%s` holes of a
+# template (in this order; their types are fixed by TensorPlan: str, optional str/int, a tuple of ints). Every other
+# field (precision, rules, role, fused group, source format: a plan shares a few hundred combinations among tens of
+# thousands of tensors) is written once per distinct combination into that template, so the per-tensor work is one
+# `%` format of already-encoded values.
 _ROW_FIELDS = ("hf_name", "megatron_name", "megatron_part", "sglang_prefix", "layer", "expert", "mtp", "shape",
                "share_scale_group", "bytes_before", "bytes_after")
 _GROUP_FIELDS = tuple(n for n in TensorPlan.model_fields if n not in _ROW_FIELDS)
@@ -301,20 +302,26 @@ def _template(t: TensorPlan, cache: dict) -> str:
     with a `%s` hole for each row field."""
     parts = []
     for name in TensorPlan.model_fields:
-        if name in _ROW_FIELDS:
-            value = "%s"
-        else:
-            v = getattr(t, name)
-            f = _SCALAR.get(type(v))
-            value = (f(v) if f is not None else _value_json(v, cache)).replace("%", "%%")
+        value = "%s" if name in _ROW_FIELDS else _field_json(t, name, cache).replace("%", "%%")
         parts.append(f'"{name}":{value}')
     return "{" + ",".join(parts) + "}"
 
 
+def _field_json(t: TensorPlan, name: str, cache: dict) -> str:
+    v = getattr(t, name)
+    f = _SCALAR.get(type(v))
+    if f is not None:
+        return f(v)
+    try:
+        return _value_json(v, cache)
+    except TypeError:  # a value type not handled above: pydantic's own JSON of that one field
+        return t.model_dump_json(include={name})[len(name) + 4:-1]
+
+
 def _tensor_objects(tensors, per_piece: int = 1024) -> Iterator[list[str]]:
-    """Each tensor's compact JSON object, byte for byte as pydantic writes it, in lists of `per_piece`. Templates are keyed by the identity of
-    the group fields' values (a plan holds them all, so the ids stay valid; equal values in different objects only
-    make an extra template)."""
+    """Each tensor's compact JSON object, byte for byte as pydantic writes it, in lists of `per_piece`. Templates are
+    keyed by the identity of the group fields' values (a plan holds them all, so the ids stay valid; equal values in
+    different objects only make an extra template)."""
     templates: dict[tuple, str] = {}
     fragments: dict = {}  # nested models / tuples -> their JSON, by object
     shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
