@@ -77,8 +77,9 @@ def main() -> None:
     goals = {"table": 1000, "--json": 1000, "emit": 3000}
     for (mode, tree), rs in runs.items():
         cpu = min(r[1] for r in rs)
-        line = (f"whole CLI call ({mode:6s}) {tree:5s} min {cpu * 1e3:7.1f} ms CPU (wall {min(r[0] for r in rs) * 1e3:7.1f}"
-                f" ms), peak RSS {max(r[2] for r in rs):5.0f} MB")
+        wall = min(r[0] for r in rs)
+        line = (f"whole CLI call ({mode:6s}) {tree:5s} min {cpu * 1e3:7.1f} ms CPU (wall {wall * 1e3:7.1f} ms), "
+                f"peak RSS {max(r[2] for r in rs):5.0f} MB")
         if tree == "this":
             line += f"  (fresh process, imports included; goal < {goals[mode]} ms CPU)"
         else:

@@ -624,7 +624,7 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
         return [], {}, notes
     out, group_of = [], {}
     noted: set = set()
-    shared_of: dict[int, tuple] = {}  # id(member precision) -> (it, its group-scaled copy): the tuple keeps the id valid
+    shared_of: dict[int, tuple] = {}  # id(member precision) -> (it, its group-scaled copy); held: ids stay valid
     for inst in _share_instances(comp, arch, keyed).values():
         idxs = sorted(inst.members)
         st, src = inst.st, inst.src

@@ -176,8 +176,8 @@ def test_fast_plan_json_matches_pydantic_on_every_shipped_policy(tmp_path):
     a policy whose rule text holds non-ASCII and JSON escapes, streamed in pieces as the CLI writes them."""
     arch = load_architecture("qwen3-30b-a3b")
     odd = tmp_path / "odd.policy"
-    odd.write_text('policy "odd \u00e9" {\n    default bf16\n    name("*.mlp.experts.1*"): mxfp8  # 50% "quoted" \\ é\n'
-                   '    layers[-10%:]: bf16\n}\n')
+    odd.write_text('policy "odd \u00e9" {\n    default bf16\n'
+                   '    name("*.mlp.experts.1*"): mxfp8  # 50% "quoted" \\ é\n    layers[-10%:]: bf16\n}\n')
     for policy in [*sorted(POL.glob("*.policy")), odd]:
         plan = resolve(policy, arch)
         want = '{"content_hash":' + json.dumps(plan.content_hash()) + "," + plan.model_dump_json()[1:]
