@@ -106,8 +106,8 @@ M = TypeVar("M", bound=BaseModel)
 def gc_paused() -> Iterator[None]:
     """Pause the cyclic GC while tens of thousands of model objects are built (the architecture's TensorInfos, the
     plan's TensorPlans): otherwise allocation-triggered collections rescan every live object again and again
-    (DeepSeek-V3: resolve 0.2 s -> 0.7 s in a process with default GC thresholds). The builders make no cycles, and
-    the previous state is always restored."""
+    (DeepSeek-V3 resolve: 0.42 s instead of 0.24 s CPU with the default GC thresholds). The builders make no cycles,
+    and the previous state is always restored."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -115,7 +115,6 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
 
 
 def unvalidated_constructor(model: type[M], sample: dict) -> Callable[[dict], M]:
