@@ -666,7 +666,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
 def emit(plan: Plan) -> list[Artifact]:
     from .quantize import check_all_supported, plan_output_specs
 
-    check_all_supported(plan.tensors, BACKEND)
+    check_all_supported(plan, BACKEND)
     qfiles = quantization_files(plan)
     manifest = {"policyc": plan_stamp(plan),
                 "formats": sorted({k.value for k in {t.weight.kind for t in plan.quantized()}}),

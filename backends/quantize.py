@@ -92,15 +92,21 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
 
 
-def check_all_supported(tensors: Sequence[TensorPlan], backend: str) -> None:
-    """`check_supported` for every tensor, evaluated once per distinct (weight format object, linear?, rank): the
+def check_all_supported(plan: Plan, backend: str) -> None:
+    """`check_supported` for every plan tensor, evaluated once per distinct (weight format object, linear?, rank): the
     check reads nothing else, and the first failing tensor in plan order is the one reported, as before."""
-    seen: set = set()
-    for t in tensors:
-        key = (id(t.precision.weight), t.is_linear, len(t.shape))
-        if key not in seen:
-            check_supported(t, backend)
-            seen.add(key)
+    for t in per_plan(plan, "check_supported.representatives", _first_of_each_weight_layout):
+        check_supported(t, backend)
+
+
+def _first_of_each_weight_layout(plan: Plan) -> list[TensorPlan]:
+    """The first tensor (plan order) of each distinct (weight format object, linear?, rank)."""
+    first: dict[tuple, TensorPlan] = {}
+    for t in plan.tensors:
+        key = (id(t.precision.weight), t.is_linear, len(t.shape))  # the plan keeps the formats alive
+        if key not in first:
+            first[key] = t
+    return list(first.values())
 
 
 def plan_output_specs(plan: Plan) -> list[list[tuple[str, str, tuple[int, ...]]]]:

@@ -700,16 +700,17 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     from .quantize import check_all_supported, plan_output_specs
     from .safetensors_io import DTYPE_SIZES
 
-    check_all_supported(plan.tensors, "weight_update")
+    check_all_supported(plan, "weight_update")
     params: dict[str, dict] = {}
     sizes: dict[str, int] = {}
-    size_of: dict[tuple, int] = {}  # by (dtype, shape) list: a few dozen distinct ones among 46k tensors
+    # output bytes by what output_specs reads (weight format object, linear?, shape): a few dozen distinct among 46k
+    size_of: dict[tuple, int] = {}
     prod = math.prod
     for t, specs in zip(plan.tensors, plan_output_specs(plan)):
-        layout = tuple((dt, sh) for _, dt, sh in specs)
+        layout = (id(t.precision.weight), t.is_linear, t.shape)  # the plan keeps the formats alive
         nbytes = size_of.get(layout)
         if nbytes is None:
-            nbytes = size_of[layout] = sum([DTYPE_SIZES[dt] * prod(sh) for dt, sh in layout])
+            nbytes = size_of[layout] = sum([DTYPE_SIZES[dt] * prod(sh) for _, dt, sh in specs])
         sizes[t.hf_name] = nbytes
         entry = params.get(t.megatron_name or t.hf_name)
         if entry is None:  # specs are (name, dtype, shape) tuples: JSON writes them as the [name, dtype, [dims]] lists
