@@ -25,11 +25,10 @@ def _run(body):
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
     """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
     from . import converter, megatron, sglang, weight_update
-    from .common import PLAN_FILE, Artifact, plan_hash
+    from .common import plan_artifact
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
-    arts = [Artifact(PLAN_FILE, plan.to_json(indent=None, content_hash=plan_hash(plan)) + "\n",
-                     "the plan (IR) with its content_hash")]
+    arts = [plan_artifact(plan, "the plan (IR) with its content_hash")]
     for name in backends or BACKENDS:
         arts.extend(mods[name].emit(plan))
     return arts
@@ -85,7 +84,7 @@ def register(app: typer.Typer) -> None:
         Runs exactly the gate `policyc check` runs: nothing is written unless every check and backend passes."""
 
         def body():
-            from ..commands import build_plan, load_arch
+            from ..commands import build_plan_and_arch
             from ..console import UserError, console
             from ..engine.gate import run_gate
 
@@ -93,8 +92,8 @@ def register(app: typer.Typer) -> None:
 
             chosen = chosen_backends(backend)
             checked_te_version(te_version)
-            plan = build_plan(policy, model, parallel)
-            res = run_gate(plan, load_arch(model), chosen, te_version)
+            plan, arch = build_plan_and_arch(policy, model, parallel)
+            res = run_gate(plan, arch, chosen, te_version)
             con = console()
             if not res.ok(strict):
                 print_diagnostics(res.diagnostics, console(stderr=True))

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 from ..plan import Plan
 
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
-                     plan_stamp)
+                     plan_json_bytes, plan_stamp)
 from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
 from .safetensors_io import CheckpointError, StreamingWriter, read_header
 
@@ -433,7 +433,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
     files["config.json"] = dump_json(config).encode()
     if qfiles["hf_quant_config"] is not None:
         files["hf_quant_config.json"] = dump_json(qfiles["hf_quant_config"]).encode()
-    files[PLAN_FILE] = (plan.to_json(indent=None) + "\n").encode()
+    files[PLAN_FILE] = plan_json_bytes(plan)
     for name, data in files.items():
         write_atomic(out_dir / name, data, tmp_dir=work)
     keep = set(layout) | set(files)
@@ -664,14 +664,15 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
 # emit (no checkpoint needed): what the converter WILL write
 # ---------------------------------------------------------------------------------------------------------------
 def emit(plan: Plan) -> list[Artifact]:
-    from .quantize import check_all_supported, output_specs
+    from .quantize import check_all_supported, plan_output_specs
 
-    check_all_supported(plan.tensors, BACKEND)
+    check_all_supported(plan, BACKEND)
     qfiles = quantization_files(plan)
     manifest = {"policyc": plan_stamp(plan),
                 "formats": sorted({k.value for k in {t.weight.kind for t in plan.quantized()}}),
                 "quantization_config": qfiles["quantization_config"],
                 "hf_quant_config": qfiles["hf_quant_config"],
-                "tensors": {t.hf_name: [[n, dt, list(sh)] for n, dt, sh in output_specs(t)] for t in plan.tensors}}
+                # (name, dtype, shape) tuples: JSON writes them as [name, dtype, [dims]]
+                "tensors": {t.hf_name: specs for t, specs in zip(plan.tensors, plan_output_specs(plan))}}
     return [Artifact("converter/manifest.json", dump_json(manifest, compact=True),
                      "every output tensor (name, dtype, shape) per plan tensor + checkpoint configs")]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..plan import Plan, TensorPlan
 from ..precision import HP_DTYPE_NAMES, FormatKind
-from .common import UnsupportedByBackend, module_of
+from .common import UnsupportedByBackend, module_of, per_plan
 from ..errors import PolicycError
 
 if TYPE_CHECKING:
@@ -92,15 +92,27 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
 
 
-def check_all_supported(tensors: Sequence[TensorPlan], backend: str) -> None:
-    """`check_supported` for every tensor, evaluated once per distinct (weight format object, linear?, rank): the
+def check_all_supported(plan: Plan, backend: str) -> None:
+    """`check_supported` for every plan tensor, evaluated once per distinct (weight format object, linear?, rank): the
     check reads nothing else, and the first failing tensor in plan order is the one reported, as before."""
-    seen: set = set()
-    for t in tensors:
-        key = (id(t.precision.weight), t.is_linear, len(t.shape))
-        if key not in seen:
-            check_supported(t, backend)
-            seen.add(key)
+    for t in per_plan(plan, "check_supported.representatives", _first_of_each_weight_layout):
+        check_supported(t, backend)
+
+
+def _first_of_each_weight_layout(plan: Plan) -> list[TensorPlan]:
+    """The first tensor (plan order) of each distinct (weight format object, linear?, rank)."""
+    first: dict[tuple, TensorPlan] = {}
+    for t in plan.tensors:
+        key = (id(t.precision.weight), t.is_linear, len(t.shape))  # the plan keeps the formats alive
+        if key not in first:
+            first[key] = t
+    return list(first.values())
+
+
+def plan_output_specs(plan: Plan) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+    """`output_specs` of every plan tensor, in plan order, computed once per plan object (the converter and the
+    weight-update manifests both list them). Shared between callers: read, never modify."""
+    return per_plan(plan, "output_specs", lambda p: [output_specs(t) for t in p.tensors])
 
 
 def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:

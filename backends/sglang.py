@@ -84,10 +84,11 @@ def _sglang_prefix(t: TensorPlan) -> str:
 def _check_fused(plan: Plan) -> None:
     """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang."""
     groups = {m: g for g in plan.share_scale_groups for m in g.members}
+    serving_key = _serving_keys()
     for key, members in plan.fused_members().items():
         first = members[0]
         for t in members[1:]:
-            if _serving_key(t) != _serving_key(first):
+            if serving_key(t) != serving_key(first):
                 raise UnsupportedByBackend(
                     BACKEND, t.hf_name,
                     f"SGLang fuses {', '.join(module_of(m.hf_name).rsplit('.', 1)[-1] for m in members)} into one "
@@ -114,14 +115,29 @@ def _serving_key(t: TensorPlan) -> tuple:
     return (w.kind, w.element, w.block, w.scale_dtype, t.precision.activation)
 
 
+def _serving_keys():
+    """`_serving_key` memoised by Precision object, for one pass over a plan (which keeps them alive): a plan shares
+    a few among its tensors (DeepSeek-V3: 46k)."""
+    memo: dict[int, tuple] = {}
+
+    def serving_key(t: TensorPlan) -> tuple:
+        k = memo.get(id(t.precision))
+        if k is None:
+            k = memo[id(t.precision)] = _serving_key(t)
+        return k
+
+    return serving_key
+
+
 def _check_experts(plan: Plan) -> None:
     per_layer: dict[tuple, TensorPlan] = {}
+    serving_key = _serving_keys()
     for t in plan.tensors:
         if not t.role.startswith("routed_experts."):
             continue
         key = (t.mtp, t.layer)
         ref = per_layer.setdefault(key, t)
-        if _serving_key(t) != _serving_key(ref):
+        if serving_key(t) != serving_key(ref):
             raise UnsupportedByBackend(
                 BACKEND, t.hf_name,
                 f"SGLang's FusedMoE ({_sglang_prefix(t)}) runs all routed experts of a layer (gate/up/down) with one "
@@ -271,12 +287,13 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
     experts FusedMoE as one more expert, which then runs with the routed experts' quant method. That is exact only
     where shared and routed experts of the layer have one serving format; returns a shared-expert tensor where not."""
     routed: dict[tuple, tuple] = {}
+    serving_key = _serving_keys()
     for t in plan.tensors:
-        if t.role.startswith("routed_experts."):
-            routed.setdefault((t.mtp, t.layer), _serving_key(t) if is_quantized(t) else ("hp",))
+        if t.role.startswith("routed_experts.") and (t.mtp, t.layer) not in routed:
+            routed[t.mtp, t.layer] = serving_key(t) if is_quantized(t) else ("hp",)
     for t in plan.tensors:
         if t.role in ("shared_experts.gate", "shared_experts.up", "shared_experts.down"):
-            mine = _serving_key(t) if is_quantized(t) else ("hp",)
+            mine = serving_key(t) if is_quantized(t) else ("hp",)
             if (t.mtp, t.layer) in routed and routed[(t.mtp, t.layer)] != mine:
                 return t
     return None

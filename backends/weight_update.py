@@ -672,18 +672,22 @@ class SendReport:
 def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
     """Atomic units of an update: fused-sibling instances (q/k/v, gate/up, q_a/kv_a, one expert's gate/up) merged
     with NVFP4 share-scale groups; every other tensor is a unit of one. A unit always travels in one bucket."""
-    groups = {m: g for g in plan.share_scale_groups for m in g.members}
-
-    def key(t: TensorPlan) -> tuple:
-        g = groups.get(t.hf_name) if needs_shared_amax(t) else None
-        if g is not None:
-            return ("share", g.id)
-        fi = t.fused_key
-        return ("fused",) + fi if fi is not None else ("one", t.hf_name)
-
+    group_of = {m: g.id for g in plan.share_scale_groups for m in g.members}
     need: dict[tuple, set[str]] = {}
+    share_in_fused: list[tuple[tuple, tuple]] = []  # (share unit, fused unit) of each shared-amax fused tensor
     for t in plan.tensors:
-        need.setdefault(key(t), set()).add(t.hf_name)
+        name, fi = t.hf_name, t.fused_key
+        gid = group_of.get(name)
+        if gid is not None and needs_shared_amax(t):
+            key = ("share", gid)
+            if fi is not None:
+                share_in_fused.append((key, ("fused",) + fi))
+        else:
+            key = ("fused",) + fi if fi is not None else ("one", name)
+        names = need.get(key)
+        if names is None:
+            names = need[key] = set()
+        names.add(name)
     parent = {k: k for k in need}
 
     def find(k):
@@ -692,10 +696,9 @@ def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
             k = parent[k]
         return k
 
-    for t in plan.tensors:  # a share-scale group overlapping a fused instance (gate/up) joins it
-        fi = t.fused_key
-        if fi is not None and ("fused",) + fi in need:
-            parent[find(key(t))] = find(("fused",) + fi)
+    for share, fused in share_in_fused:  # a share-scale group overlapping a fused instance (gate/up) joins it
+        if fused in need:
+            parent[find(share)] = find(fused)
     members: dict[tuple, set[str]] = {}
     for k, ns in need.items():
         members.setdefault(find(k), set()).update(ns)
@@ -706,23 +709,27 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
     (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
     from .common import Artifact, dump_json, plan_stamp
-    from .quantize import check_all_supported, output_specs
+    from .quantize import check_all_supported, plan_output_specs
     from .safetensors_io import DTYPE_SIZES
 
-    check_all_supported(plan.tensors, "weight_update")
+    check_all_supported(plan, "weight_update")
     params: dict[str, dict] = {}
     sizes: dict[str, int] = {}
+    # output bytes by what output_specs reads (weight format object, linear?, shape): a few dozen distinct among 46k
+    size_of: dict[tuple, int] = {}
     prod = math.prod
-    for t in plan.tensors:
-        specs = output_specs(t)
-        outs = [[n, dt, list(sh)] for n, dt, sh in specs]
-        sizes[t.hf_name] = sum([DTYPE_SIZES[dt] * prod(sh) for _, dt, sh in specs])
+    for t, specs in zip(plan.tensors, plan_output_specs(plan)):
+        layout = (id(t.precision.weight), t.is_linear, t.shape)  # the plan keeps the formats alive
+        nbytes = size_of.get(layout)
+        if nbytes is None:
+            nbytes = size_of[layout] = sum([DTYPE_SIZES[dt] * prod(sh) for _, dt, sh in specs])
+        sizes[t.hf_name] = nbytes
         entry = params.get(t.megatron_name or t.hf_name)
-        if entry is None:
-            params[t.megatron_name or t.hf_name] = {"hf": [t.hf_name], "outputs": outs}
+        if entry is None:  # specs are (name, dtype, shape) tuples: JSON writes them as the [name, dtype, [dims]] lists
+            params[t.megatron_name or t.hf_name] = {"hf": [t.hf_name], "outputs": list(specs)}
         else:
             entry["hf"].append(t.hf_name)
-            entry["outputs"].extend(outs)
+            entry["outputs"].extend(specs)
     atoms = atomic_groups(plan)
     groups = [sorted(ns) for ns in atoms.values() if len(ns) > 1]
     order = {t.hf_name: i for i, t in enumerate(plan.tensors)}

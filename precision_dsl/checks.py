@@ -185,6 +185,7 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
     The weight's second-level scale scope may differ only by share_scale ('group' vs per tensor) handled in
     check_share_scale, so it is ignored here."""
     agg = _Aggregator()
+    fusion_key = _fusion_keys()
     for (g, _mtp, _layer, _expert), members in plan.fused_members().items():
         w = members[0].weight
         if len(members) > 1 and w.is_quantized and all(m.weight.global_scale in ("tensor", "expert") for m in members):
@@ -194,10 +195,9 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
                     f"{w.kind.value} weight with a per-tensor second-level scale, but its fused {g} siblings do not "
                     "share it; serving engines fuse them into one GEMM with one scale",
                     f"declare `share_scale` over the siblings, e.g. `share_scale {_share_example(g)}`")
-        keys = {_fusion_key(m) for m in members}
-        if len(keys) > 1:
-            a = members[0]
-            b = next(m for m in members if _fusion_key(m) != _fusion_key(a))
+        a = members[0]
+        if any(fusion_key(m) != fusion_key(a) for m in members[1:]):  # tuples compare shared objects by identity
+            b = next(m for m in members if fusion_key(m) != fusion_key(a))
             agg.add(("fused", g, a.role, b.role, a.precision.short(), b.precision.short()), a.hf_name, "error",
                     "fused-siblings",
                     f"is {a.precision.short()} but its fused sibling {b.hf_name} is {b.precision.short()}; "
@@ -218,6 +218,20 @@ def _fusion_key(t: TensorPlan):
     return (w.kind, w.element, w.block, w.scale_dtype, p.activation, p.grad, p.backward)
 
 
+def _fusion_keys():
+    """`_fusion_key` memoised by Precision object for one pass over a plan (which keeps them alive): hashing the
+    nested formats of 46k tensors by value is most of check_fused_siblings otherwise."""
+    memo: dict[int, tuple] = {}
+
+    def fusion_key(t: TensorPlan) -> tuple:
+        k = memo.get(id(t.precision))
+        if k is None:
+            k = memo[id(t.precision)] = _fusion_key(t)
+        return k
+
+    return fusion_key
+
+
 def check_share_scale(plan: Plan) -> list[Diagnostic]:
     by_name = {t.hf_name: t for t in plan.tensors} if plan.share_scale_groups else {}
     out = []
@@ -229,8 +243,8 @@ def check_share_scale(plan: Plan) -> list[Diagnostic]:
                                   message=f"{missing[0]}: member of share-scale group {g.id} is not in the plan",
                                   hint="re-resolve the plan against this model"))
             continue
-        precs = {t.precision for t in members}
-        if len(precs) > 1:
+        first = members[0].precision if members else None
+        if any(t.precision is not first and t.precision != first for t in members):  # identity first: no hashing
             a, b = members[0], next(t for t in members if t.precision != members[0].precision)
             out.append(Diagnostic(severity="error", code="share-scale", tensor=a.hf_name,
                                   message=f"{a.hf_name} is {a.precision.short()} but {b.hf_name} in the same share-"

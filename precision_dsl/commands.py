@@ -34,6 +34,12 @@ def load_arch(model: str):
 
 
 def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan:
+    return build_plan_and_arch(policy, model, parallel)[0]
+
+
+def build_plan_and_arch(policy: Path, model: str, parallel: Optional[str] = None):
+    """(plan, architecture): for commands that also check the plan against the model (check, emit), which would
+    otherwise enumerate the architecture twice (DeepSeek-V3: 46k tensors, ~0.1 s)."""
     from .parallel import parse_parallel
     from .resolve import resolve
 
@@ -43,14 +49,20 @@ def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan
     path = find_policy(policy)
     if path is None:
         raise UserError(f"policy file '{policy}' does not exist", policy_hint())
-    plan = resolve(path, load_arch(model), layout)
-    # A CLI process keeps the architecture and the plan (~1M objects for DeepSeek-V3) until it exits. Move them
-    # to the cyclic GC's permanent generation: otherwise every full collection triggered while the backends build
-    # their per-tensor manifests rescans all of them (~40% of `policyc emit`'s CPU time on DeepSeek-V3).
+    # A CLI process keeps the architecture and the plan (~1M objects for DeepSeek-V3, no reference cycles) until it
+    # exits. Build them with the cyclic GC off and move them to its permanent generation before turning it back on:
+    # otherwise the first collection after the build scans them all once (~50 ms), and every full collection
+    # triggered while the backends build their per-tensor manifests rescans them (~40% of `policyc emit` before).
     import gc
 
-    gc.freeze()
-    return plan
+    gc.disable()
+    try:
+        arch = load_arch(model)
+        plan = resolve(path, arch, layout)
+    finally:
+        gc.freeze()
+        gc.enable()
+    return plan, arch
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,10 +133,16 @@ def _layer_rows(tensors: list[TensorPlan]) -> list[tuple]:
     """Rows of one layer, experts collapsed: key = (local name pattern, formats, rule) -> expert ids."""
     # First bucket on cheap identity keys (routed experts are ~99% of DeepSeek-V3's 46k tensors and share their
     # name pattern per role), then derive display strings once per bucket.
+    # Precision / RuleRef by identity: the plan holds them (shared by thousands of tensors) and hashing the nested
+    # pydantic models by value was a third of `policyc plan`'s table time.
     buckets: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
     for t in tensors:
-        ident = (t.role, t.shape, t.precision, t.decided_by, t.is_linear) if t.expert is not None else (t.hf_name,)
-        buckets.setdefault(ident, []).append(t)
+        ident = (t.role, t.shape, id(t.precision), id(t.decided_by), t.is_linear) if t.expert is not None \
+            else (t.hf_name,)
+        bucket = buckets.get(ident)
+        if bucket is None:
+            bucket = buckets[ident] = []
+        bucket.append(t)
     groups: "OrderedDict[tuple, list[TensorPlan]]" = OrderedDict()
     for ts in buckets.values():
         t = ts[0]
@@ -176,13 +194,28 @@ def plan_rows(plan: Plan, tensor_glob: Optional[str] = None, expand: bool = Fals
     return out
 
 
+def _short_by_identity():
+    """`fmt.short()` memoised by object for one pass over a plan (TensorFormat.short's own cache hashes the model by
+    value on every call; a plan shares a few format objects among all its tensors and keeps them alive)."""
+    memo: dict[int, str] = {}
+
+    def short(fmt) -> str:
+        s = memo.get(id(fmt))
+        if s is None:
+            s = memo[id(fmt)] = fmt.short()
+        return s
+
+    return short
+
+
 def summarize(plan: Plan) -> list[tuple[str, int, float, int, int]]:
     """(weight format, params, % of params, bytes before, bytes after) per weight format, largest first."""
     acc: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
     total = 0
+    short = _short_by_identity()
     for t in plan.tensors:
         n = t.numel
-        a = acc[t.weight.short()]
+        a = acc[short(t.weight)]
         a[0] += n
         a[1] += t.bytes_before
         a[2] += t.bytes_after
@@ -201,13 +234,14 @@ def role_summary(plan: Plan) -> tuple[list[tuple[str, int, float, str]], int, in
     acc: dict[str, int] = defaultdict(int)
     fmts: dict[str, set] = defaultdict(set)
     main = mtp = 0
+    short = _short_by_identity()
     for t in plan.tensors:
         if t.mtp is not None:
             mtp += t.numel
             continue
         group = t.role.split(".")[0]
         acc[group] += t.numel
-        fmts[group].add(t.weight.short())
+        fmts[group].add(short(t.weight))
         main += t.numel
     order = [g for g in ROLE_GROUP_ORDER if g in acc] + sorted(g for g in acc if g not in ROLE_GROUP_ORDER)
     rows = [(g, acc[g], 100.0 * acc[g] / main if main else 0.0, ", ".join(sorted(fmts[g]))) for g in order]
@@ -372,7 +406,9 @@ def register(app: typer.Typer) -> None:
                     data["tensors"] = [json.loads(t.model_dump_json()) for t in keep]
                     sys.stdout.write(json.dumps(data, indent=2) + "\n")
                 else:
-                    sys.stdout.write(plan.to_json() + "\n")
+                    for piece in plan.json_pieces():  # DeepSeek-V3: 55 MB, never held whole
+                        sys.stdout.write(piece)
+                    sys.stdout.write("\n")
             else:
                 _print_plan(plan, tensor, expand)
 
@@ -440,8 +476,8 @@ def register(app: typer.Typer) -> None:
 
             chosen = chosen_backends(backend)
             checked_te_version(te_version)
-            plan = build_plan(policy, model, parallel)
-            res = run_gate(plan, load_arch(model), chosen, te_version)
+            plan, arch = build_plan_and_arch(policy, model, parallel)
+            res = run_gate(plan, arch, chosen, te_version)
             diags = res.diagnostics
             con = console()
             n_err = sum(1 for d in diags if d.severity == "error")

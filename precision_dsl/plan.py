@@ -8,16 +8,17 @@ not where rules came from, so moving a policy file does not change the contract.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 from enum import Enum
 from functools import lru_cache
-from typing import Optional
+from typing import Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import __version__
-from .arch.base import CheckpointTensor
+from .arch.base import CheckpointTensor, unvalidated_constructor
 from .precision import CHECKPOINT_DTYPES, DEFAULT_SOURCE_DTYPE, BackwardMode, Precision, TensorFormat, hp
 
 
@@ -114,6 +115,14 @@ class TensorPlan(CheckpointTensor, BaseModel):
         return self.precision.backward
 
 
+# The resolver builds one TensorPlan per checkpoint tensor (46k on DeepSeek-V3) from values that are valid by
+# construction: without per-object validation (arch.base.unvalidated_constructor, same objects as model_construct).
+new_tensor_plan = unvalidated_constructor(TensorPlan, dict(
+    hf_name="model.layers.0.mlp.experts.1.gate_proj.weight", megatron_name="m", megatron_part="gate",
+    sglang_prefix="s", role="routed_experts.gate", layer=0, expert=1, mtp=None, shape=(4, 2), is_linear=True,
+    precision=Precision.high(), share_scale_group=None, bytes_before=16, bytes_after=16, decided_by=None,
+    overridden=(), fused_group="experts.gate_up", source_dtype=DEFAULT_SOURCE_DTYPE, source_format=None))
+
 
 class ShareScaleGroup(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -121,6 +130,10 @@ class ShareScaleGroup(BaseModel):
     id: str  # e.g. model.layers.3.mlp.experts.17.{gate_proj,up_proj}
     members: tuple[str, ...]  # HF tensor names
     declared_at: Optional[RuleRef] = None
+
+
+new_share_scale_group = unvalidated_constructor(ShareScaleGroup, dict(
+    id="model.layers.0.mlp.experts.1.{gate_proj,up_proj}", members=("a", "b"), declared_at=None))
 
 
 class Plan(BaseModel):
@@ -145,23 +158,28 @@ class Plan(BaseModel):
         # One line per tensor; the precision JSON is cached per Precision *object* (a plan shares a handful of them
         # across thousands of tensors; keying by value would hash the nested pydantic models 46k times, ~0.5 s on
         # DeepSeek-V3). The ids stay valid: the plan holds every Precision for the duration.
-        dumped: dict[int, str] = {}
         h = hashlib.sha256(json.dumps({"target": self.target}, sort_keys=True).encode())
-        lines = []
-        append = lines.append
+        _update_joined(h, self._contract_lines())
+        return "sha256:" + h.hexdigest()
+
+    def _contract_lines(self) -> Iterator[str]:
+        """One line per tensor, then one per share-scale group: what content_hash covers."""
+        dumped: dict[int, str] = {}
+        shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
         for t in self.tensors:
-            prec = t.precision
+            d = t.__dict__
+            prec, shape = d["precision"], d["shape"]
             p = dumped.get(id(prec))
             if p is None:
                 p = dumped[id(prec)] = json.dumps(prec.model_dump(mode="json"), sort_keys=True,
                                                   separators=(",", ":"))
-            append(f"T|{t.hf_name}|{t.megatron_name}|{t.megatron_part}|{t.sglang_prefix}|"
-                   f"{','.join(map(str, t.shape))}|{p}|{t.share_scale_group}")
+            dims = shapes.get(id(shape))
+            if dims is None:
+                dims = shapes[id(shape)] = ",".join(map(str, shape))
+            yield (f"T|{d['hf_name']}|{d['megatron_name']}|{d['megatron_part']}|{d['sglang_prefix']}|{dims}|{p}|"
+                   f"{d['share_scale_group']}")
         for g in self.share_scale_groups:
-            append(f"G|{g.id}|{','.join(g.members)}")
-        blob = "\n".join(lines).encode()
-        h.update(blob)
-        return "sha256:" + h.hexdigest()
+            yield f"G|{g.id}|{','.join(g.members)}"
 
     # -- convenience lookups -------------------------------------------------------------------------------------
     def by_name(self) -> dict[str, TensorPlan]:
@@ -187,21 +205,26 @@ class Plan(BaseModel):
 
     def to_json(self, indent: Optional[int] = None, content_hash: Optional[str] = None) -> str:
         """JSON with the content hash as the first key (`content_hash`: a hash the caller already computed for this
-        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_resolve.py),
-        built from per-object cached fragments because a plan shares a few Precision / RuleRef objects among
-        tens of thousands of tensors (DeepSeek-V3: 47 MB in ~0.15 s instead of ~0.8 s); `indent` pretty-prints
-        through the json module (slower)."""
-        ch = content_hash or self.content_hash()
+        plan). Compact by default: byte for byte what pydantic's `model_dump_json` writes (tests/test_commands.py),
+        see `json_pieces`; `indent` pretty-prints through the json module (slower)."""
         if indent is not None:
-            d = {"content_hash": ch, **self.model_dump(mode="json")}
+            d = {"content_hash": content_hash or self.content_hash(), **self.model_dump(mode="json")}
             return json.dumps(d, indent=indent)
+        return "".join(self.json_pieces(content_hash))
+
+    def json_pieces(self, content_hash: Optional[str] = None) -> Iterator[str]:
+        """The compact `to_json` text in consecutive pieces of about a thousand tensors each, so that a large plan
+        (DeepSeek-V3: 55 MB) is written without holding its text. Built from per-group templates because a plan
+        shares a few Precision / RuleRef objects among tens of thousands of tensors (`_tensor_objects`)."""
+        ch = content_hash or self.content_hash()
         empty = self.model_construct(**{**dict(self), "tensors": (), "share_scale_groups": ()})
-        shell = empty.model_dump_json()
-        slot = '"tensors":[],"share_scale_groups":[]'
-        assert shell.count(slot) == 1
-        body = shell.replace(slot, '"tensors":[' + _tensors_json(self.tensors) + '],"share_scale_groups":['
-                             + _groups_json(self.share_scale_groups) + "]")
-        return '{"content_hash":' + json.dumps(ch) + ("," + body[1:] if body != "{}" else "}")
+        head, tail = empty.model_dump_json().split('"tensors":[],"share_scale_groups":[]')
+        yield '{"content_hash":' + json.dumps(ch) + "," + head[1:] + '"tensors":['
+        sep = ""
+        for objects in _tensor_objects(self.tensors):
+            yield sep + ",".join(objects)
+            sep = ","
+        yield '],"share_scale_groups":[' + _groups_json(self.share_scale_groups) + "]" + tail
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -216,6 +239,18 @@ class Plan(BaseModel):
         if expected is not None and expected != plan.content_hash():
             raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
         return plan
+
+
+def _update_joined(h, lines: Iterator[str], per_piece: int = 1024) -> None:
+    """`h.update("\\n".join(lines).encode())` a thousand lines at a time, without building the whole text (the
+    DeepSeek-V3 contract is 28 MB)."""
+    sep = b""
+    while True:
+        piece = list(itertools.islice(lines, per_piece))
+        if not piece:
+            return
+        h.update(sep + "\n".join(piece).encode())
+        sep = b"\n"
 
 
 # ---- fast compact JSON (same bytes as pydantic's serializer) ----------------------------------------------------------
@@ -235,7 +270,7 @@ def _value_json(v, cache: dict) -> str:
     if isinstance(v, Enum):
         return _enc(v.value)
     if isinstance(v, tuple) and all(type(x) is int for x in v):
-        return "[" + ",".join(map(str, v)) + "]"  # shapes: per tensor, not worth caching
+        return "[" + ",".join(map(str, v)) + "]"
     s = cache.get(id(v))
     if s is None:
         if isinstance(v, BaseModel):
@@ -250,27 +285,85 @@ def _value_json(v, cache: dict) -> str:
 
 _SCALAR = {str: _enc, int: str, type(None): lambda v: "null", bool: lambda v: "true" if v else "false"}
 
+# The TensorPlan fields that tell tensors of one module group apart, written per tensor into the `%s` holes of a
+# template (in this order; their types are fixed by TensorPlan: str, optional str/int, a tuple of ints). Every other
+# field (precision, rules, role, fused group, source format: a plan shares a few hundred combinations among tens of
+# thousands of tensors) is written once per distinct combination into that template, so the per-tensor work is one
+# `%` format of already-encoded values.
+_ROW_FIELDS = ("hf_name", "megatron_name", "megatron_part", "sglang_prefix", "layer", "expert", "mtp", "shape",
+               "share_scale_group", "bytes_before", "bytes_after")
+# The template key (in _tensor_objects) names these explicitly: a generic attrgetter + id() key cost ~1 us per tensor,
+# a quarter of the writer. The check keeps the two lists complete when TensorPlan gains a field.
+_GROUP_FIELDS = ("role", "is_linear", "precision", "decided_by", "overridden", "fused_group", "source_dtype",
+                 "source_format")
+if set(_ROW_FIELDS) | set(_GROUP_FIELDS) != set(TensorPlan.model_fields):
+    raise RuntimeError("plan._ROW_FIELDS / _GROUP_FIELDS (and the template key in _tensor_objects) must name every "
+                       "TensorPlan field")
 
-def _tensors_json(tensors) -> str:
-    """Every TensorPlan field, in declaration order (so fields added to TensorPlan are picked up); a value of a
-    type not handled above falls back to pydantic for that tensor."""
-    names = list(TensorPlan.model_fields)
-    heads = [f'"{n}":' for n in names]
-    cache: dict = {}
-    out = []
+
+def _template(t: TensorPlan, cache: dict) -> str:
+    """The compact JSON object of `t` in TensorPlan's field order (so a field added to TensorPlan is picked up),
+    with a `%s` hole for each row field."""
+    parts = []
+    for name in TensorPlan.model_fields:
+        value = "%s" if name in _ROW_FIELDS else _field_json(t, name, cache).replace("%", "%%")
+        parts.append(f'"{name}":{value}')
+    return "{" + ",".join(parts) + "}"
+
+
+def _field_json(t: TensorPlan, name: str, cache: dict) -> str:
+    v = getattr(t, name)
+    f = _SCALAR.get(type(v))
+    if f is not None:
+        return f(v)
+    try:
+        return _value_json(v, cache)
+    except TypeError:  # a value type not handled above: pydantic's own JSON of that one field
+        return t.model_dump_json(include={name})[len(name) + 4:-1]
+
+
+def _tensor_objects(tensors, per_piece: int = 1024) -> Iterator[list[str]]:
+    """Each tensor's compact JSON object, byte for byte as pydantic writes it, in lists of `per_piece`. Templates are
+    keyed by the group fields' values: scalars by value, nested models by identity (a plan holds them all, so the
+    ids stay valid; equal values in different objects only make an extra template)."""
+    templates: dict[tuple, str] = {}
+    fragments: dict = {}  # nested models / tuples -> their JSON, by object
+    shapes: dict[int, str] = {}  # shape tuples are shared by the tensors of one shape (arch/_emit.py)
+    enc = _enc
+    out: list[str] = []
     append = out.append
     for t in tensors:
+        if len(out) == per_piece:
+            yield out
+            out = []
+            append = out.append
         d = t.__dict__
-        try:
-            parts = []
-            for h, n in zip(heads, names):
-                v = d[n]
-                f = _SCALAR.get(type(v))
-                parts.append(h + (f(v) if f is not None else _value_json(v, cache)))
-            append("{" + ",".join(parts) + "}")
-        except TypeError:
-            append(t.model_dump_json())
-    return ",".join(out)
+        key = (d["role"], d["is_linear"], id(d["precision"]), id(d["decided_by"]), id(d["overridden"]),
+               d["fused_group"], d["source_dtype"], id(d["source_format"]))  # = _GROUP_FIELDS
+        tpl = templates.get(key)
+        if tpl is None:
+            tpl = templates[key] = _template(t, fragments)
+        shape = d["shape"]
+        shape_json = shapes.get(id(shape))
+        if shape_json is None:
+            shape_json = shapes[id(shape)] = "[" + ",".join(map(str, shape)) + "]"
+        meg, part, sg, layer, expert, mtp, group = (d["megatron_name"], d["megatron_part"], d["sglang_prefix"],
+                                                     d["layer"], d["expert"], d["mtp"], d["share_scale_group"])
+        append(tpl % (
+            enc(d["hf_name"]),
+            "null" if meg is None else enc(meg),
+            "null" if part is None else enc(part),
+            "null" if sg is None else enc(sg),
+            "null" if layer is None else layer,
+            "null" if expert is None else expert,
+            "null" if mtp is None else mtp,
+            shape_json,
+            "null" if group is None else enc(group),
+            d["bytes_before"],
+            d["bytes_after"],
+        ))
+    if out:
+        yield out
 
 
 def _groups_json(groups) -> str:

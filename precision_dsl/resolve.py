@@ -14,8 +14,8 @@ Problems that come from the MODEL or the PARALLEL LAYOUT (block divisibility, TP
 split, ETP mismatch, pipeline stages) are reported by `checks.check(plan, arch, parallel)` as Diagnostics.
 
 Performance: selector matching is done once per (role, layer, is-mtp) group, not per tensor (only `name(...)` globs
-are evaluated per tensor), and TensorPlans are built by `model_copy` of a template (the inputs are already
-validated).
+are evaluated per tensor), and TensorPlans are built without re-validation (`plan.new_tensor_plan`: the inputs
+are validated already).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Optional, Union
 
 from . import __version__
-from .arch.base import Architecture, LINEAR_ROLES, ROLES, TensorInfo
+from .arch.base import Architecture, LINEAR_ROLES, ROLES, gc_paused
 from .diagnostics import PolicyError
 from .lang import ast
 from .lang.formats import precision_from_spec
 from .lang.parser import parse_policy as _parse_text
-from .plan import ParallelLayout, Plan, RuleRef, ShareScaleGroup, TensorPlan
+from .plan import ParallelLayout, Plan, RuleRef, TensorPlan, new_share_scale_group, new_tensor_plan
 from .precision import (BLACKWELL_ONLY_KINDS, CHECKPOINT_DTYPES, ELEMENT_BITS, SOURCE_DTYPE_OF_FORMAT, FormatError,
                         Precision, source_bytes, storage_bytes)
 from .resources import find_policy, policies_dir, policy_hint
@@ -420,7 +420,8 @@ def _decide(rules: list[_Rule], base: Precision, linear: bool, ckpt_bits: int = 
 def resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout] = None) -> Plan:
     """Resolve a policy (path, or an already parsed `ast.Policy`) against an architecture. Raises PolicyError for
     policy-level errors; run `checks.check(plan, arch, parallel)` for model/layout checks."""
-    return _resolve(policy_path, arch, parallel)
+    with gc_paused():  # one TensorPlan per tensor, no cycles
+        return _resolve(policy_path, arch, parallel)
 
 
 def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[ParallelLayout]) -> Plan:
@@ -439,7 +440,11 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         sig = tuple(r.matcher.name_re.match(t.hf_name) is not None for r in name_rules) if name_rules else ()
-        groups.setdefault((t.role, t.layer, t.mtp is not None, sig), []).append(i)
+        key = (t.role, t.layer, t.mtp is not None, sig)
+        idxs = groups.get(key)
+        if idxs is None:
+            idxs = groups[key] = []
+        idxs.append(i)
 
     for (role, layer, is_mtp, sig), idxs in groups.items():
         linear = role in LINEAR_ROLES
@@ -478,32 +483,7 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         notes.append(f"target hopper emulate: {names} are not native on Hopper; they run by exact emulation "
                      "(quantize -> dequantize -> bf16/fp32 GEMM): same numerics, no speed-up")
 
-    # TensorPlans are built by copying one template with every field replaced (pydantic's public model_copy; the
-    # inputs are validated already): twice as fast as model_construct on DeepSeek-V3's 46k tensors.
-    template = TensorPlan.model_construct(hf_name="", role="", shape=(), is_linear=False, precision=Precision.high(),
-                                          bytes_before=0, bytes_after=0)
-    bytes_cache: dict = {}
-    plans = []
-    linear_roles = LINEAR_ROLES
-    for i, t in enumerate(tensors):
-        p = precs[i]
-        shape = t.shape
-        bkey = (shape, id(p.weight))
-        after = bytes_cache.get(bkey)
-        if after is None:
-            after = bytes_cache[bkey] = storage_bytes(p.weight, shape)
-        sf = t.source_format  # a quantized source (FP8-block release): stored as float8_e4m3fn + a scale grid
-        skey = (shape, t.dtype, id(sf))  # source formats are shared objects of the architecture (alive here)
-        before = bytes_cache.get(skey)
-        if before is None:
-            before = bytes_cache[skey] = source_bytes(t.dtype, shape, sf)
-        plans.append(template.model_copy(update=dict(
-            hf_name=t.hf_name, megatron_name=t.megatron_name, megatron_part=t.megatron_part,
-            sglang_prefix=t.sglang_prefix, role=t.role, layer=t.layer, expert=t.expert, mtp=t.mtp,
-            shape=shape, is_linear=t.role in linear_roles, precision=p, share_scale_group=group_of.get(i),
-            bytes_before=before, bytes_after=after,
-            decided_by=decided[i], overridden=overridden[i], fused_group=t.fused_group,
-            source_dtype=t.dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], source_format=sf)))
+    plans = _tensor_plans(tensors, precs, decided, overridden, group_of)
     if arch.source_quantization and not any(t.source_format for t in tensors):
         notes.append(f"the checkpoint's quantization_config says quant_method '{arch.source_quantization}', which "
                      "policyc cannot describe: bytes before are counted in torch_dtype and `convert` will refuse it")
@@ -512,6 +492,36 @@ def _resolve(policy_path: PolicySource, arch: Architecture, parallel: Optional[P
         model_type=arch.model_type, num_layers=arch.num_layers, target=comp.target, emulate=comp.emulate,
         parallel=parallel, tensors=tuple(plans), share_scale_groups=tuple(share_groups), policyc_version=__version__,
         notes=tuple(notes))
+
+
+def _tensor_plans(tensors, precs: list, decided: list, overridden: list, group_of: dict) -> list[TensorPlan]:
+    """One TensorPlan per checkpoint tensor, in HF order (46k on DeepSeek-V3: fields read from the TensorInfo's
+    `__dict__`, a dict literal in TensorPlan's field order). Byte counts are computed once per distinct (shape,
+    format): DeepSeek-V3 has a few dozen."""
+    storage: dict = {}
+    source: dict = {}
+    plans = []
+    append = plans.append
+    linear_roles = LINEAR_ROLES
+    group = group_of.get
+    for i, (t, p, by, over) in enumerate(zip(tensors, precs, decided, overridden)):
+        d = t.__dict__
+        shape, dtype, sf = d["shape"], d["dtype"], d["source_format"]
+        after = storage.get((shape, id(p)))  # precisions are shared objects, alive for the whole call
+        if after is None:
+            after = storage[shape, id(p)] = storage_bytes(p.weight, shape)
+        # sf: a quantized source (FP8-block release) is stored as float8_e4m3fn + a scale grid
+        before = source.get((shape, dtype, id(sf)))  # source formats are shared objects of the architecture
+        if before is None:
+            before = source[shape, dtype, id(sf)] = source_bytes(dtype, shape, sf)
+        append(new_tensor_plan({
+            "hf_name": d["hf_name"], "megatron_name": d["megatron_name"], "megatron_part": d["megatron_part"],
+            "sglang_prefix": d["sglang_prefix"], "role": d["role"], "layer": d["layer"], "expert": d["expert"],
+            "mtp": d["mtp"], "shape": shape, "is_linear": d["role"] in linear_roles, "precision": p,
+            "share_scale_group": group(i), "bytes_before": before, "bytes_after": after, "decided_by": by,
+            "overridden": over, "fused_group": d["fused_group"],
+            "source_dtype": dtype if sf is None else SOURCE_DTYPE_OF_FORMAT[sf.element], "source_format": sf}))
+    return plans
 
 
 def _describe_selector(sel: ast.Selector, arch: Architecture) -> str:
@@ -549,27 +559,36 @@ def _sel_text(r: _Rule) -> str:
     return txt.split(":", 1)[0].strip()
 
 
-def _group_id(members: list[TensorInfo]) -> str:
+def _group_id(names: tuple[str, ...]) -> str:
     """e.g. model.layers.3.mlp.experts.17.{gate_proj,up_proj}"""
-    parts = [m.hf_name.rsplit(".", 2) for m in members]  # [prefix, module leaf, "weight"]
+    parts = [n.rsplit(".", 2) for n in names]  # [prefix, module leaf, "weight"]
     prefix = parts[0][0]
     if all(len(p) == 3 and p[0] == prefix for p in parts):
         return prefix + ".{" + ",".join(p[1] for p in parts) + "}"
-    return "{" + ",".join(m.module for m in members) + "}"
+    return "{" + ",".join(n.rsplit(".", 1)[0] for n in names) + "}"  # TensorInfo.module of each member
 
 
-def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided: list, keyed: dict):
+@dataclass
+class _ShareInstance:
+    """One fused-sibling instance (one layer's q/k/v, one expert's gate/up) selected by share_scale statements."""
+
+    members: set[int]  # tensor indices
+    st: ast.ShareScale  # the first statement that selected it
+    ref: RuleRef
+    src: str
+
+
+def _share_instances(comp: Compiled, arch: Architecture, keyed: dict) -> dict[tuple, _ShareInstance]:
+    """Fused-sibling instance key (CheckpointTensor.fused_key) -> the tensors share_scale statements select in it.
+    Selectors are matched per (role, layer, is-mtp) group like rules; a selected tensor without fused siblings and
+    a non-optional statement selecting nothing are PolicyErrors."""
     tensors = arch.tensors
-    groups: dict[tuple, dict] = {}  # instance key -> {"members": [idx], "ref": RuleRef}
-    notes: list[str] = []
-    if not comp.shares:
-        return [], {}, notes
+    instances: dict[tuple, _ShareInstance] = {}
     for st, matcher, ref in comp.shares:
         src = comp.flat.sources.get(st.span.file, "")
-        hits = []
-        for (role, layer, is_mtp, _sig), idxs in keyed.items():
-            if matcher.matches_key(role, layer, is_mtp):
-                hits.extend(i for i in idxs if matcher.name_re is None or matcher.name_re.match(tensors[i].hf_name))
+        name_re = matcher.name_re
+        hits = [i for (role, layer, is_mtp, _sig), idxs in keyed.items() if matcher.matches_key(role, layer, is_mtp)
+                for i in idxs if name_re is None or name_re.match(tensors[i].hf_name)]
         if not hits:
             if st.optional:
                 continue
@@ -577,30 +596,40 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
                               "mark it `optional share_scale ...` if the model may lack these tensors", src)
             _add_import_note(err, comp.flat)
             raise err
-        hits.sort()
+        hits.sort()  # error messages name the first offender in HF order
         for i in hits:
             t = tensors[i]
-            if t.fused_group is None:
+            key = t.fused_key
+            if key is None:
                 err = PolicyError(f"share_scale selects '{t.hf_name}' ({t.role}), which has no fused siblings",
                                   st.selector.span, "share_scale groups fused siblings: q/k/v, gate/up (dense, "
                                   "routed or shared experts), q_a/kv_a; narrow the selector, e.g. "
                                   "routed_experts.{gate, up}", src)
                 _add_import_note(err, comp.flat)
                 raise err
-            key = t.fused_key
-            g = groups.setdefault(key, {"members": [], "ref": ref, "src": src, "st": st})
-            if i not in g["members"]:
-                g["members"].append(i)
+            inst = instances.get(key)
+            if inst is None:
+                inst = instances[key] = _ShareInstance(members=set(), st=st, ref=ref, src=src)
+            inst.members.add(i)
+    return instances
+
+
+def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided: list, keyed: dict):
+    """The plan's share-scale groups (in order of first selection), the group id of each member's index, and notes.
+    Members of a group get one shared Precision object whose weight has global_scale 'group' (`precs` is updated in
+    place). Members with different formats are a PolicyError."""
+    tensors = arch.tensors
+    notes: list[str] = []
+    if not comp.shares:
+        return [], {}, notes
     out, group_of = [], {}
     noted: set = set()
-    shared_cache: dict[int, Precision] = {}
-    keep_alive: list = []  # ids in shared_cache stay valid while these live
-    for key, g in groups.items():
-        idxs = sorted(g["members"])
-        members = [tensors[i] for i in idxs]
-        st, src = g["st"], g["src"]
+    shared_of: dict[int, tuple] = {}  # id(member precision) -> (it, its group-scaled copy); held: ids stay valid
+    for inst in _share_instances(comp, arch, keyed).values():
+        idxs = sorted(inst.members)
+        st, src = inst.st, inst.src
         if len(idxs) < 2:
-            err = PolicyError(f"share_scale group of '{members[0].hf_name}' has a single member",
+            err = PolicyError(f"share_scale group of '{tensors[idxs[0]].hf_name}' has a single member",
                               st.selector.span, "select all fused siblings, e.g. routed_experts.{gate, up}", src)
             _add_import_note(err, comp.flat)
             raise err
@@ -620,17 +649,16 @@ def _share_scale_groups(comp: Compiled, arch: Architecture, precs: list, decided
         if w.global_scale not in ("tensor", "expert", "group"):
             if id(st) not in noted:
                 noted.add(id(st))
-                notes.append(f"share_scale at {g['ref']}: some members are {first.short()}, which has no "
+                notes.append(f"share_scale at {inst.ref}: some members are {first.short()}, which has no "
                              "second-level (per-tensor) scale, so they form no share-scale group")
             continue
-        shared = shared_cache.get(id(first))
-        if shared is None:
-            shared = first.model_copy(update={"weight": w.model_copy(update={"global_scale": "group"})})
-            shared_cache[id(first)] = shared
-            keep_alive.append(first)
-        gid = _group_id(members)
-        out.append(ShareScaleGroup.model_construct(id=gid, members=tuple(m.hf_name for m in members),
-                                                   declared_at=g["ref"]))
+        if id(first) not in shared_of:
+            shared_of[id(first)] = (first, first.model_copy(
+                update={"weight": w.model_copy(update={"global_scale": "group"})}))
+        shared = shared_of[id(first)][1]
+        names = tuple([tensors[i].hf_name for i in idxs])
+        gid = _group_id(names)
+        out.append(new_share_scale_group({"id": gid, "members": names, "declared_at": inst.ref}))
         for i in idxs:
             precs[i] = shared
             group_of[i] = gid

@@ -169,3 +169,16 @@ def test_fast_plan_json_is_pydantics_bytes(dsv3_plan):
     fast = dsv3_plan.to_json()
     assert fast == '{"content_hash":' + json.dumps(h) + "," + dsv3_plan.model_dump_json()[1:]
     assert Plan.from_json(fast).content_hash() == h
+
+
+def test_fast_plan_json_matches_pydantic_on_every_shipped_policy(tmp_path):
+    """The per-group templates (plan._tensor_objects) on every shipped policy (rule texts with '%' and quotes) and on
+    a policy whose rule text holds non-ASCII and JSON escapes, streamed in pieces as the CLI writes them."""
+    arch = load_architecture("qwen3-30b-a3b")
+    odd = tmp_path / "odd.policy"
+    odd.write_text('policy "odd \u00e9" {\n    default bf16\n'
+                   '    name("*.mlp.experts.1*"): mxfp8  # 50% "quoted" \\ é\n    layers[-10%:]: bf16\n}\n')
+    for policy in [*sorted(POL.glob("*.policy")), odd]:
+        plan = resolve(policy, arch)
+        want = '{"content_hash":' + json.dumps(plan.content_hash()) + "," + plan.model_dump_json()[1:]
+        assert "".join(plan.json_pieces()) == plan.to_json() == want, policy.name

@@ -7,7 +7,9 @@ names the other consumers use (Megatron-core parameter name, SGLang module prefi
 
 from __future__ import annotations
 
-from typing import Optional
+import gc
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -95,6 +97,56 @@ class CheckpointTensor:
         groups, SGLang, weight-update atomic groups)."""
         g = self.fused_group
         return None if g is None else (g, self.mtp, self.layer, self.expert)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while tens of thousands of model objects are built (the architecture's TensorInfos, the
+    plan's TensorPlans): otherwise allocation-triggered collections rescan every live object again and again
+    (DeepSeek-V3 resolve: 0.42 s instead of 0.24 s CPU with the default GC thresholds). The builders make no cycles,
+    and the previous state is always restored."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def unvalidated_constructor(model: type[M], sample: dict) -> Callable[[dict], M]:
+    """`make(values)`: a `model` instance from a dict holding EVERY field's value in declaration order, without
+    validation -- for objects valid by construction that are built by the ten thousand (DeepSeek-V3: 46k TensorInfos,
+    then 46k TensorPlans). The result equals what `model.model_construct(**values)` returns (pydantic 2 sets
+    `__dict__`, `__pydantic_fields_set__`, `__pydantic_extra__`, `__pydantic_private__`) without its per-call field
+    loop, ~4x faster. `values` becomes the instance's `__dict__` (not copied). All instances share ONE fields-set
+    (~1 KB each otherwise, 90 MB over DeepSeek-V3's plan): it holds every field, so pydantic's only in-place change
+    to it, `add(field)` on assignment, could not alter it (and these models are frozen); copies get their own.
+    The equivalence is checked on `sample` here; if pydantic's internals ever differ, `make` is model_construct."""
+    fields = tuple(model.model_fields)
+    every_field = set(fields)
+    new, set_attr = object.__new__, object.__setattr__
+
+    def construct_unvalidated(values: dict) -> M:
+        obj = new(model)
+        set_attr(obj, "__dict__", values)
+        set_attr(obj, "__pydantic_fields_set__", every_field)
+        set_attr(obj, "__pydantic_extra__", None)
+        set_attr(obj, "__pydantic_private__", None)
+        return obj
+
+    def construct_via_pydantic(values: dict) -> M:
+        return model.model_construct(**values)
+
+    ref, fast = model.model_construct(**sample), construct_unvalidated(dict(sample))
+    same = all(getattr(ref, a, None) == getattr(fast, a, None)
+               for a in ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")) \
+        and list(ref.__dict__) == list(fields) == list(fast.__dict__) and ref == fast \
+        and model.model_config.get("frozen") and fast.model_copy().model_fields_set is not every_field
+    return construct_unvalidated if same else construct_via_pydantic
 
 
 class TensorInfo(CheckpointTensor, BaseModel):

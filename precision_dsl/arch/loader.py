@@ -5,35 +5,19 @@ Only config.json is read (never weights), as JSON data. Every failure is an Arch
 
 from __future__ import annotations
 
-import gc
 import math
-from contextlib import contextmanager
 import os
 from pathlib import Path
 from typing import Any
 
 from ..resources import models_dir
 from ._config import MAX_PARAMS, MAX_TENSORS
-from .base import Architecture
+from .base import Architecture, gc_paused
 from .errors import ArchitectureError
 from .families import apply_aliases, dispatch
 from .families import supported_model_types as _supported_model_types
 from .source import apply_source_formats, parse_source_quantization
 MAX_CONFIG_BYTES = 16 * 1024 * 1024  # real config.json files are a few KiB
-
-
-@contextmanager
-def _gc_paused():
-    """Pause the cyclic GC while ~46k TensorInfo objects are allocated: otherwise allocation-triggered collections
-    rescan every live object repeatedly (0.10 s -> 0.16-0.23 s for DeepSeek-V3). The builder makes no cycles, and the
-    previous state is always restored."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def supported_model_types() -> list[str]:
@@ -131,7 +115,7 @@ def architecture_from_config(raw: dict[str, Any], name: str, source: str = "conf
             f"limit {MAX_TENSORS})",
             hint="check num_hidden_layers / num_experts / n_routed_experts for typos",
         )
-    with _gc_paused():
+    with gc_paused():
         tensors = apply_source_formats(adapter.emit(cfg), source_quant)
     total = sum(math.prod(t.shape) for t in tensors)
     if total > MAX_PARAMS:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..backends.common import BACKENDS, PLAN_FILE, Artifact, UnsupportedByBackend
+from ..backends.common import BACKENDS, Artifact, UnsupportedByBackend, plan_artifact
 from ..diagnostics import Diagnostic
 
 BACKEND_CHOICES = BACKENDS
@@ -49,7 +49,7 @@ def run_gate(plan, arch, backends: Optional[list[str]] = None, te_version: Optio
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
     res = GateResult(diagnostics=list(check(plan, arch, plan.parallel)))
-    res.artifacts.append(Artifact(PLAN_FILE, plan.to_json(indent=None) + "\n", "the plan (IR) with its content_hash"))
+    res.artifacts.append(plan_artifact(plan, "the plan (IR) with its content_hash"))
     for name in backends or BACKEND_CHOICES:
         try:
             arts = megatron.emit(plan, te_version=te_version) if name == "megatron" else mods[name].emit(plan)

@@ -30,7 +30,7 @@ from ..errors import PolicycError
 
 from ..arch import load_architecture
 from ..backends import megatron, sglang, versions
-from ..backends.common import Artifact
+from ..backends.common import plan_artifact
 from ..parallel import parse_parallel
 from .gate import run_gate
 from .plans import load_plan, policy_path
@@ -88,7 +88,7 @@ def build_launch(plan, policy_file: Path, model: str, parallel: Optional[str] = 
     mcfg = megatron.trainer_config(plan, te_version)
     scfg = sglang.rollout_config(plan)
     arts = list(megatron.emit(plan, te_version)) + list(sglang.emit(plan))
-    arts.append(Artifact("policyc_plan.json", plan.to_json() + "\n", "the plan (content hash checked by consumers)"))
+    arts.append(plan_artifact(plan, "the plan (content hash checked by consumers)"))
     env = dict(mcfg.env)
     env.update(scfg.env)
     rollout = plan.parallel.rollout if plan.parallel else None
