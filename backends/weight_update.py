@@ -748,9 +748,11 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
 
 class WeightSender:
     def __init__(self, plan: Plan, transport, bucket_bytes: int = 512 << 20, check_equal: bool = False,
-                 arch_config: Optional[dict] = None, min_buckets: int = 1):
+                 arch_config: Optional[dict] = None, min_buckets: int = 8):
         # min_buckets (GPU update program only): shrink the buckets until the update has at least this many, so
-        # quantization overlaps the transfer even for a small model (bucket_bytes stays the upper bound)
+        # quantization overlaps the transfer even for a small model (bucket_bytes stays the upper bound). 8: the
+        # 1.34B NVFP4 update over NCCL went 2.11x -> 1.96x a bare broadcast with it (16: 2.24x; same H200-x2 run,
+        # benchmarks/results_s9_wu_nccl_min_buckets.json); models of >= 8 full buckets are unaffected
         self.plan, self.transport, self.bucket_bytes = plan, transport, int(bucket_bytes)
         self.min_buckets = max(1, int(min_buckets))
         self.check_equal = check_equal

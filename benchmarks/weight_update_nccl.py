@@ -46,7 +46,7 @@ def _barrier_time(fn, reps, dist, torch, dev):
     return statistics.median(ts), ts
 
 
-def bench_model(rank, label, cfg, reps, bucket_mb, results, min_buckets=1):
+def bench_model(rank, label, cfg, reps, bucket_mb, results, min_buckets=8):
     import torch
     import torch.distributed as dist
 
@@ -171,7 +171,7 @@ def worker(rank: int, args) -> None:
     results: list = []
     try:
         for mb in args.min_buckets:
-            bench_model(rank, f"qwen3-moe-1.3b, min {mb} buckets" if mb > 1 else "qwen3-moe-1.3b", MOE_1B, args.reps,
+            bench_model(rank, f"qwen3-moe-1.3b, min {mb} buckets", MOE_1B, args.reps,
                         args.bucket_mb, results, mb)
         if not args.skip_30b:
             bench_model(rank, f"qwen3-30b-a3b-shaped ({args.layers} layers)",
@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--skip-30b", action="store_true")
-    ap.add_argument("--min-buckets", type=int, nargs="+", default=[1],
+    ap.add_argument("--min-buckets", type=int, nargs="+", default=[8],
                     help="WeightSender(min_buckets=) values to run the 1.34B model with")
     args = ap.parse_args()
     import torch
