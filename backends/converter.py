@@ -196,14 +196,126 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     return {"quantization_config": cfg.quantization_config, "hf_quant_config": cfg.hf_quant_config}
 
 
-def _specs_for_unit(plan: Plan, unit: list[str], srcc: Optional[SourceCheckpoint] = None):
+def _specs_for_unit(by: dict, unit: list[str]):
+    """(name, dtype, shape) of every output tensor of one work unit, in write order. `by` = plan.by_name(), built
+    once by the caller (building it per unit made conversion quadratic in the tensor count)."""
     from .quantize import output_specs
 
-    by = plan.by_name()
     out = []
     for n in unit:
         out.extend(output_specs(by[n]))
     return out
+
+
+def _quantizes(members) -> bool:
+    return any(t.is_linear and t.precision.weight.is_quantized for t in members)
+
+
+def _unit_device(members, device: str) -> str:
+    """Where a work unit is computed: only quantization goes to the GPU; pass-through and high-precision casts stay
+    on the host (a GPU round trip would add two copies and change no byte)."""
+    return device if device != "cpu" and _quantizes(members) else "cpu"
+
+
+class _DeviceUnits:
+    """Work units quantized on a CUDA device with ONE host<->device synchronisation per unit (per-tensor finite
+    checks and per-output copies to pageable memory cost ~10 synchronisations per tensor): the inputs come from the
+    reader's pinned arena (non-blocking H2D), checkpoint_tensors runs without its host-synchronising checks, every
+    input and output the sequential checks would test is tested on the device into one flag, and all outputs plus
+    the flag are copied non-blocking into one pinned host buffer. Only when the flag says "not finite" are the
+    sequential checks re-run on the same device tensors, raising exactly the NonFiniteWeight they always raise.
+    Bytes are the same as on the CPU path (tests/test_converter.py, GPU test)."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self._host = None
+
+    def _buffer(self, n: int):
+        import torch
+
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+    def run(self, members, reader, uspecs) -> dict:
+        import torch
+
+        from . import fp8_source
+        from .quantize import checkpoint_tensors
+
+        seen: dict = {}
+
+        def quantize_unchecked(pairs, backend):
+            seen["pairs"] = pairs
+            return checkpoint_tensors(pairs, backend, check_finite=False)
+
+        out = fp8_source.unit_tensors(members, reader, BACKEND, self.device, quantize_unchecked)
+        pairs = seen.get("pairs", [])
+        mods = tuple(module_of(t.hf_name) + "." for t, _ in pairs)  # pass-through FP8 members are not checked
+        oks, host_ok = [], True
+        for y in [x for _, x in pairs] + [y for n, y in out.items() if n.startswith(mods)]:
+            ok = _finite_flag(y)
+            if ok is None:
+                continue
+            if y.is_cuda:
+                oks.append(ok)
+            else:
+                host_ok = host_ok and bool(ok)
+        offs, off = [], 0
+        for name, _dt, _shape in uspecs:
+            offs.append(off)
+            off = (off + out[name].numel() * out[name].element_size() + 63) & ~63
+        buf = self._buffer(off + 1)
+        views = {}
+        for (name, _dt, _shape), o in zip(uspecs, offs):
+            y = out[name]
+            flat = y.detach().contiguous().reshape(-1).view(torch.uint8)
+            dst = buf[o:o + flat.numel()]
+            dst.copy_(flat, non_blocking=True)
+            views[name] = dst.view(y.dtype).reshape(y.shape)
+        flag = buf[off:off + 1]
+        if oks:
+            flag.copy_(torch.stack(oks).all().reshape(1).to(torch.uint8), non_blocking=True)
+        else:
+            flag.fill_(1)
+        torch.cuda.current_stream(self.device).synchronize()
+        if not (host_ok and int(flag[0])):
+            checkpoint_tensors(pairs, BACKEND, check_finite=True)  # raises the sequential path's exact error
+            raise AssertionError("device finite check and checkpoint_tensors disagree")  # pragma: no cover
+        return views
+
+
+def _finite_flag(y):
+    """0-dim bool tensor on y's device: y holds no NaN/Inf (None: a dtype without such codes). Same rules as
+    quantize._assert_finite: float -> isfinite; E4M3FN NaN = S.1111.111; E5M2 Inf/NaN = S.11111.xx."""
+    import torch
+
+    if y.dtype == torch.float8_e4m3fn:
+        return ~((y.view(torch.uint8) & 0x7F) == 0x7F).any()
+    if y.dtype == torch.float8_e5m2:
+        return ~((y.view(torch.uint8) & 0x7C) == 0x7C).any()
+    if not y.is_floating_point():
+        return None
+    return torch.isfinite(y).all()
+
+
+class _TorchThreads:
+    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= what it was before)."""
+
+    def __init__(self):
+        self._saved: Optional[int] = None
+
+    def set(self, n: Optional[int]) -> None:
+        import torch
+
+        if n is not None and self._saved is None:
+            self._saved = torch.get_num_threads()
+            if self._saved != n:
+                torch.set_num_threads(n)
+        elif n is None and self._saved is not None:
+            if torch.get_num_threads() != self._saved:
+                torch.set_num_threads(self._saved)
+            self._saved = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,13 +335,22 @@ def file_checksum(path: Path) -> str:
 class _Reader:
     """Reads one tensor at a time with plain positioned reads at the offsets of the VALIDATED header (no mmap: a
     mapped shard's touched pages count towards RSS for as long as it stays mapped, which would make peak memory
-    grow with the checkpoint instead of the largest tensor). Safetensors format only; nothing is unpickled."""
+    grow with the checkpoint instead of the largest tensor). Safetensors format only; nothing is unpickled.
+
+    `reuse=True` (the converter): tensors are carved out of one reused arena that `release()` recycles after each
+    work unit, so the same hot memory is read into again and again (freshly touched memory costs ~2 s/GB on the
+    CI VM, more than the copy itself); `pin=True` pins that arena for fast host->GPU copies. Without `reuse`
+    every `get` returns a tensor of its own (verify, tests and load_converted keep them)."""
 
     _DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
-    def __init__(self, srcc: SourceCheckpoint):
+    def __init__(self, srcc: SourceCheckpoint, reuse: bool = False, pin: bool = False):
         self.srcc = srcc
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._fds: dict[str, int] = {}
+        self._reuse, self._pin = reuse, pin
+        self._arena = None
+        self._used = 0
 
     def _header(self, shard: str) -> tuple[int, dict]:
         if shard not in self._headers:
@@ -239,6 +360,28 @@ class _Reader:
             self._headers[shard] = (8 + n, read_header(path))
         return self._headers[shard]
 
+    def _fd(self, shard: str) -> int:
+        if shard not in self._fds:
+            self._fds[shard] = os.open(self.srcc.root / shard, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fds[shard]
+
+    def _alloc(self, n: int):
+        import torch
+
+        if not self._reuse:
+            return torch.empty(n, dtype=torch.uint8)
+        start = (self._used + 63) & ~63  # 64-byte aligned slices: any dtype view is aligned
+        if self._arena is None or start + n > self._arena.numel():
+            # grow to what this unit needs so far (earlier slices keep the old arena alive until released), so the
+            # next unit of the same size fits
+            self._arena = torch.empty(start + n, dtype=torch.uint8, pin_memory=self._pin)
+        self._used = start + n
+        return self._arena[start:start + n]
+
+    def release(self) -> None:
+        """Every tensor `get` returned since the last release may now be overwritten (reuse=True only)."""
+        self._used = 0
+
     def get(self, name: str):
         import torch
 
@@ -246,20 +389,30 @@ class _Reader:
         base, header = self._header(shard)
         info = header[name]
         b, e = info["data_offsets"]
-        buf = torch.empty(e - b, dtype=torch.uint8)
-        with open(self.srcc.root / shard, "rb", buffering=0) as f:
-            f.seek(base + b)
-            view = memoryview(buf.numpy())
-            got = 0
-            while got < e - b:
-                k = f.readinto(view[got:])
-                if not k:
-                    raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
-                got += k
+        buf = self._alloc(e - b)
+        fd = self._fd(shard)
+        view = memoryview(buf.numpy())
+        got = 0
+        while got < e - b:
+            k = os.preadv(fd, [view[got:]], base + b + got)
+            if not k:
+                raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
+            got += k
+        del view
         return buf.view(getattr(torch, self._DT[info["dtype"]])).reshape(info["shape"])
 
     def close(self) -> None:
         self._headers.clear()
+        self._arena = None
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):  # readers of tests and callers that never close: do not leak descriptors
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _work_dir(dst: Path) -> Path:
@@ -375,8 +528,11 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         write_atomic(work / "state.json", json.dumps(state).encode())
     out_dir = work / "out"
 
-    reader = _Reader(srcc)
+    # The converter's reader recycles one arena per work unit (pinned when quantizing on a GPU: fast H2D copies).
+    reader = _Reader(srcc, reuse=True, pin=str(device).startswith("cuda"))
     prog = _progress(progress, len(srcc.where))
+    threads = _TorchThreads()
+    on_device = _DeviceUnits(device) if device != "cpu" else None
     try:
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
@@ -386,18 +542,28 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             marker = work / "done" / f"{shard}.json"
             if marker.is_dir() and not marker.is_symlink():  # not ours: a marker is only ever a file
                 shutil.rmtree(marker)
-            specs = [s for u in units for s in _specs_for_unit(plan, u)]
+            unit_specs = [_specs_for_unit(by, u) for u in units]
             tmp_path = work / f"{shard}.writing"
-            writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
+            writer = StreamingWriter(tmp_path, [s for us in unit_specs for s in us],
+                                     metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
-                for unit in units:
-                    for n in unit:
-                        report.bytes_in += by[n].bytes_before
+                for unit, uspecs in zip(units, unit_specs):
+                    members = [by[n] for n in unit]
+                    report.bytes_in += sum(t.bytes_before for t in members)
+                    udev = _unit_device(members, device)
+                    # A unit without quantization only pays a finite check (aminmax) on the host: run it on one
+                    # torch thread. OpenMP's 2-thread barriers next to the writer thread (and other jobs) on a
+                    # 2-core box made each call ~100x slower than its single-threaded time.
+                    threads.set(1 if udev == "cpu" and not _quantizes(members) else None)
                     # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
-                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, device, checkpoint_tensors)
-                    for name, _dt, _shape in _specs_for_unit(plan, unit):
-                        writer.write(name, out[name])
+                    if udev == "cpu":
+                        out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)
+                    else:
+                        out = on_device.run(members, reader, uspecs)
+                    for name, _dt, _shape in uspecs:
+                        writer.write(name, out[name])  # copied into the writer's staging buffer
                     del out
+                    reader.release()
                     prog.advance(len(unit))
                 writer.close()  # fsyncs the shard
             finally:
@@ -410,6 +576,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             if on_shard_done is not None:
                 on_shard_done(shard)
     finally:
+        threads.set(None)
         reader.close()
         prog.stop()
 
@@ -418,7 +585,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
     total_size = 0
     for shard, units in layout.items():
         for u in units:
-            for name, dt, shape in _specs_for_unit(plan, u):
+            for name, dt, shape in _specs_for_unit(by, u):
                 weight_map[name] = shard
         total_size += (out_dir / shard).stat().st_size
     report.bytes_out = total_size
@@ -597,6 +764,7 @@ def load_converted(dst: Path, names: Optional[list[str]] = None):
             continue
         raw = {name: reader.get(name) for name, _dt, _shape in output_specs(t)}
         out[t.hf_name] = read_quantized(t, raw)
+    reader.close()
     return plan, out
 
 
@@ -616,7 +784,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     _check_source_against_plan(srcc, plan)
     layout = output_layout(plan, srcc)
     have = _dst_tensors(dst)
-    expected_names = {name for units in layout.values() for u in units for name, _, _ in _specs_for_unit(plan, u)}
+    by = plan.by_name()
+    expected_names = {name for units in layout.values() for u in units for name, _, _ in _specs_for_unit(by, u)}
     for n in sorted(set(have) - expected_names):
         problems.append(f"unexpected tensor '{n}' in {have[n][0]}")
     for n in sorted(expected_names - set(have)):
@@ -631,9 +800,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
             problems.append("hf_quant_config.json differs from the plan's")
     elif os.path.lexists(dst / "hf_quant_config.json"):  # a loader may read it: it must not be there
         problems.append("hf_quant_config.json is present but the plan has no ModelOpt config")
-    by = plan.by_name()
-    reader = _Reader(srcc)
-    out_reader = _Reader(open_source(dst))
+    reader = _Reader(srcc, reuse=True)  # both arenas are recycled after each unit (see _Reader)
+    out_reader = _Reader(open_source(dst), reuse=True)
     prog = _progress(progress, len(plan.tensors))
     try:
         for shard, units in layout.items():
@@ -642,6 +810,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
                     out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", checkpoint_tensors)
                 except NonFiniteWeight as err:  # the plan cannot hold this source: no output can verify
                     problems.append(str(err))
+                    reader.release()
                     prog.advance(len(unit))
                     continue
                 for name, ref in out.items():
@@ -654,8 +823,13 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
                     if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(
                             got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
                         problems.append(f"tensor '{name}' differs from the re-derived bytes")
+                del out
+                reader.release()
+                out_reader.release()
                 prog.advance(len(unit))
     finally:
+        reader.close()
+        out_reader.close()
         prog.stop()
     return problems
 
