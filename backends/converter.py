@@ -299,6 +299,44 @@ def _finite_flag(y):
     return torch.isfinite(y).all()
 
 
+_FLOAT_DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4)}
+
+
+def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writer: StreamingWriter) -> bool:
+    """A tensor written exactly as stored (same dtype, no quantization; e.g. every tensor of a BF16 policy, norms and
+    embeddings of the others) is read straight into the writer's staging buffer and checked there, piece by piece,
+    with the same finite test as checkpoint_tensors (aminmax). Returns False when this unit is not such a tensor;
+    a non-finite piece re-runs the unit on the normal path, which raises the usual NonFiniteWeight."""
+    import torch
+
+    from . import fp8_source
+    from .quantize import checkpoint_tensors
+
+    if len(members) != 1 or len(uspecs) != 1:
+        return False
+    t = members[0]
+    name, dt, shape = uspecs[0]
+    if (name != t.hf_name or fp8_source.is_fp8_block_source(t) or (t.is_linear and t.precision.weight.is_quantized)
+            or dt not in _FLOAT_DTYPES or srcc.dtypes[name] != dt or tuple(srcc.shapes[name]) != tuple(shape)):
+        return False
+    tdt, size = _FLOAT_DTYPES[dt]
+    if writer.size % size:  # pieces would split elements (only after odd-sized U8/FP8 tensors)
+        return False
+    torch_dt = getattr(torch, tdt)
+
+    def finite(piece) -> bool:
+        if not len(piece):
+            return True
+        lo, hi = torch.aminmax(torch.frombuffer(piece, dtype=torch_dt))
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+    fd, offset, _ = reader.span(name)
+    if writer.write_from_file(name, fd, offset, finite):
+        return True
+    fp8_source.unit_tensors(members, reader, BACKEND, "cpu", checkpoint_tensors)  # raises NonFiniteWeight
+    raise AssertionError(f"'{name}': finite check of the copy path and checkpoint_tensors disagree")  # pragma: no cover
+
+
 class _TorchThreads:
     """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= what it was before)."""
 
@@ -377,6 +415,13 @@ class _Reader:
             self._arena = torch.empty(start + n, dtype=torch.uint8, pin_memory=self._pin)
         self._used = start + n
         return self._arena[start:start + n]
+
+    def span(self, name: str) -> tuple[int, int, str]:
+        """(open descriptor, absolute byte offset, safetensors dtype) of a tensor's bytes in its shard."""
+        shard = self.srcc.where[name]
+        base, header = self._header(shard)
+        info = header[name]
+        return self._fd(shard), base + info["data_offsets"][0], info["dtype"]
 
     def release(self) -> None:
         """Every tensor `get` returned since the last release may now be overwritten (reuse=True only)."""
@@ -555,6 +600,9 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
                     # torch thread. OpenMP's 2-thread barriers next to the writer thread (and other jobs) on a
                     # 2-core box made each call ~100x slower than its single-threaded time.
                     threads.set(1 if udev == "cpu" and not _quantizes(members) else None)
+                    if _copy_through(members, uspecs, srcc, reader, writer):
+                        prog.advance(len(unit))
+                        continue
                     # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
                     if udev == "cpu":
                         out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)

@@ -301,6 +301,39 @@ class StreamingWriter:
         del src
         self._next += 1
 
+    def write_from_file(self, name: str, fd: int, offset: int, check=None) -> bool:
+        """Append tensor `name` (the next spec) by reading its bytes from `fd` at `offset` straight into the staging
+        buffers: no intermediate tensor, no second copy (pass-through tensors). `check(piece)` sees every piece (a
+        writable memoryview of whole elements when `self.size` is a multiple of the element size) before it is
+        handed to the writer threads; a False return stops here and returns False (the caller raises)."""
+        self._check_error()
+        want_name, dt, shape = self.specs[self._next]
+        if name != want_name:
+            raise AssertionError(f"streaming writer: got {name}, expected {want_name}")
+        remaining = _numel(shape) * DTYPE_SIZES[dt]
+        while remaining:
+            k = min(remaining, _CHUNK - self._pos)
+            with memoryview(self._cur) as mv:
+                piece = mv[self._pos:self._pos + k]
+                got = 0
+                while got < k:
+                    n = os.preadv(fd, [piece[got:]], offset + got)
+                    if not n:
+                        raise CheckpointError(f"unexpected end of file reading '{name}'")
+                    got += n
+                ok = check is None or check(piece)
+                piece.release()
+            if not ok:
+                return False
+            self._pos += k
+            self.size += k
+            offset += k
+            remaining -= k
+            if self._pos == _CHUNK:
+                self._flush_current()
+        self._next += 1
+        return True
+
     def checksum(self) -> str:
         return f"crc32:{self._crc:08x}"
 

@@ -340,6 +340,7 @@ def test_cuda_conversion_refuses_nan_with_the_cpu_message(src, tmp_path, name, p
 def test_streaming_writer_bytes_and_crc_across_buffer_boundaries(tmp_path, monkeypatch, direct):
     """Tiny staging buffers so tensors straddle buffer boundaries and the file ends mid-block: the file must be the
     header followed by the tensor bytes in order, and checksum()/size those of the file (what resume checks)."""
+    import os
     import zlib
 
     from precision_dsl.backends import safetensors_io as sio
@@ -352,13 +353,24 @@ def test_streaming_writer_bytes_and_crc_across_buffer_boundaries(tmp_path, monke
                ("d", torch.zeros(0, dtype=torch.bfloat16)), ("e", torch.tensor(2.5))]
     specs = [(n, {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8"}[t.dtype], tuple(t.shape))
              for n, t in tensors]
+    # "a" and "c" come straight from a file (the pass-through path), checked piece by piece; the rest from tensors
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"xyz" + tensors[0][1].view(torch.uint8).numpy().tobytes() + tensors[2][1].numpy().tobytes())
+    pieces = []
     w = sio.StreamingWriter(tmp_path / "x.safetensors", specs, metadata={"format": "pt"}, direct=direct)
+    fd = os.open(blob, os.O_RDONLY)
     try:
         for n, t in tensors:
-            w.write(n, t)
+            if n in ("a", "c"):
+                at = 3 if n == "a" else 3 + tensors[0][1].numel() * 2
+                assert w.write_from_file(n, fd, at, lambda piece: pieces.append(bytes(piece)) or True)
+            else:
+                w.write(n, t)
         w.close()
     finally:
         w.abort()
+        os.close(fd)
+    assert len(pieces) > 2 and b"".join(pieces) == blob.read_bytes()[3:]  # several pieces, all bytes seen once
     data = (tmp_path / "x.safetensors").read_bytes()
     want = sio.header_bytes(specs, {"format": "pt"}) + b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
                                                                  for _, t in tensors)
