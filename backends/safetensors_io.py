@@ -125,7 +125,7 @@ _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint
 # per-tensor `file.write` + CRC32 + torch->numpy round trip on the converter's thread ran at 0.1-0.4x a plain
 # safetensors read+write. The bytes now go through a few large, reused, page-aligned staging buffers: the caller's
 # thread only copies each tensor into the current buffer; one thread CRC32s each full buffer (zlib releases the
-# GIL), a second writes it with O_DIRECT where the filesystem allows it (no page-cache copy, no dirty-page writeback
+# GIL) while a second writes the same buffer with O_DIRECT where the filesystem allows it (no page-cache copy, no dirty-page writeback
 # competing with the next shard; the shard is fsynced at close either way). Output bytes and the CRC are exactly
 # those of the sequential writer.
 _CHUNK = 32 << 20  # staging buffer size: large sequential writes (O_DIRECT reached ~2.8 GB/s at 32-64 MB here)
@@ -175,6 +175,8 @@ class StreamingWriter:
         self._cur, self._pos = self._bufs[0], 0
         self._view = None  # torch uint8 view of the current buffer (made lazily: torch only when tensors come)
         self._written: "queue.Queue" = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending: dict[int, int] = {}  # id(buffer) -> stages still reading it
         self._threads = [threading.Thread(target=self._checksum_stage, name="policyc-shard-crc", daemon=True),
                          threading.Thread(target=self._write_stage, name="policyc-shard-write", daemon=True)]
         for th in self._threads:
@@ -209,25 +211,26 @@ class StreamingWriter:
                 self._direct = self._set_direct(False)
 
     def _checksum_stage(self) -> None:
-        """Thread 1: CRC32 of each full buffer, in file order (zlib releases the GIL), then on to the write stage."""
+        """Thread 1: CRC32 of each full buffer, in file order (zlib releases the GIL)."""
         import zlib
 
         while True:
             item = self._todo.get()
-            if item is not None and self._error is None:
-                try:
-                    buf, n = item
-                    with memoryview(buf) as mv:
-                        self._crc = zlib.crc32(mv[:n], self._crc)
-                except BaseException as err:  # re-raised on the caller's thread by the next write/close
-                    self._error = err
-            self._written.put(item)
             if item is None:
                 return
+            buf, n = item
+            try:
+                if self._error is None:
+                    with memoryview(buf) as mv:
+                        self._crc = zlib.crc32(mv[:n], self._crc)
+            except BaseException as err:  # re-raised on the caller's thread by the next write/close
+                self._error = err
+            finally:
+                self._done_with(buf)
 
     def _write_stage(self) -> None:
-        """Thread 2: writes each buffer (mostly waiting for the device, so it overlaps the checksum and the caller's
-        reads), then hands it back to the caller."""
+        """Thread 2, on the same buffers at the same time as thread 1 (both only read them): writes each buffer in
+        file order; it mostly waits for the device, so it overlaps the checksum and the caller's reads."""
         while True:
             item = self._written.get()
             if item is None:
@@ -248,15 +251,28 @@ class StreamingWriter:
             except BaseException as err:
                 self._error = err
             finally:
-                self._free.put(buf)
+                self._done_with(buf)
+
+    def _done_with(self, buf) -> None:
+        """A buffer goes back to the caller once both stages are done with it."""
+        with self._lock:
+            left = self._pending[id(buf)] = self._pending[id(buf)] - 1
+        if not left:
+            self._free.put(buf)
 
     # -- caller's side -------------------------------------------------------------------------------------------------
     def _check_error(self) -> None:
         if self._error is not None:
             raise self._error
 
+    def _submit(self, buf, n: int) -> None:
+        with self._lock:
+            self._pending[id(buf)] = 2
+        self._todo.put((buf, n))
+        self._written.put((buf, n))
+
     def _flush_current(self) -> None:
-        self._todo.put((self._cur, self._pos))
+        self._submit(self._cur, self._pos)
         self._cur, self._pos, self._view = self._free.get(), 0, None
         self._check_error()
 
@@ -343,9 +359,10 @@ class StreamingWriter:
             return
         self._closed = True
         if self._cur is not None:
-            self._todo.put((self._cur, self._pos)) if self._pos else self._free.put(self._cur)
+            self._submit(self._cur, self._pos) if self._pos else self._free.put(self._cur)
         self._cur, self._view = None, None
         self._todo.put(None)
+        self._written.put(None)
         for th in self._threads:
             th.join()
         while not self._free.empty():
