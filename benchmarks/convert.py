@@ -281,8 +281,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest is reported")
     ap.add_argument("--device", default="cpu", help="cpu | cuda: where the converter quantizes (cuda = Triton kernels)")
     ap.add_argument("--no-verify", action="store_true", help="skip `verify` (it re-derives every byte on the CPU)")
-    ap.add_argument("--profile", action="store_true", help="one extra profiled convert run per policy (cProfile "
-                                                          "top functions printed; not part of the figures)")
+    ap.add_argument("--profile", default="", help="POLICY[,POLICY]: one extra profiled convert run of each (cProfile "
+                                                  "top functions printed; not part of the figures)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -333,7 +333,7 @@ def main() -> None:
               f"{total / conv['seconds'] / 1e6:.0f} MB/s = {base[0][1]['seconds'] / conv['seconds']:.2f}x plain, "
               f"peak RSS {conv['max_rss_bytes'] / 1e6:.0f} MB = {conv['max_rss_bytes'] / largest:.2f}x largest shard",
               flush=True)
-        if a.profile:
+        if spec in a.profile.split(","):
             shutil.rmtree(dst, ignore_errors=True)
             prof = run_step("convert", env=env, src=str(src), dst=str(dst), policy=pol, device=a.device,
                             profile=True)
