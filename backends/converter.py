@@ -37,6 +37,7 @@ Public API:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -327,8 +328,8 @@ def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writ
     def finite(piece) -> bool:
         if not len(piece):
             return True
-        lo, hi = torch.aminmax(torch.frombuffer(piece, dtype=torch_dt))
-        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+        lo, hi = torch.aminmax(torch.frombuffer(piece, dtype=torch_dt))  # NaN propagates; +-inf shows as min/max
+        return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
     fd, offset, _ = reader.span(name)
     if writer.write_from_file(name, fd, offset, finite):
