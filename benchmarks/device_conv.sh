@@ -13,10 +13,10 @@ mkdir -p "$OUT/conv"
 LOG=$OUT/conv/log.txt
 { nvidia-smi -L; nproc; free -g | head -2; df -hT /tmp | tail -1; uname -r; uptime; } 2>&1 | tee -a "$LOG"
 echo "== GPU converter tests" | tee -a "$LOG"
-timeout 80 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_converter.py \
+timeout 70 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_converter.py \
   tests/test_fp8_source.py 2>&1 | tail -25 | tee -a "$LOG"
 echo "== converter benchmark, --device cuda, one ~2.5 GB shard" | tee -a "$LOG"
-timeout ${CONV_TIMEOUT:-160} python3 benchmarks/convert.py --device cuda --shard-gb ${CONV_SHARD_GB:-2.5} --shards 1 \
+timeout ${CONV_TIMEOUT:-150} python3 benchmarks/convert.py --device cuda --shard-gb ${CONV_SHARD_GB:-2.5} --shards 1 \
   --repeat 2 --no-verify --policies bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward --profile nvfp4-pertoken-hp-backward \
   --workdir /tmp/policyc-conv-bench ${CONV_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/conv/results.md" | tail -30
 rm -rf /tmp/policyc-conv-bench
