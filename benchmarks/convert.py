@@ -308,7 +308,7 @@ def main() -> None:
           f"{largest / 1e6:.0f} MB), written in {make_s:.0f} s", flush=True)
     warm(src)
 
-    load_before = os.getloadavg()
+    load_before, started = os.getloadavg(), time.gmtime()
     floor = run_step("floor")
     base = []
     for label, step, kw in (("plain safetensors load_file+save_file+fsync", "plain", {"fsync": True}),
@@ -350,7 +350,7 @@ def main() -> None:
         return (f"{r['max_rss_bytes'] / mb:.0f} | {r['max_rss_bytes'] / largest:.2f}x | "
                 f"{(r['max_rss_bytes'] - floor['max_rss_bytes']) / largest:.2f}x")
 
-    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.uname().nodename.split('.')[0]} "
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} on {os.uname().nodename.split('.')[0]} "
              f"({os.cpu_count()} cores; load average 1/5 min {load_before[0]:.1f}/{load_before[1]:.1f} before, "
              f"{load_after[0]:.1f}/{load_after[1]:.1f} after), `python benchmarks/convert.py "
              + (f"--shard-gb {a.shard_gb:g}" if a.shard_gb else f"--layers {layers}")
