@@ -14,6 +14,11 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
+  * fast path (issue 12; benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
+    into the shard writer's staging buffers and NaN/Inf-checked there; the writer CRC32s and writes full 32 MB
+    buffers on two threads, with O_DIRECT where the filesystem allows it (POLICYC_DIRECT_IO=0: page cache);
+    reads are recycled through one arena; with device="cuda" only quantization goes to the GPU, with one host
+    synchronisation per work unit (pinned buffers, finite checks on the device).
   * crash-safe (kill -9 / full disk at any point; tests/test_convert_faults.py kills it at every filesystem
     mutation): an exclusive lock `.<dst>.policyc-lock` (a second converter on the same DST is refused by name); all
     work in `.<dst>.policyc-work/` whose `out/` only ever receives complete, fsynced files by rename; the commit is
