@@ -54,7 +54,7 @@ from ..plan import Plan
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_stamp)
 from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
-from .safetensors_io import CheckpointError, StreamingWriter, read_header
+from .safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -225,29 +225,90 @@ def _unit_device(members, device: str) -> str:
 
 class _DeviceUnits:
     """Work units quantized on a CUDA device with ONE host<->device synchronisation per unit (per-tensor finite
-    checks and per-output copies to pageable memory cost ~10 synchronisations per tensor): the inputs come from the
-    reader's pinned arena (non-blocking H2D), checkpoint_tensors runs without its host-synchronising checks, every
-    input and output the sequential checks would test is tested on the device into one flag, and all outputs plus
-    the flag are copied non-blocking into one pinned host buffer. Only when the flag says "not finite" are the
-    sequential checks re-run on the same device tensors, raising exactly the NonFiniteWeight they always raise.
-    Bytes are the same as on the CPU path (tests/test_converter.py, GPU test)."""
+    checks and per-output copies to pageable memory cost ~10 synchronisations per tensor), and the next unit's
+    source bytes read ahead by a background thread while this one runs:
 
-    def __init__(self, device: str):
-        self.device = device
+      * inputs: read (preadv, no GIL) into one of two pinned arenas by the read-ahead thread, copied to the device
+        non-blocking; an arena is reused only after the unit that read into it has synchronised;
+      * checkpoint_tensors runs without its host-synchronising checks; every input and output the sequential checks
+        would test is tested on the device into flags;
+      * all outputs (packed exactly as they follow each other in the shard) and the flags are copied non-blocking
+        into one pinned host buffer, then handed to the writer in one call.
+    Only when a flag says "not finite" are the sequential checks re-run on the same device tensors, raising exactly
+    the NonFiniteWeight they always raise. Bytes are the CPU path's (tests/test_converter.py, GPU tests)."""
+
+    def __init__(self, device: str, reader: "_Reader"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device, self.reader = device, reader
         self._host = None
+        self._arenas: list = [None, None]
+        self._turn = 0
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policyc-read-ahead")
+        self._next = None  # (key, future) of the unit being read ahead
 
-    def _buffer(self, n: int):
+    def close(self) -> None:
+        self._ahead.shutdown(wait=True)  # a read in flight still writes into an arena: let it finish
+        self._next = None
+
+    def _spans(self, members) -> list[tuple]:
+        """(name, fd, offset, dtype, shape, nbytes) of the unit's source tensors (main thread: header and descriptor
+        caches are not shared with the read-ahead thread)."""
+        from . import fp8_source
+
+        names = []
+        for t in members:
+            names.append(t.hf_name)
+            if fp8_source.is_fp8_block_source(t):
+                names.append(fp8_source.scale_name(t))
+        return [(n, *self.reader.span(n), self.reader.shape(n), self.reader.nbytes(n)) for n in names]
+
+    def _read(self, spans: list[tuple], slot: int) -> dict:
+        """(read-ahead thread) the unit's source tensors, read into pinned arena `slot`."""
         import torch
 
-        if self._host is None or self._host.numel() < n:
-            self._host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        return self._host
+        offs, off = [], 0
+        for *_, nbytes in spans:
+            offs.append(off)
+            off = (off + nbytes + 63) & ~63  # 64-byte aligned: every dtype view is aligned
+        arena = self._arenas[slot]
+        if arena is None or arena.numel() < off:
+            arena = self._arenas[slot] = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=True)
+        out = {}
+        with memoryview(arena.numpy()) as view:
+            for (n, fd, at, dt, shape, nbytes), o in zip(spans, offs):
+                piece = view[o:o + nbytes]
+                got = 0
+                while got < nbytes:
+                    k = os.preadv(fd, [piece[got:]], at + got)
+                    if not k:
+                        raise CheckpointError(f"unexpected end of file reading '{n}'")
+                    got += k
+                piece.release()
+                out[n] = arena[o:o + nbytes].view(getattr(torch, _Reader._DT[dt])).reshape(shape)
+        return out
 
-    def run(self, members, reader, uspecs) -> dict:
+    def _prefetch(self, key, members) -> None:
+        """Start reading a unit's source bytes in the background, into the arena not used by the running unit."""
+        self._next = (key, self._ahead.submit(self._read, self._spans(members), self._turn))
+
+    def run(self, key, members, uspecs, upcoming=None) -> tuple[list[str], memoryview]:
+        """(output names, their bytes exactly as the shard stores them) of the unit `key`; `upcoming`: (key, members)
+        of the next device unit, read ahead while this one runs."""
         import torch
 
         from . import fp8_source
         from .quantize import checkpoint_tensors
+
+        if self._next is None or self._next[0] != key:  # the first device unit of a shard (or out of order)
+            if self._next is not None:
+                self._next[1].result()  # let a stray read finish before its arena is reused
+            self._prefetch(key, members)
+        tensors = self._next[1].result()
+        self._next = None
+        self._turn ^= 1  # the running unit's arena is not touched again before this unit has synchronised
+        if upcoming is not None:
+            self._prefetch(*upcoming)
 
         seen: dict = {}
 
@@ -255,7 +316,7 @@ class _DeviceUnits:
             seen["pairs"] = pairs
             return checkpoint_tensors(pairs, backend, check_finite=False)
 
-        out = fp8_source.unit_tensors(members, reader, BACKEND, self.device, quantize_unchecked)
+        out = fp8_source.unit_tensors(members, _Tensors(tensors), BACKEND, self.device, quantize_unchecked)
         pairs = seen.get("pairs", [])
         mods = tuple(module_of(t.hf_name) + "." for t, _ in pairs)  # pass-through FP8 members are not checked
         oks, host_ok = [], True
@@ -267,28 +328,42 @@ class _DeviceUnits:
                 oks.append(ok)
             else:
                 host_ok = host_ok and bool(ok)
-        offs, off = [], 0
-        for name, _dt, _shape in uspecs:
-            offs.append(off)
-            off = (off + out[name].numel() * out[name].element_size() + 63) & ~63
-        buf = self._buffer(off + 1)
-        views = {}
-        for (name, _dt, _shape), o in zip(uspecs, offs):
+        total = 0
+        for name, dt, shape in uspecs:
             y = out[name]
-            flat = y.detach().contiguous().reshape(-1).view(torch.uint8)
-            dst = buf[o:o + flat.numel()]
-            dst.copy_(flat, non_blocking=True)
-            views[name] = dst.view(y.dtype).reshape(y.shape)
-        flag = buf[off:off + 1]
+            if tuple(y.shape) != tuple(shape) or str(y.dtype) != f"torch.{_TORCH_DT[dt]}":
+                raise AssertionError(f"device unit: {name} is {tuple(y.shape)} {y.dtype}, expected {shape} {dt}")
+            total += y.numel() * y.element_size()
+        buf = self._buffer(total + len(oks))
+        off = 0
+        for name, _dt, _shape in uspecs:
+            flat = out[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off:off + flat.numel()].copy_(flat, non_blocking=True)
+            off += flat.numel()
         if oks:
-            flag.copy_(torch.stack(oks).all().reshape(1).to(torch.uint8), non_blocking=True)
-        else:
-            flag.fill_(1)
+            buf[total:total + len(oks)].copy_(torch.stack(oks), non_blocking=True)  # bool -> one byte each
         torch.cuda.current_stream(self.device).synchronize()
-        if not (host_ok and int(flag[0])):
+        if not host_ok or (oks and not bool(buf[total:total + len(oks)].all())):
             checkpoint_tensors(pairs, BACKEND, check_finite=True)  # raises the sequential path's exact error
             raise AssertionError("device finite check and checkpoint_tensors disagree")  # pragma: no cover
-        return views
+        return [name for name, _dt, _shape in uspecs], memoryview(buf.numpy())[:total]
+
+    def _buffer(self, n: int):
+        import torch
+
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+
+class _Tensors:
+    """A reader over tensors already read (the read-ahead thread's), for fp8_source.unit_tensors."""
+
+    def __init__(self, tensors: dict):
+        self._t = tensors
+
+    def get(self, name: str):
+        return self._t[name]
 
 
 def _finite_flag(y):
@@ -428,6 +503,13 @@ class _Reader:
         base, header = self._header(shard)
         info = header[name]
         return self._fd(shard), base + info["data_offsets"][0], info["dtype"]
+
+    def shape(self, name: str) -> list[int]:
+        return self._header(self.srcc.where[name])[1][name]["shape"]
+
+    def nbytes(self, name: str) -> int:
+        b, e = self._header(self.srcc.where[name])[1][name]["data_offsets"]
+        return e - b
 
     def release(self) -> None:
         """Every tensor `get` returned since the last release may now be overwritten (reuse=True only)."""
@@ -579,11 +661,11 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         write_atomic(work / "state.json", json.dumps(state).encode())
     out_dir = work / "out"
 
-    # The converter's reader recycles one arena per work unit (pinned when quantizing on a GPU: fast H2D copies).
-    reader = _Reader(srcc, reuse=True, pin=str(device).startswith("cuda"))
+    # The converter's reader recycles one arena per work unit (device units read into _DeviceUnits' pinned arenas).
+    reader = _Reader(srcc, reuse=True)
     prog = _progress(progress, len(srcc.where))
     threads = _TorchThreads()
-    on_device = _DeviceUnits(device) if device != "cpu" else None
+    on_device = _DeviceUnits(device, reader) if device != "cpu" else None
     try:
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
@@ -598,7 +680,10 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             writer = StreamingWriter(tmp_path, [s for us in unit_specs for s in us],
                                      metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
-                for unit, uspecs in zip(units, unit_specs):
+                # device units of this shard -> the next one after it (read ahead while the current one runs)
+                dev_units = [i for i, u in enumerate(units) if _unit_device([by[n] for n in u], device) != "cpu"]
+                next_device = {i: ((shard, j), [by[n] for n in units[j]]) for i, j in zip(dev_units, dev_units[1:])}
+                for i, (unit, uspecs) in enumerate(zip(units, unit_specs)):
                     members = [by[n] for n in unit]
                     report.bytes_in += sum(t.bytes_before for t in members)
                     udev = _unit_device(members, device)
@@ -610,10 +695,12 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
                         prog.advance(len(unit))
                         continue
                     # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
-                    if udev == "cpu":
-                        out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)
-                    else:
-                        out = on_device.run(members, reader, uspecs)
+                    if udev != "cpu":
+                        names, data = on_device.run((shard, i), members, uspecs, next_device.get(i))
+                        writer.write_raw(names, data)
+                        prog.advance(len(unit))
+                        continue
+                    out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)
                     for name, _dt, _shape in uspecs:
                         writer.write(name, out[name])  # copied into the writer's staging buffer
                     del out
@@ -631,6 +718,8 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
                 on_shard_done(shard)
     finally:
         threads.set(None)
+        if on_device is not None:
+            on_device.close()
         reader.close()
         prog.stop()
 

@@ -277,7 +277,7 @@ class StreamingWriter:
         self._check_error()
 
     def _put(self, data) -> None:
-        """Append raw bytes (the header)."""
+        """Append raw bytes (the header; device units' packed outputs)."""
         view = memoryview(data).cast("B")
         while view:
             k = min(len(view), _CHUNK - self._pos)
@@ -316,6 +316,21 @@ class StreamingWriter:
                 self._flush_current()
         del src
         self._next += 1
+
+    def write_raw(self, names: list[str], data) -> None:
+        """Append the next len(names) tensors given as their bytes, back to back (the caller checked dtypes and
+        shapes; here the names and the total size are held to the specs)."""
+        self._check_error()
+        want = 0
+        for name in names:
+            want_name, dt, shape = self.specs[self._next]
+            if name != want_name:
+                raise AssertionError(f"streaming writer: got {name}, expected {want_name}")
+            want += _numel(shape) * DTYPE_SIZES[dt]
+            self._next += 1
+        if len(data) != want:
+            raise AssertionError(f"streaming writer: {len(data)} bytes for {names}, the specs say {want}")
+        self._put(data)
 
     def write_from_file(self, name: str, fd: int, offset: int, check=None) -> bool:
         """Append tensor `name` (the next spec) by reading its bytes from `fd` at `offset` straight into the staging

@@ -180,8 +180,11 @@ def _step_convert(args) -> dict:
 
         prof.disable()
         text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-        out["profile"] = "\n".join(ln for ln in text.getvalue().splitlines() if ln.strip())[-3000:]
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(12)
+        stats.sort_stats("cumulative").print_stats(18)
+        out["profile"] = "\n".join(ln for ln in text.getvalue().splitlines()
+                                    if ln.strip() and "Ordered by" not in ln and "List reduced" not in ln)[-5000:]
     return out
 
 

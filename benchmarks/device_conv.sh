@@ -5,7 +5,7 @@
 #    refused on the device path with the CPU path's error);
 # 2. benchmarks/convert.py --device cuda on a synthetic BF16 checkpoint in two ~2 GB shards: plain safetensors
 #    read+write (+fsync / no fsync / raw byte copy) vs `policyc convert` for bf16, mxfp8-e2e and
-#    nvfp4-pertoken-hp-backward, fastest of 2, peak RSS per step; plus one profiled nvfp4 run (where time goes).
+#    nvfp4-pertoken-hp-backward, fastest of 2, peak RSS per step; plus one profiled mxfp8 and nvfp4 run (where time goes).
 set -uo pipefail
 source benchmarks/device_setup.sh
 OUT=${OUT:-/tmp/out}
@@ -17,7 +17,7 @@ timeout 50 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test
   tests/test_fp8_source.py 2>&1 | tail -25 | tee -a "$LOG"
 echo "== converter benchmark, --device cuda, 2 x ~2 GB shards" | tee -a "$LOG"
 timeout ${CONV_TIMEOUT:-170} python3 benchmarks/convert.py --device cuda --shard-gb ${CONV_SHARD_GB:-2} --shards 2 \
-  --repeat 2 --no-verify --policies bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward --profile nvfp4-pertoken-hp-backward \
+  --repeat 2 --no-verify --policies bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward --profile mxfp8-e2e,nvfp4-pertoken-hp-backward \
   --workdir /tmp/policyc-conv-bench ${CONV_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/conv/results.md" | tail -30
 rm -rf /tmp/policyc-conv-bench
 uptime | tee -a "$LOG"
