@@ -163,7 +163,7 @@ class StreamingWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self._direct = self._set_direct(_direct_io_default() if direct is None else direct)
         # CRC32 of the whole file (written bytes, in order): the resume marker's integrity check against a truncated
-        # or corrupted partial shard. Computed by the writer thread on the staging buffers, never by re-reading.
+        # or corrupted partial shard. Computed by the checksum thread on the staging buffers, never by re-reading.
         self._crc = 0
         self.size = 0
         self._error: Optional[BaseException] = None
@@ -173,15 +173,15 @@ class StreamingWriter:
         for b in self._bufs[1:]:
             self._free.put(b)
         self._cur, self._pos = self._bufs[0], 0
-        self._view = None  # torch uint8 view of the current buffer (made lazily: torch only when tensors come)
+        self._view = None  # torch uint8 view of the current buffer (made lazily, for CUDA tensors only)
         self._written: "queue.Queue" = queue.Queue()
         self._lock = threading.Lock()
         self._pending: dict[int, int] = {}  # id(buffer) -> stages still reading it
+        self._closed = self._abandoned = False
         self._threads = [threading.Thread(target=self._checksum_stage, name="policyc-shard-crc", daemon=True),
                          threading.Thread(target=self._write_stage, name="policyc-shard-write", daemon=True)]
         for th in self._threads:
             th.start()
-        self._closed = False
         self._put(header_bytes(specs, metadata))
 
     # -- writer thread ------------------------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ class StreamingWriter:
                 return
             buf, n = item
             try:
-                if self._error is None:
+                if self._error is None and not self._abandoned:
                     with memoryview(buf) as mv:
                         self._crc = zlib.crc32(mv[:n], self._crc)
             except BaseException as err:  # re-raised on the caller's thread by the next write/close
@@ -237,7 +237,7 @@ class StreamingWriter:
                 return
             buf, n = item
             try:
-                if self._error is None:
+                if self._error is None and not self._abandoned:
                     with memoryview(buf) as mv:
                         data = mv[:n]
                         if self._direct and n % _ALIGN:  # the file's tail: direct I/O takes whole blocks only
@@ -272,8 +272,9 @@ class StreamingWriter:
         self._written.put((buf, n))
 
     def _flush_current(self) -> None:
-        self._submit(self._cur, self._pos)
-        self._cur, self._pos, self._view = self._free.get(), 0, None
+        buf, self._cur, self._view = self._cur, None, None  # an interrupt while waiting must not resubmit it
+        self._submit(buf, self._pos)
+        self._cur, self._pos = self._free.get(), 0
         self._check_error()
 
     def _put(self, data) -> None:
@@ -368,13 +369,13 @@ class StreamingWriter:
     def checksum(self) -> str:
         return f"crc32:{self._crc:08x}"
 
-    def _finish(self) -> None:
-        """Hand the last buffer over, stop the thread, give the buffers back to the pool (idempotent)."""
+    def _finish(self, last: bool = True) -> None:
+        """Hand the last buffer over (`last`), stop the threads, give the buffers back to the pool (idempotent)."""
         if self._closed:
             return
         self._closed = True
         if self._cur is not None:
-            self._submit(self._cur, self._pos) if self._pos else self._free.put(self._cur)
+            self._submit(self._cur, self._pos) if (self._pos and last) else self._free.put(self._cur)
         self._cur, self._view = None, None
         self._todo.put(None)
         self._written.put(None)
@@ -399,5 +400,9 @@ class StreamingWriter:
             os.close(fd)
 
     def abort(self) -> None:
-        self._finish()
+        """Stop without finishing the file (after an error; a no-op after close). Buffers still queued are not
+        written: the partial file is never used (it only ever becomes a shard through close + rename)."""
+        if not self._closed:
+            self._abandoned = True
+        self._finish(last=False)
         self._close_fd()
