@@ -14,6 +14,11 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
+  * fast path (issue 12; benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
+    into the shard writer's staging buffers and NaN/Inf-checked there; the writer CRC32s and writes full 32 MB
+    buffers on two threads, with O_DIRECT where the filesystem allows it (POLICYC_DIRECT_IO=0: page cache);
+    reads are recycled through one arena; with device="cuda" only quantization goes to the GPU, with one host
+    synchronisation per work unit (pinned buffers, finite checks on the device).
   * crash-safe (kill -9 / full disk at any point; tests/test_convert_faults.py kills it at every filesystem
     mutation): an exclusive lock `.<dst>.policyc-lock` (a second converter on the same DST is refused by name); all
     work in `.<dst>.policyc-work/` whose `out/` only ever receives complete, fsynced files by rename; the commit is
@@ -37,6 +42,7 @@ Public API:
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -48,7 +54,7 @@ from ..plan import Plan
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_json_bytes, plan_stamp)
 from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
-from .safetensors_io import CheckpointError, StreamingWriter, read_header
+from .safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -196,14 +202,239 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     return {"quantization_config": cfg.quantization_config, "hf_quant_config": cfg.hf_quant_config}
 
 
-def _specs_for_unit(plan: Plan, unit: list[str], srcc: Optional[SourceCheckpoint] = None):
+def _specs_for_unit(by: dict, unit: list[str]):
+    """(name, dtype, shape) of every output tensor of one work unit, in write order. `by` = plan.by_name(), built
+    once by the caller (building it per unit made conversion quadratic in the tensor count)."""
     from .quantize import output_specs
 
-    by = plan.by_name()
     out = []
     for n in unit:
         out.extend(output_specs(by[n]))
     return out
+
+
+def _quantizes(members) -> bool:
+    return any(t.is_linear and t.precision.weight.is_quantized for t in members)
+
+
+def _unit_device(members, device: str) -> str:
+    """Where a work unit is computed: only quantization goes to the GPU; pass-through and high-precision casts stay
+    on the host (a GPU round trip would add two copies and change no byte)."""
+    return device if device != "cpu" and _quantizes(members) else "cpu"
+
+
+class _DeviceUnits:
+    """Work units quantized on a CUDA device with ONE host<->device synchronisation per unit (per-tensor finite
+    checks and per-output copies to pageable memory cost ~10 synchronisations per tensor), and the next unit's
+    source bytes read ahead by a background thread while this one runs:
+
+      * inputs: read (preadv, no GIL) into one of two pinned arenas by the read-ahead thread, copied to the device
+        non-blocking; an arena is reused only after the unit that read into it has synchronised;
+      * checkpoint_tensors runs without its host-synchronising checks; every input and output the sequential checks
+        would test is tested on the device into flags;
+      * all outputs (packed exactly as they follow each other in the shard) and the flags are copied non-blocking
+        into one pinned host buffer, then handed to the writer in one call.
+    Only when a flag says "not finite" are the sequential checks re-run on the same device tensors, raising exactly
+    the NonFiniteWeight they always raise. Bytes are the CPU path's (tests/test_converter.py, GPU tests)."""
+
+    def __init__(self, device: str, reader: "_Reader"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.device, self.reader = device, reader
+        self._host = None
+        self._arenas: list = [None, None]
+        self._turn = 0
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policyc-read-ahead")
+        self._next = None  # (key, future) of the unit being read ahead
+
+    def close(self) -> None:
+        self._ahead.shutdown(wait=True)  # a read in flight still writes into an arena: let it finish
+        self._next = None
+
+    def _spans(self, members) -> list[tuple]:
+        """(name, fd, offset, dtype, shape, nbytes) of the unit's source tensors (main thread: header and descriptor
+        caches are not shared with the read-ahead thread)."""
+        from . import fp8_source
+
+        names = []
+        for t in members:
+            names.append(t.hf_name)
+            if fp8_source.is_fp8_block_source(t):
+                names.append(fp8_source.scale_name(t))
+        return [(n, *self.reader.span(n), self.reader.shape(n), self.reader.nbytes(n)) for n in names]
+
+    def _read(self, spans: list[tuple], slot: int) -> dict:
+        """(read-ahead thread) the unit's source tensors, read into pinned arena `slot`."""
+        import torch
+
+        offs, off = [], 0
+        for *_, nbytes in spans:
+            offs.append(off)
+            off = (off + nbytes + 63) & ~63  # 64-byte aligned: every dtype view is aligned
+        arena = self._arenas[slot]
+        if arena is None or arena.numel() < off:
+            arena = self._arenas[slot] = torch.empty(max(off, 1), dtype=torch.uint8, pin_memory=True)
+        out = {}
+        with memoryview(arena.numpy()) as view:
+            for (n, fd, at, dt, shape, nbytes), o in zip(spans, offs):
+                piece = view[o:o + nbytes]
+                got = 0
+                while got < nbytes:
+                    k = os.preadv(fd, [piece[got:]], at + got)
+                    if not k:
+                        raise CheckpointError(f"unexpected end of file reading '{n}'")
+                    got += k
+                piece.release()
+                out[n] = arena[o:o + nbytes].view(getattr(torch, _Reader._DT[dt])).reshape(shape)
+        return out
+
+    def _prefetch(self, key, members) -> None:
+        """Start reading a unit's source bytes in the background, into the arena not used by the running unit."""
+        self._next = (key, self._ahead.submit(self._read, self._spans(members), self._turn))
+
+    def run(self, key, members, uspecs, upcoming=None) -> tuple[list[str], memoryview]:
+        """(output names, their bytes exactly as the shard stores them) of the unit `key`; `upcoming`: (key, members)
+        of the next device unit, read ahead while this one runs."""
+        import torch
+
+        from . import fp8_source
+        from .quantize import checkpoint_tensors
+
+        if self._next is None or self._next[0] != key:  # the first device unit of a shard (or out of order)
+            if self._next is not None:
+                self._next[1].result()  # let a stray read finish before its arena is reused
+            self._prefetch(key, members)
+        tensors = self._next[1].result()
+        self._next = None
+        self._turn ^= 1  # the running unit's arena is not touched again before this unit has synchronised
+        if upcoming is not None:
+            self._prefetch(*upcoming)
+
+        seen: dict = {}
+
+        def quantize_unchecked(pairs, backend):
+            seen["pairs"] = pairs
+            return checkpoint_tensors(pairs, backend, check_finite=False)
+
+        out = fp8_source.unit_tensors(members, _Tensors(tensors), BACKEND, self.device, quantize_unchecked)
+        pairs = seen.get("pairs", [])
+        mods = tuple(module_of(t.hf_name) + "." for t, _ in pairs)  # pass-through FP8 members are not checked
+        oks, host_ok = [], True
+        for y in [x for _, x in pairs] + [y for n, y in out.items() if n.startswith(mods)]:
+            ok = _finite_flag(y)
+            if ok is None:
+                continue
+            if y.is_cuda:
+                oks.append(ok)
+            else:
+                host_ok = host_ok and bool(ok)
+        total = 0
+        for name, dt, shape in uspecs:
+            y = out[name]
+            if tuple(y.shape) != tuple(shape) or str(y.dtype) != f"torch.{_TORCH_DT[dt]}":
+                raise AssertionError(f"device unit: {name} is {tuple(y.shape)} {y.dtype}, expected {shape} {dt}")
+            total += y.numel() * y.element_size()
+        buf = self._buffer(total + len(oks))
+        off = 0
+        for name, _dt, _shape in uspecs:
+            flat = out[name].detach().contiguous().reshape(-1).view(torch.uint8)
+            buf[off:off + flat.numel()].copy_(flat, non_blocking=True)
+            off += flat.numel()
+        if oks:
+            buf[total:total + len(oks)].copy_(torch.stack(oks), non_blocking=True)  # bool -> one byte each
+        torch.cuda.current_stream(self.device).synchronize()
+        if not host_ok or (oks and not bool(buf[total:total + len(oks)].all())):
+            checkpoint_tensors(pairs, BACKEND, check_finite=True)  # raises the sequential path's exact error
+            raise AssertionError("device finite check and checkpoint_tensors disagree")  # pragma: no cover
+        return [name for name, _dt, _shape in uspecs], memoryview(buf.numpy())[:total]
+
+    def _buffer(self, n: int):
+        import torch
+
+        if self._host is None or self._host.numel() < n:
+            self._host = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=True)
+        return self._host
+
+
+class _Tensors:
+    """A reader over tensors already read (the read-ahead thread's), for fp8_source.unit_tensors."""
+
+    def __init__(self, tensors: dict):
+        self._t = tensors
+
+    def get(self, name: str):
+        return self._t[name]
+
+
+def _finite_flag(y):
+    """0-dim bool tensor on y's device: y holds no NaN/Inf (None: a dtype without such codes). Same rules as
+    quantize._assert_finite: float -> isfinite; E4M3FN NaN = S.1111.111; E5M2 Inf/NaN = S.11111.xx."""
+    import torch
+
+    if y.dtype == torch.float8_e4m3fn:
+        return ~((y.view(torch.uint8) & 0x7F) == 0x7F).any()
+    if y.dtype == torch.float8_e5m2:
+        return ~((y.view(torch.uint8) & 0x7C) == 0x7C).any()
+    if not y.is_floating_point():
+        return None
+    return torch.isfinite(y).all()
+
+
+_FLOAT_DTYPES = {"BF16": ("bfloat16", 2), "F16": ("float16", 2), "F32": ("float32", 4)}
+
+
+def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writer: StreamingWriter) -> bool:
+    """A tensor written exactly as stored (same dtype, no quantization; e.g. every tensor of a BF16 policy, norms and
+    embeddings of the others) is read straight into the writer's staging buffer and checked there, piece by piece,
+    with the same finite test as checkpoint_tensors (aminmax). Returns False when this unit is not such a tensor;
+    a non-finite piece re-runs the unit on the normal path, which raises the usual NonFiniteWeight."""
+    import torch
+
+    from . import fp8_source
+    from .quantize import checkpoint_tensors
+
+    if len(members) != 1 or len(uspecs) != 1:
+        return False
+    t = members[0]
+    name, dt, shape = uspecs[0]
+    if (name != t.hf_name or fp8_source.is_fp8_block_source(t) or (t.is_linear and t.precision.weight.is_quantized)
+            or dt not in _FLOAT_DTYPES or srcc.dtypes[name] != dt or tuple(srcc.shapes[name]) != tuple(shape)):
+        return False
+    tdt, size = _FLOAT_DTYPES[dt]
+    if writer.size % size:  # pieces would split elements (only after odd-sized U8/FP8 tensors)
+        return False
+    torch_dt = getattr(torch, tdt)
+
+    def finite(piece) -> bool:
+        if not len(piece):
+            return True
+        lo, hi = torch.aminmax(torch.frombuffer(piece, dtype=torch_dt))  # NaN propagates; +-inf shows as min/max
+        return math.isfinite(lo.item()) and math.isfinite(hi.item())
+
+    fd, offset, _ = reader.span(name)
+    if writer.write_from_file(name, fd, offset, finite):
+        return True
+    fp8_source.unit_tensors(members, reader, BACKEND, "cpu", checkpoint_tensors)  # raises NonFiniteWeight
+    raise AssertionError(f"'{name}': finite check of the copy path and checkpoint_tensors disagree")  # pragma: no cover
+
+
+class _TorchThreads:
+    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= what it was before)."""
+
+    def __init__(self):
+        self._saved: Optional[int] = None
+
+    def set(self, n: Optional[int]) -> None:
+        import torch
+
+        if n is not None and self._saved is None:
+            self._saved = torch.get_num_threads()
+            if self._saved != n:
+                torch.set_num_threads(n)
+        elif n is None and self._saved is not None:
+            if torch.get_num_threads() != self._saved:
+                torch.set_num_threads(self._saved)
+            self._saved = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,13 +454,22 @@ def file_checksum(path: Path) -> str:
 class _Reader:
     """Reads one tensor at a time with plain positioned reads at the offsets of the VALIDATED header (no mmap: a
     mapped shard's touched pages count towards RSS for as long as it stays mapped, which would make peak memory
-    grow with the checkpoint instead of the largest tensor). Safetensors format only; nothing is unpickled."""
+    grow with the checkpoint instead of the largest tensor). Safetensors format only; nothing is unpickled.
+
+    `reuse=True` (the converter): tensors are carved out of one reused arena that `release()` recycles after each
+    work unit, so the same hot memory is read into again and again (freshly touched memory costs ~2 s/GB on the
+    CI VM, more than the copy itself); `pin=True` pins that arena for fast host->GPU copies. Without `reuse`
+    every `get` returns a tensor of its own (verify, tests and load_converted keep them)."""
 
     _DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
-    def __init__(self, srcc: SourceCheckpoint):
+    def __init__(self, srcc: SourceCheckpoint, reuse: bool = False, pin: bool = False):
         self.srcc = srcc
         self._headers: dict[str, tuple[int, dict]] = {}
+        self._fds: dict[str, int] = {}
+        self._reuse, self._pin = reuse, pin
+        self._arena = None
+        self._used = 0
 
     def _header(self, shard: str) -> tuple[int, dict]:
         if shard not in self._headers:
@@ -239,6 +479,42 @@ class _Reader:
             self._headers[shard] = (8 + n, read_header(path))
         return self._headers[shard]
 
+    def _fd(self, shard: str) -> int:
+        if shard not in self._fds:
+            self._fds[shard] = os.open(self.srcc.root / shard, os.O_RDONLY | os.O_CLOEXEC)
+        return self._fds[shard]
+
+    def _alloc(self, n: int):
+        import torch
+
+        if not self._reuse:
+            return torch.empty(n, dtype=torch.uint8)
+        start = (self._used + 63) & ~63  # 64-byte aligned slices: any dtype view is aligned
+        if self._arena is None or start + n > self._arena.numel():
+            # grow to what this unit needs so far (earlier slices keep the old arena alive until released), so the
+            # next unit of the same size fits
+            self._arena = torch.empty(start + n, dtype=torch.uint8, pin_memory=self._pin)
+        self._used = start + n
+        return self._arena[start:start + n]
+
+    def span(self, name: str) -> tuple[int, int, str]:
+        """(open descriptor, absolute byte offset, safetensors dtype) of a tensor's bytes in its shard."""
+        shard = self.srcc.where[name]
+        base, header = self._header(shard)
+        info = header[name]
+        return self._fd(shard), base + info["data_offsets"][0], info["dtype"]
+
+    def shape(self, name: str) -> list[int]:
+        return self._header(self.srcc.where[name])[1][name]["shape"]
+
+    def nbytes(self, name: str) -> int:
+        b, e = self._header(self.srcc.where[name])[1][name]["data_offsets"]
+        return e - b
+
+    def release(self) -> None:
+        """Every tensor `get` returned since the last release may now be overwritten (reuse=True only)."""
+        self._used = 0
+
     def get(self, name: str):
         import torch
 
@@ -246,20 +522,30 @@ class _Reader:
         base, header = self._header(shard)
         info = header[name]
         b, e = info["data_offsets"]
-        buf = torch.empty(e - b, dtype=torch.uint8)
-        with open(self.srcc.root / shard, "rb", buffering=0) as f:
-            f.seek(base + b)
-            view = memoryview(buf.numpy())
-            got = 0
-            while got < e - b:
-                k = f.readinto(view[got:])
-                if not k:
-                    raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
-                got += k
+        buf = self._alloc(e - b)
+        fd = self._fd(shard)
+        view = memoryview(buf.numpy())
+        got = 0
+        while got < e - b:
+            k = os.preadv(fd, [view[got:]], base + b + got)
+            if not k:
+                raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
+            got += k
+        del view
         return buf.view(getattr(torch, self._DT[info["dtype"]])).reshape(info["shape"])
 
     def close(self) -> None:
         self._headers.clear()
+        self._arena = None
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):  # readers of tests and callers that never close: do not leak descriptors
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 def _work_dir(dst: Path) -> Path:
@@ -375,8 +661,11 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         write_atomic(work / "state.json", json.dumps(state).encode())
     out_dir = work / "out"
 
-    reader = _Reader(srcc)
+    # The converter's reader recycles one arena per work unit (device units read into _DeviceUnits' pinned arenas).
+    reader = _Reader(srcc, reuse=True)
     prog = _progress(progress, len(srcc.where))
+    threads = _TorchThreads()
+    on_device = _DeviceUnits(device, reader) if device != "cpu" else None
     try:
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
@@ -386,18 +675,36 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             marker = work / "done" / f"{shard}.json"
             if marker.is_dir() and not marker.is_symlink():  # not ours: a marker is only ever a file
                 shutil.rmtree(marker)
-            specs = [s for u in units for s in _specs_for_unit(plan, u)]
+            unit_specs = [_specs_for_unit(by, u) for u in units]
             tmp_path = work / f"{shard}.writing"
-            writer = StreamingWriter(tmp_path, specs, metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
+            writer = StreamingWriter(tmp_path, [s for us in unit_specs for s in us],
+                                     metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
             try:
-                for unit in units:
-                    for n in unit:
-                        report.bytes_in += by[n].bytes_before
+                # device units of this shard -> the next one after it (read ahead while the current one runs)
+                dev_units = [i for i, u in enumerate(units) if _unit_device([by[n] for n in u], device) != "cpu"]
+                next_device = {i: ((shard, j), [by[n] for n in units[j]]) for i, j in zip(dev_units, dev_units[1:])}
+                for i, (unit, uspecs) in enumerate(zip(units, unit_specs)):
+                    members = [by[n] for n in unit]
+                    report.bytes_in += sum(t.bytes_before for t in members)
+                    udev = _unit_device(members, device)
+                    # A unit without quantization only pays a finite check (aminmax) on the host: run it on one
+                    # torch thread. OpenMP's 2-thread barriers next to the writer thread (and other jobs) on a
+                    # 2-core box made each call ~100x slower than its single-threaded time.
+                    threads.set(1 if udev == "cpu" and not _quantizes(members) else None)
+                    if _copy_through(members, uspecs, srcc, reader, writer):
+                        prog.advance(len(unit))
+                        continue
                     # BF16 sources are quantized; FP8-block sources are dequantized or passed through (fp8_source)
-                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, device, checkpoint_tensors)
-                    for name, _dt, _shape in _specs_for_unit(plan, unit):
-                        writer.write(name, out[name])
+                    if udev != "cpu":
+                        names, data = on_device.run((shard, i), members, uspecs, next_device.get(i))
+                        writer.write_raw(names, data)
+                        prog.advance(len(unit))
+                        continue
+                    out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)
+                    for name, _dt, _shape in uspecs:
+                        writer.write(name, out[name])  # copied into the writer's staging buffer
                     del out
+                    reader.release()
                     prog.advance(len(unit))
                 writer.close()  # fsyncs the shard
             finally:
@@ -410,6 +717,9 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             if on_shard_done is not None:
                 on_shard_done(shard)
     finally:
+        threads.set(None)
+        if on_device is not None:
+            on_device.close()
         reader.close()
         prog.stop()
 
@@ -418,7 +728,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
     total_size = 0
     for shard, units in layout.items():
         for u in units:
-            for name, dt, shape in _specs_for_unit(plan, u):
+            for name, dt, shape in _specs_for_unit(by, u):
                 weight_map[name] = shard
         total_size += (out_dir / shard).stat().st_size
     report.bytes_out = total_size
@@ -597,6 +907,7 @@ def load_converted(dst: Path, names: Optional[list[str]] = None):
             continue
         raw = {name: reader.get(name) for name, _dt, _shape in output_specs(t)}
         out[t.hf_name] = read_quantized(t, raw)
+    reader.close()
     return plan, out
 
 
@@ -616,7 +927,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     _check_source_against_plan(srcc, plan)
     layout = output_layout(plan, srcc)
     have = _dst_tensors(dst)
-    expected_names = {name for units in layout.values() for u in units for name, _, _ in _specs_for_unit(plan, u)}
+    by = plan.by_name()
+    expected_names = {name for units in layout.values() for u in units for name, _, _ in _specs_for_unit(by, u)}
     for n in sorted(set(have) - expected_names):
         problems.append(f"unexpected tensor '{n}' in {have[n][0]}")
     for n in sorted(expected_names - set(have)):
@@ -631,9 +943,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
             problems.append("hf_quant_config.json differs from the plan's")
     elif os.path.lexists(dst / "hf_quant_config.json"):  # a loader may read it: it must not be there
         problems.append("hf_quant_config.json is present but the plan has no ModelOpt config")
-    by = plan.by_name()
-    reader = _Reader(srcc)
-    out_reader = _Reader(open_source(dst))
+    reader = _Reader(srcc, reuse=True)  # both arenas are recycled after each unit (see _Reader)
+    out_reader = _Reader(open_source(dst), reuse=True)
     prog = _progress(progress, len(plan.tensors))
     try:
         for shard, units in layout.items():
@@ -642,6 +953,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
                     out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", checkpoint_tensors)
                 except NonFiniteWeight as err:  # the plan cannot hold this source: no output can verify
                     problems.append(str(err))
+                    reader.release()
                     prog.advance(len(unit))
                     continue
                 for name, ref in out.items():
@@ -654,8 +966,13 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
                     if got.dtype != ref.dtype or got.shape != ref.shape or not torch.equal(
                             got.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)):
                         problems.append(f"tensor '{name}' differs from the re-derived bytes")
+                del out
+                reader.release()
+                out_reader.release()
                 prog.advance(len(unit))
     finally:
+        reader.close()
+        out_reader.close()
         prog.stop()
     return problems
 

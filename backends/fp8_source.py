@@ -134,10 +134,12 @@ def load_dequantized(reader, t: TensorPlan, device: str = "cpu"):
     """The source tensor as the trainer sees it: BF16 after exact dequantization (FP8-block) or as stored."""
     import torch
 
-    x = reader.get(t.hf_name).to(device)
+    # non_blocking: from the converter's pinned arena the copy overlaps; the arena is recycled only after the unit's
+    # results are back on the host (same stream), and from pageable memory CUDA copies synchronously anyway
+    x = reader.get(t.hf_name).to(device, non_blocking=True)
     if not is_fp8_block_source(t):
         return x
-    s = reader.get(scale_name(t)).to(device)
+    s = reader.get(scale_name(t)).to(device, non_blocking=True)
     return dequantize_fp8_block(x, s, t.source_precision.block).to(getattr(torch, CAST_DTYPE))
 
 
@@ -154,8 +156,8 @@ def unit_tensors(units: Sequence[TensorPlan], reader, backend: str, device: str 
     for t in units:
         if passes_through(t):
             mod = module_of(t.hf_name)
-            out[f"{mod}.weight"] = reader.get(t.hf_name).to(device)
-            out[f"{mod}.{SCALE_SUFFIX}"] = reader.get(scale_name(t)).to(device)
+            out[f"{mod}.weight"] = reader.get(t.hf_name).to(device, non_blocking=True)
+            out[f"{mod}.{SCALE_SUFFIX}"] = reader.get(scale_name(t)).to(device, non_blocking=True)
         else:
             members.append((t, load_dequantized(reader, t, device)))
     if members:

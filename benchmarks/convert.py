@@ -1,16 +1,25 @@
 """Checkpoint converter benchmark: `policyc convert` vs a plain safetensors read+write of the same bytes.
 
-    python benchmarks/convert.py [--layers 6] [--shards 3] [--policies mxfp8-e2e,nvfp4-pertoken-hp-backward]
-                                 [--workdir /tmp/policyc-bench] [--results benchmarks/RESULTS.md]
+    python benchmarks/convert.py [--layers 6 | --shard-gb 2] [--shards 3] [--policies bf16,bf16:buffered,mxfp8-e2e]
+                                 [--device cpu|cuda] [--repeat 3] [--no-verify] [--workdir /tmp/policyc-bench]
+                                 [--results benchmarks/RESULTS.md]
 
 What it does (all on this machine, same run, warm page cache for both sides):
   1. writes a synthetic multi-shard BF16 Qwen3-MoE checkpoint (hidden 1024, 16 experts x 512, `--layers` layers;
-     ~65 MB per layer + embeddings) with precision_dsl.backends.synthetic;
-  2. baseline: for every shard, safetensors.torch.load_file + save_file into a scratch dir (the same bytes read
-     and written, no quantization) -> MB/s of source bytes;
-  3. for each policy: precision_dsl.backends.converter.convert(...) -> MB/s of source bytes, and `verify` once;
+     ~57 MB per layer + 67 MB embeddings/head; `--shard-gb G` picks the layer count that makes each of the
+     `--shards` shards ~G GB) with precision_dsl.backends.synthetic;
+  2. baselines, the same bytes read and written, no quantization: safetensors.torch.load_file + save_file per shard
+     (+ fsync, like the converter; and without fsync), and a raw byte copy of the shard files (16 MB os.read/os.write
+     + fsync: what the page cache and the disk allow) -> MB/s of source bytes;
+  3. for each policy: precision_dsl.backends.converter.convert(...) -> MB/s of source bytes, and `verify` once
+     (unless --no-verify). `POLICY:buffered` runs the converter with POLICYC_DIRECT_IO=0 (page-cache writes
+     instead of O_DIRECT);
   4. every measured step runs in a fresh subprocess so its peak RSS (ru_maxrss) is its own; the RSS of a subprocess
-     that only imports torch + policyc is reported as the floor.
+     that only imports torch + policyc is reported as the floor. Imports (torch, the quantizers; for cuda the CUDA
+     context and the Triton kernels of every (format, shape) the plan quantizes) happen before the clock starts,
+     as the baseline imports safetensors/torch before its clock; the warm-up time is reported. Outputs of an
+     earlier run are deleted before each run, outside the clock. CPU seconds (user+sys of the measured section,
+     all threads) are reported beside wall seconds: on a shared box they move less than wall time.
 
 Goals from the brief: converter throughput >= 0.7x the plain read+write; peak RSS <= 1.5x the largest shard.
 `--results` replaces (or appends) only the "## Checkpoint converter" section of that markdown file.
@@ -25,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 SECTION = "## Checkpoint converter"
@@ -40,6 +50,22 @@ def arch_config(layers: int) -> dict:
 
 
 # ---- steps run in subprocesses -------------------------------------------------------------------------------
+class _Clock:
+    """Wall and CPU (user+sys, all threads of this process) seconds of the measured section."""
+
+    def __enter__(self):
+        self.t, self.c = time.perf_counter(), os.times()
+        return self
+
+    def __exit__(self, *exc):
+        c = os.times()
+        self.seconds = time.perf_counter() - self.t
+        self.cpu = (c.user - self.c.user) + (c.system - self.c.system)
+
+    def result(self, **kw) -> dict:
+        return {"seconds": self.seconds, "cpu_seconds": self.cpu, **kw}
+
+
 def _step_floor(_args) -> dict:
     import torch  # noqa: F401
 
@@ -49,47 +75,129 @@ def _step_floor(_args) -> dict:
     return {}
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _step_plain(args) -> dict:
     from safetensors.torch import load_file, save_file
 
     src, scratch = Path(args["src"]), Path(args["scratch"])
     scratch.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
-    for f in sorted(src.glob("*.safetensors")):
-        tensors = load_file(str(f))
-        save_file(tensors, str(scratch / f.name), metadata={"format": "pt"})
-        del tensors
-        with open(scratch / f.name, "rb+") as fh:  # the converter fsyncs every shard; so does the baseline
-            os.fsync(fh.fileno())
-    return {"seconds": time.perf_counter() - t}
+    with _Clock() as clk:
+        for f in sorted(src.glob("*.safetensors")):
+            tensors = load_file(str(f))
+            save_file(tensors, str(scratch / f.name), metadata={"format": "pt"})
+            del tensors
+            if args.get("fsync", True):  # the converter fsyncs every shard; so does this baseline
+                _fsync(scratch / f.name)
+    return clk.result()
+
+
+def _step_rawcopy(args) -> dict:
+    """The shard files copied byte for byte (16 MB reads and writes into one reused buffer) + fsync: no parsing, no
+    tensors; the page cache + disk floor of any read+write of these bytes."""
+    src, scratch = Path(args["src"]), Path(args["scratch"])
+    scratch.mkdir(parents=True, exist_ok=True)
+    buf = bytearray(16 << 20)
+    view = memoryview(buf)
+    with _Clock() as clk:
+        for f in sorted(src.glob("*.safetensors")):
+            fi = os.open(f, os.O_RDONLY)
+            fo = os.open(scratch / f.name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                while True:
+                    n = os.readv(fi, [buf])
+                    if not n:
+                        break
+                    w = 0
+                    while w < n:
+                        w += os.write(fo, view[w:n])
+                os.fsync(fo)
+            finally:
+                os.close(fi)
+                os.close(fo)
+    return clk.result()
+
+
+def _warm_kernels(plan, device: str) -> None:
+    """Compile / load from Triton's cache the kernels of every (format, shape) the plan quantizes, outside the clock
+    (a conversion of a real model runs them thousands of times; the first call's JIT is a fixed cost)."""
+    import torch
+
+    from precision_dsl import kernels
+
+    torch.zeros(1, device=device)
+    seen = set()
+    for t in plan.quantized():
+        w = t.precision.weight
+        key = (id(w), tuple(t.shape))
+        if key in seen or not t.is_linear or len(t.shape) != 2:
+            continue
+        seen.add(key)
+        x = torch.randn(t.shape, dtype=torch.bfloat16, device=device)
+        ga = torch.ones((), device=device) if getattr(w, "global_scale", None) == "group" else None
+        try:
+            kernels.quantize(x, w, axis="row", global_amax=ga)
+        except Exception:  # a format the kernels do not take runs the reference; nothing to warm
+            pass
+    torch.cuda.synchronize()
 
 
 def _step_convert(args) -> dict:
-    import precision_dsl.backends.quantize  # noqa: F401  (torch + formats imported before the clock starts, like the baseline)
-    from precision_dsl.backends import converter
+    import torch  # noqa: F401  (imported before the clock starts, like the baseline's safetensors/torch)
+
+    import precision_dsl.backends.quantize  # noqa: F401
+    from precision_dsl import formats, kernels  # noqa: F401
+    from precision_dsl.backends import converter, fp8_source  # noqa: F401
     from precision_dsl.arch import load_architecture
     from precision_dsl.resolve import resolve
 
     src, dst = Path(args["src"]), Path(args["dst"])
     plan = resolve(REPO / "policies" / f"{args['policy']}.policy", load_architecture(str(src)), None)
-    t = time.perf_counter()
     device = args.get("device", "cpu")
-    if device.startswith("cuda"):  # warm the CUDA context and Triton kernels outside the clock
-        import torch
+    warm_s = 0.0
+    if device.startswith("cuda"):
+        t = time.perf_counter()
+        _warm_kernels(plan, device)
+        warm_s = time.perf_counter() - t
+    prof = None
+    if args.get("profile"):  # --profile: where the converter's time goes (top functions by own time)
+        import cProfile
 
-        torch.zeros(1, device=device)
-    rep = converter.convert(src, plan, dst, force=True, device=device)
-    secs = time.perf_counter() - t
-    return {"seconds": secs, "bytes_out": rep.bytes_out, "quantized_tensors": len(plan.quantized())}
+        prof = cProfile.Profile()
+        prof.enable()
+    with _Clock() as clk:
+        rep = converter.convert(src, plan, dst, force=True, device=device)
+    out = clk.result(bytes_out=rep.bytes_out, quantized_tensors=len(plan.quantized()), warmup_seconds=warm_s)
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(12)
+        stats.sort_stats("cumulative").print_stats(18)
+        out["profile"] = "\n".join(ln for ln in text.getvalue().splitlines()
+                                    if ln.strip() and "Ordered by" not in ln and "List reduced" not in ln)[-5000:]
+    return out
 
 
 def _step_verify(args) -> dict:
-    import precision_dsl.backends.quantize  # noqa: F401
-    from precision_dsl.backends import converter
+    import torch  # noqa: F401
 
-    t = time.perf_counter()
-    problems = converter.verify(Path(args["dst"]), Path(args["src"]))
-    return {"seconds": time.perf_counter() - t, "problems": len(problems)}
+    import precision_dsl.backends.quantize  # noqa: F401
+    from precision_dsl import formats, kernels  # noqa: F401
+    from precision_dsl.backends import converter, fp8_source  # noqa: F401
+
+    with _Clock() as clk:
+        problems = converter.verify(Path(args["dst"]), Path(args["src"]))
+    return clk.result(problems=len(problems))
 
 
 def _step_make(args) -> dict:
@@ -101,8 +209,8 @@ def _step_make(args) -> dict:
     return {}
 
 
-STEPS = {"make": _step_make, "floor": _step_floor, "plain": _step_plain, "convert": _step_convert,
-         "verify": _step_verify}
+STEPS = {"make": _step_make, "floor": _step_floor, "plain": _step_plain, "rawcopy": _step_rawcopy,
+         "convert": _step_convert, "verify": _step_verify}
 
 
 def _child(step: str, payload: str) -> None:
@@ -113,23 +221,46 @@ def _child(step: str, payload: str) -> None:
     print("RESULT " + json.dumps(out))
 
 
-def best_of(n: int, step: str, **payload) -> dict:
-    """Fastest of n runs (the machine is shared: the minimum is the least disturbed), max of their peak RSS."""
-    runs = [run_step(step, **payload) for _ in range(n)]
+def best_of(n: int, step: str, clean: Optional[Path] = None, env: Optional[dict] = None, **payload) -> dict:
+    """Fastest of n runs (the machine is shared: the minimum is the least disturbed), max of their peak RSS. `clean`
+    (the step's output) is deleted before every run, outside the clock, so no run pays for replacing the last."""
+    import shutil
+
+    runs = []
+    for _ in range(n):
+        if clean is not None:
+            shutil.rmtree(clean, ignore_errors=True)
+        runs.append(run_step(step, env=env, **payload))
     best = min(runs, key=lambda r: r.get("seconds", 0.0))
     best["max_rss_bytes"] = max(r["max_rss_bytes"] for r in runs)
+    best["cpu_min"] = min(r.get("cpu_seconds", 0.0) for r in runs)
     return best
 
 
-def run_step(step: str, **payload) -> dict:
+def run_step(step: str, env: Optional[dict] = None, **payload) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run([sys.executable, __file__, "--child", step, json.dumps(payload)], capture_output=True,
                           text=True, env=env, cwd=str(REPO))
     if proc.returncode != 0:
         raise SystemExit(f"step {step} failed:\n{proc.stderr[-3000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def layers_for(shard_gb: float, shards: int) -> int:
+    """Layer count whose synthetic checkpoint splits into `shards` shards of ~`shard_gb` GB (torch-free)."""
+    import tempfile
+
+    from precision_dsl.arch import load_architecture
+
+    sizes = []
+    for n in (1, 2):
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "config.json").write_text(json.dumps(arch_config(n)))
+            sizes.append(sum(t.numel * 2 for t in load_architecture(d).tensors))  # BF16
+    per_layer, base = sizes[1] - sizes[0], 2 * sizes[0] - sizes[1]
+    return max(1, -(-(int(shard_gb * 1e9) * shards - base) // per_layer))
 
 
 def warm(path: Path) -> None:
@@ -142,12 +273,19 @@ def warm(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--shard-gb", type=float, default=None,
+                    help="size each of the --shards shards ~this many GB (overrides --layers)")
     ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--policies", default="bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward")
+    ap.add_argument("--policies", default="bf16,mxfp8-e2e,nvfp4-pertoken-hp-backward",
+                    help="comma-separated; POLICY:buffered = converter with POLICYC_DIRECT_IO=0")
     ap.add_argument("--workdir", default="/tmp/policyc-bench-convert")
-    ap.add_argument("--results", default=None, help="markdown file whose converter section is (re)written")
+    ap.add_argument("--results", default=None, help="markdown file: the run's table is inserted at the top of its "
+                                                    "converter section (earlier figures are kept)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per step; the fastest is reported")
     ap.add_argument("--device", default="cpu", help="cpu | cuda: where the converter quantizes (cuda = Triton kernels)")
+    ap.add_argument("--no-verify", action="store_true", help="skip `verify` (it re-derives every byte on the CPU)")
+    ap.add_argument("--profile", default="", help="POLICY[,POLICY]: one extra profiled convert run of each (cProfile "
+                                                  "top functions printed; not part of the figures)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -158,65 +296,99 @@ def main() -> None:
     # under every child's peak RSS. The checkpoint is made in a subprocess too.
     import shutil
 
+    layers = layers_for(a.shard_gb, a.shards) if a.shard_gb else a.layers
     work = Path(a.workdir)
     shutil.rmtree(work, ignore_errors=True)
     src = work / "src"
     src.mkdir(parents=True)
-    (src / "config.json").write_text(json.dumps(arch_config(a.layers)))
+    (src / "config.json").write_text(json.dumps(arch_config(layers)))
+    t = time.perf_counter()
     run_step("make", src=str(src), shards=a.shards)
+    make_s = time.perf_counter() - t
     shard_sizes = [f.stat().st_size for f in sorted(src.glob("*.safetensors"))]
-    total = sum(shard_sizes)
+    total, largest = sum(shard_sizes), max(shard_sizes)
+    print(f"checkpoint: {layers} layers, {total / 1e6:.0f} MB in {len(shard_sizes)} shards (largest "
+          f"{largest / 1e6:.0f} MB), written in {make_s:.0f} s", flush=True)
     warm(src)
 
-    load_before = os.getloadavg()[0]
+    load_before, started = os.getloadavg(), time.gmtime()
     floor = run_step("floor")
-    plain = best_of(a.repeat, "plain", src=str(src), scratch=str(work / "plain"))
+    base = []
+    for label, step, kw in (("plain safetensors load_file+save_file+fsync", "plain", {"fsync": True}),
+                            ("plain safetensors load_file+save_file, no fsync", "plain", {"fsync": False}),
+                            ("raw byte copy of the shard files + fsync", "rawcopy", {})):
+        warm(src)
+        scratch = work / "plain"
+        base.append((label, best_of(a.repeat, step, clean=scratch, src=str(src), scratch=str(scratch), **kw)))
+        shutil.rmtree(scratch, ignore_errors=True)
+        r = base[-1][1]
+        print(f"{label}: {r['seconds']:.2f} s (CPU {r['cpu_seconds']:.2f} s), {total / r['seconds'] / 1e6:.0f} MB/s, "
+              f"peak RSS {r['max_rss_bytes'] / 1e6:.0f} MB", flush=True)
     rows = []
-    for pol in a.policies.split(","):
+    for spec in a.policies.split(","):
+        pol, _, mode = spec.partition(":")
+        env = {"POLICYC_DIRECT_IO": "0"} if mode == "buffered" else None
         dst = work / f"out-{pol}"
         warm(src)
-        conv = best_of(a.repeat, "convert", src=str(src), dst=str(dst), policy=pol, device=a.device)
-        ver = best_of(a.repeat, "verify", src=str(src), dst=str(dst))
-        rows.append((pol, conv, ver))
+        conv = best_of(a.repeat, "convert", clean=dst, env=env, src=str(src), dst=str(dst), policy=pol,
+                       device=a.device)
+        print(f"convert {spec}: {conv['seconds']:.2f} s (CPU {conv['cpu_seconds']:.2f} s), "
+              f"{total / conv['seconds'] / 1e6:.0f} MB/s = {base[0][1]['seconds'] / conv['seconds']:.2f}x plain, "
+              f"peak RSS {conv['max_rss_bytes'] / 1e6:.0f} MB = {conv['max_rss_bytes'] / largest:.2f}x largest shard",
+              flush=True)
+        if spec in a.profile.split(","):
+            shutil.rmtree(dst, ignore_errors=True)
+            prof = run_step("convert", env=env, src=str(src), dst=str(dst), policy=pol, device=a.device,
+                            profile=True)
+            print(f"profile of convert {spec} ({prof['seconds']:.2f} s profiled):\n{prof['profile']}", flush=True)
+        ver = None if a.no_verify else best_of(min(a.repeat, 2), "verify", src=str(src), dst=str(dst))
+        rows.append((spec, conv, ver))
+        shutil.rmtree(dst, ignore_errors=True)
 
     mb = 1e6
-    plain_mbs = total / plain["seconds"] / mb
-    lines = [SECTION, "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on this CPU machine "
-             f"({os.cpu_count()} cores, shared with other jobs: load average {load_before:.1f} before / "
-             f"{os.getloadavg()[0]:.1f} after), `python "
-             f"benchmarks/convert.py --layers {a.layers} --shards {a.shards} --device {a.device}`. Synthetic BF16 Qwen3-MoE checkpoint: "
-             f"{total / mb:.0f} MB in {len(shard_sizes)} shards (largest {max(shard_sizes) / mb:.0f} MB). "
-             f"Every step runs in its own subprocess (peak RSS = its ru_maxrss), fastest of {a.repeat} runs; imports "
-             "happen before the clock starts; page cache warm for all steps.", "",
-             "| step | seconds | source MB/s | vs plain read+write | peak RSS MB | RSS / largest shard | "
-             "RSS above import floor / largest shard |",
-             "|---|---|---|---|---|---|---|",
-             f"| import floor (torch + policyc) | - | - | - | {floor['max_rss_bytes'] / mb:.0f} | - | - |",
-             f"| plain safetensors load_file+save_file | {plain['seconds']:.2f} | {plain_mbs:.0f} | 1.00x | "
-             f"{plain['max_rss_bytes'] / mb:.0f} | {plain['max_rss_bytes'] / max(shard_sizes):.2f}x | "
-             f"{(plain['max_rss_bytes'] - floor['max_rss_bytes']) / max(shard_sizes):.2f}x |"]
-    for pol, conv, ver in rows:
+    plain_mbs = total / base[0][1]["seconds"] / mb
+    load_after = os.getloadavg()
+
+    def rss(r) -> str:
+        return (f"{r['max_rss_bytes'] / mb:.0f} | {r['max_rss_bytes'] / largest:.2f}x | "
+                f"{(r['max_rss_bytes'] - floor['max_rss_bytes']) / largest:.2f}x")
+
+    lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', started)} on {os.uname().nodename.split('.')[0]} "
+             f"({os.cpu_count()} cores; load average 1/5 min {load_before[0]:.1f}/{load_before[1]:.1f} before, "
+             f"{load_after[0]:.1f}/{load_after[1]:.1f} after), `python benchmarks/convert.py "
+             + (f"--shard-gb {a.shard_gb:g}" if a.shard_gb else f"--layers {layers}")
+             + f" --shards {a.shards} --device {a.device} --repeat {a.repeat} --policies {a.policies}"
+             + (" --no-verify" if a.no_verify else "") + "`. Synthetic BF16 Qwen3-MoE checkpoint: "
+             f"{layers} layers, {total / mb:.0f} MB in {len(shard_sizes)} shards (largest {largest / mb:.0f} MB). "
+             f"Each step in its own subprocess (peak RSS = its ru_maxrss), fastest of {a.repeat} runs (CPU s: the "
+             "fastest run's user+sys, all threads); page cache warm; outputs deleted before each run.", "",
+             "| step | wall s | CPU s | source MB/s | vs plain (load+save+fsync) | peak RSS MB | RSS / largest shard "
+             "| RSS above import floor / largest shard |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|",
+             f"| import floor (torch + policyc) | - | - | - | - | {floor['max_rss_bytes'] / mb:.0f} | - | - |"]
+    for label, r in base:
+        mbs = total / r["seconds"] / mb
+        lines.append(f"| {label} | {r['seconds']:.2f} | {r['cpu_seconds']:.2f} | {mbs:.0f} | "
+                     f"{mbs / plain_mbs:.2f}x | {rss(r)} |")
+    for spec, conv, ver in rows:
         mbs = total / conv["seconds"] / mb
-        lines.append(f"| convert `{pol}` ({conv['quantized_tensors']} quantized tensors, out "
-                     f"{conv['bytes_out'] / mb:.0f} MB) | {conv['seconds']:.2f} | {mbs:.0f} | {mbs / plain_mbs:.2f}x | "
-                     f"{conv['max_rss_bytes'] / mb:.0f} | {conv['max_rss_bytes'] / max(shard_sizes):.2f}x | "
-                     f"{(conv['max_rss_bytes'] - floor['max_rss_bytes']) / max(shard_sizes):.2f}x |")
-        lines.append(f"| verify `{pol}` ({ver['problems']} problems) | {ver['seconds']:.2f} | "
-                     f"{total / ver['seconds'] / mb:.0f} | - | {ver['max_rss_bytes'] / mb:.0f} | "
-                     f"{ver['max_rss_bytes'] / max(shard_sizes):.2f}x | "
-                     f"{(ver['max_rss_bytes'] - floor['max_rss_bytes']) / max(shard_sizes):.2f}x |")
-    section = "\n".join(lines) + "\n"
-    print(section)
+        warm_note = f", kernels warmed {conv['warmup_seconds']:.1f} s before the clock" if conv.get(
+            "warmup_seconds") else ""
+        lines.append(f"| convert `{spec}` ({conv['quantized_tensors']} quantized tensors, out "
+                     f"{conv['bytes_out'] / mb:.0f} MB{warm_note}) | {conv['seconds']:.2f} | "
+                     f"{conv['cpu_seconds']:.2f} | {mbs:.0f} | **{mbs / plain_mbs:.2f}x** | {rss(conv)} |")
+        if ver is not None:
+            lines.append(f"| verify `{spec}` ({ver['problems']} problems) | {ver['seconds']:.2f} | "
+                         f"{ver['cpu_seconds']:.2f} | {total / ver['seconds'] / mb:.0f} | - | {rss(ver)} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
     if a.results:
         path = Path(a.results)
         text = path.read_text() if path.exists() else "# Benchmark results\n\n"
-        if SECTION in text:
-            start = text.index(SECTION)
-            nxt = text.find("\n## ", start + len(SECTION))
-            text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
+        if SECTION not in text:
+            text = text.rstrip("\n") + "\n\n" + SECTION + "\n\n"
+        at = text.index(SECTION) + len(SECTION) + 1
+        text = text[:at] + "\n" + table + text[at:]
         path.write_text(text)
     shutil.rmtree(work, ignore_errors=True)
 

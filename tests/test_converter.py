@@ -284,3 +284,123 @@ def test_cuda_conversion_is_byte_identical_to_cpu(src, tmp_path, policy):
     converter.convert(src, plan, tmp_path / "cpu")
     converter.convert(src, plan, tmp_path / "gpu", device="cuda")
     assert tree_digest(tmp_path / "cpu") == tree_digest(tmp_path / "gpu")
+
+
+# ---- non-finite weights are refused on every path (host and device) ------------------------------------------------
+def _with_nan(src: Path, dst: Path, name: str) -> Path:
+    """A copy of checkpoint `src` whose tensor `name` holds one NaN."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(str(dst / shard))
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[7] = float("nan")
+    save_file(tensors, str(dst / shard), metadata={"format": "pt"})
+    return dst
+
+
+NAN_CASES = [("model.layers.1.mlp.experts.5.up_proj.weight", "nvfp4-pertoken-hp-backward"),  # a share-scale group
+             ("model.layers.0.self_attn.q_proj.weight", "mxfp8-e2e"),
+             ("model.layers.0.input_layernorm.weight", "mxfp8-e2e")]  # high precision, host path
+
+
+@pytest.mark.parametrize("name,policy", NAN_CASES)
+def test_nan_in_the_source_is_refused_by_name_and_nothing_is_committed(src, tmp_path, name, policy):
+    from precision_dsl.backends.quantize import NonFiniteWeight
+
+    bad = _with_nan(src, tmp_path / "bad", name)
+    with pytest.raises(NonFiniteWeight, match=f"'{name}' contains 1 NaN/Inf"):
+        converter.convert(bad, seed_plan(policy), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name,policy", NAN_CASES)
+def test_cuda_conversion_refuses_nan_with_the_cpu_message(src, tmp_path, name, policy):
+    """The device path checks finiteness with one synchronisation per unit; a failure re-runs the sequential checks
+    so the error is exactly the CPU path's."""
+    from precision_dsl.backends.quantize import NonFiniteWeight
+
+    bad = _with_nan(src, tmp_path / "bad", name)
+    errors = []
+    for device in ("cpu", "cuda"):
+        with pytest.raises(NonFiniteWeight) as exc:
+            converter.convert(bad, seed_plan(policy), tmp_path / f"out-{device}", device=device)
+        errors.append(str(exc.value))
+        assert not (tmp_path / f"out-{device}").exists()
+    assert errors[0] == errors[1] and name in errors[0]
+
+
+# ---- the streaming writer ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "page_cache"])
+def test_streaming_writer_bytes_and_crc_across_buffer_boundaries(tmp_path, monkeypatch, direct):
+    """Tiny staging buffers so tensors straddle buffer boundaries and the file ends mid-block: the file must be the
+    header followed by the tensor bytes in order, and checksum()/size those of the file (what resume checks)."""
+    import os
+    import zlib
+
+    from precision_dsl.backends import safetensors_io as sio
+
+    monkeypatch.setattr(sio, "_CHUNK", 8192)
+    monkeypatch.setattr(sio, "_POOL", [])
+    g = torch.Generator().manual_seed(0)
+    tensors = [("a", torch.randn(3000, generator=g).to(torch.bfloat16)), ("b", torch.randn(5, 7, generator=g)),
+               ("c", torch.randint(0, 255, (12289,), generator=g, dtype=torch.uint8)),
+               ("d", torch.zeros(0, dtype=torch.bfloat16)), ("e", torch.tensor(2.5))]
+    specs = [(n, {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8"}[t.dtype], tuple(t.shape))
+             for n, t in tensors]
+    # "a" and "c" come straight from a file (the pass-through path), checked piece by piece; the rest from tensors
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"xyz" + tensors[0][1].view(torch.uint8).numpy().tobytes() + tensors[2][1].numpy().tobytes())
+    pieces = []
+    w = sio.StreamingWriter(tmp_path / "x.safetensors", specs, metadata={"format": "pt"}, direct=direct)
+    fd = os.open(blob, os.O_RDONLY)
+    try:
+        for n, t in tensors:
+            if n in ("a", "c"):
+                at = 3 if n == "a" else 3 + tensors[0][1].numel() * 2
+                assert w.write_from_file(n, fd, at, lambda piece: pieces.append(bytes(piece)) or True)
+            else:
+                w.write(n, t)
+        w.close()
+    finally:
+        w.abort()
+        os.close(fd)
+    assert len(pieces) > 2 and b"".join(pieces) == blob.read_bytes()[3:]  # several pieces, all bytes seen once
+    data = (tmp_path / "x.safetensors").read_bytes()
+    want = sio.header_bytes(specs, {"format": "pt"}) + b"".join(t.reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                                 for _, t in tensors)
+    assert data == want and w.size == len(want) and w.checksum() == f"crc32:{zlib.crc32(want):08x}"
+    assert converter.file_checksum(tmp_path / "x.safetensors") == w.checksum()
+    with safe_open(str(tmp_path / "x.safetensors"), "pt") as f:
+        assert all(torch.equal(f.get_tensor(n), t) for n, t in tensors)
+
+
+def test_streaming_writer_reports_a_write_error_from_its_thread(tmp_path, monkeypatch):
+    """A full disk in the writer thread surfaces as the OSError on close (never a hang, never a silent short file)."""
+    import errno
+    import os
+
+    from precision_dsl.backends import safetensors_io as sio
+
+    monkeypatch.setattr(sio, "_CHUNK", 8192)
+    monkeypatch.setattr(sio, "_POOL", [])
+    real_write = os.write
+
+    def full_disk(fd, data):
+        if len(data) >= 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    w = sio.StreamingWriter(tmp_path / "x", [("a", "U8", (100000,))])
+    with pytest.raises(OSError, match="No space"):
+        try:
+            w.write("a", torch.zeros(100000, dtype=torch.uint8))
+            w.close()
+        finally:
+            w.abort()

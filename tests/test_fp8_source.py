@@ -222,3 +222,24 @@ def test_source_checkpoint_must_match_the_source_precision(kimi, tmp_path):
     plan = resolve(POLICIES / "bf16.policy", arch)
     with pytest.raises(CheckpointError, match="is BF16 in the source checkpoint, but config.json quantization_config"):
         converter.convert(bf16_src, plan, tmp_path / "b")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("policy", ["nvfp4-pertoken-hp-backward", "mxfp8-e2e", "fp8-blockwise-hopper"])
+def test_cuda_conversion_of_an_fp8_source_is_byte_identical_to_cpu(kimi, tmp_path, policy):
+    """FP8-block sources on the device path: dequantized (non-blocking copies from the pinned arena) and
+    re-quantized, or passed through (fp8-blockwise-hopper on the DeepSeek-V3 layout), byte for byte the CPU's."""
+    import hashlib
+
+    if policy == "fp8-blockwise-hopper":
+        arch = architecture_from_config(TINY_DSV3, "tiny-dsv3")
+        src = write_fp8_block_checkpoint(arch, tmp_path / "src", shards=2, seed=5)
+    else:
+        arch, src = kimi
+    plan = resolve(POLICIES / f"{policy}.policy", arch)
+    for device in ("cpu", "cuda"):
+        converter.convert(src, plan, tmp_path / device, device=device)
+    digest = [{p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((tmp_path / d).iterdir())}
+              for d in ("cpu", "cuda")]
+    assert digest[0] == digest[1]
