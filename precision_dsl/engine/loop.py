@@ -100,6 +100,7 @@ class RunResult(BaseModel):
     steps: list[StepMetrics] = Field(default_factory=list)
     wall_s: float = 0.0
     emulated: bool = True
+    gemm_paths: dict[str, int] = Field(default_factory=dict)  # trainer GEMM calls per path (fastgemm.PATH_NOTES)
 
 
 def _bf16_plan(plan):
@@ -269,5 +270,6 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         if on_step:
             on_step(m)
     rollout.close()
+    result.gemm_paths = executor.gemm_report()
     result.wall_s = time.perf_counter() - t_start
     return result

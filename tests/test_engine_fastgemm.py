@@ -1,0 +1,190 @@
+"""engine/fastgemm.py + the fast QLinear path: operands bit for bit the reference's, results the reference GEMM's
+(up to accumulation order), native FP8 on the H200 with our quantizers' bytes, emulation fallback on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from precision_dsl import formats
+from precision_dsl.engine import fastgemm, numerics
+from precision_dsl.engine.qlinear import LinearSpec, TrainerExecutor, _fake_op
+from precision_dsl.precision import BackwardMode, FormatKind, TensorFormat
+
+BF16 = TensorFormat(kind=FormatKind.BF16, element="bf16")
+MX = TensorFormat(kind=FormatKind.MXFP8, element="e4m3", block=(1, 32), scale_dtype="e8m0")
+MX5 = TensorFormat(kind=FormatKind.MXFP8, element="e5m2", block=(1, 32), scale_dtype="e8m0")
+NV_ROW = TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3", global_scale="row")
+NV_T = TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3", global_scale="tensor")
+FB_A = TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype="fp32")
+FB_W = TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(128, 128), scale_dtype="fp32")
+FB_P = TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype="pow2")
+
+
+def _x(m=40, k=256, seed=0, spread=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    if spread:  # per-row magnitudes over ~20 binades: exercises scales far from 1
+        x = x * torch.exp2(torch.randint(-12, 8, (m, 1), generator=g).float())
+    return x.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("fmt,axis", [(MX, "row"), (MX, "col"), (MX5, "row"), (MX5, "col"), (NV_ROW, "row"),
+                                      (NV_T, "row"), (FB_A, "row"), (FB_A, "col"), (FB_P, "row"), (FB_W, "row")])
+def test_fake_op_dense_is_bitwise_the_reference_fake_quant(fmt, axis):
+    x = _x(m=256 if fmt == FB_W else 40)
+    op = _fake_op(x, fmt, axis=axis)
+    ref = numerics.fake_quantize(x, fmt, axis=axis)
+    assert op.dense().shape == ref.shape
+    assert torch.equal(op.dense().view(torch.int32), ref.view(torch.int32))  # bitwise, incl. -0.0
+    if fmt.kind in (FormatKind.MXFP8, FormatKind.NVFP4) or fmt.scale_dtype == "pow2":
+        assert op.exact and op.v.dtype == torch.bfloat16  # elements exact in bf16: tensor-core operand
+    else:
+        assert not op.exact  # fp32 scale_inv x element is not bf16-exact: kept in fp32
+    if fmt == NV_ROW:
+        assert op.s.shape == (40,)  # the per-token S_dec goes to the epilogue, not into the bf16 operand
+
+
+def test_split3_is_exact_and_mm_matches_fp32_gemm():
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-30, 30, (64, 96), generator=g).float())
+    parts = fastgemm._split3(v).float().view(3, 64, 96)
+    assert torch.equal((parts[0] + parts[1]) + parts[2], v)
+    # transposed per-row scaled operand: the scale runs along the contraction -> folded into an fp32 operand
+    a = fastgemm.Op(_x(32, 64).to(torch.bfloat16), torch.rand(32) + 0.5)
+    assert not a.t().exact and torch.equal(a.t().v, a.dense().t())
+
+
+@pytest.mark.parametrize("policy", ["mxfp8-e2e", "mxfp8-dequant-backward", "nvfp4-pertoken-dequant-backward",
+                                    "nvfp4-pertoken-hp-backward", "fp8-blockwise-hopper", "bf16"])
+def test_fast_executor_matches_reference_on_cpu(policy):
+    """Same plan, same weights, same batch: the fast path's forward and gradients equal the reference emulation's
+    (bitwise where the operands need no epilogue scale; NVFP4 moves S_dec to the epilogue: one rounding apart). On
+    CPU nothing runs natively: fp8_block is emulated (counted as fp32 GEMMs, never as native-fp8)."""
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    plan = load_plan(policy, load_architecture("tiny-moe"))
+    ids = torch.randint(3, 32, (4, 12), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for mode in ("reference", "fast"):
+        model = load_model(resolve_model_dir("tiny-moe"))
+        ex = TrainerExecutor(plan, model, gemm=mode).install()
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        out[mode] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     ex)
+    (lr, gr, exr), (lf, gf, exf) = out["reference"], out["fast"]
+    assert not exf.native and "native-fp8" not in exf.gemm_report()
+    assert set(exf.gemm_report()) == {"fp32"}
+    exact = not policy.startswith("nvfp4")
+    if exact:
+        assert torch.equal(lf, lr)
+    else:
+        assert torch.allclose(lf, lr, rtol=1e-5, atol=1e-6)
+    for n in gr:
+        if exact:
+            assert torch.equal(gf[n], gr[n]), n
+        else:  # S_dec applied after the sum instead of per element: rounding-level differences in y, which a
+            # downstream quantizer can turn into one-step differences of a few elements
+            assert _rel(gf[n], gr[n]) < 1e-3, (n, _rel(gf[n], gr[n]))
+    assert exr.current_quantized().keys() == exf.current_quantized().keys()
+    for n, q in exr.current_quantized().items():  # the weight bytes the rollout must match: unchanged
+        qf = exf.current_quantized()[n]
+        assert all(torch.equal(a, b) for a, b in zip(q.tensors().values(), qf.tensors().values())), n
+
+
+def test_gemm_mode_is_validated():
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    plan = load_plan("bf16", load_architecture("tiny-moe"))
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        TrainerExecutor(plan, load_model(resolve_model_dir("tiny-moe")), gemm="fastest")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# H200: native FP8 blockwise GEMMs
+# ---------------------------------------------------------------------------------------------------------------
+def _need_sm90():
+    if not torch.cuda.is_available() or not fastgemm.native_fp8_available(torch.device("cuda", 0)):
+        pytest.skip("needs an sm_90 GPU (cuBLASLt FP8 block scaling)")
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.gpu
+def test_native_fp8_gemms_use_reference_bytes_and_match_fp32_of_dequantized():
+    """Forward (1x128 x 128x128), dgrad (1x128 x W columnwise 128x128) and wgrad (1x128 x 1x128 along tokens):
+    operands byte-identical to the reference quantizers (formats/fp8_block.py), result within the accumulation
+    tolerance of the fp32 GEMM of the dequantized operands; K/128 = 6 exercises the L4 padding of the 128x128 grid."""
+    _need_sm90()
+    dev = "cuda"
+    m, k, n = 300, 768, 512
+    x = _x(m, k).to(dev)
+    w = (_x(n, k, seed=2, spread=False) * 0.02).to(torch.bfloat16).to(dev)
+    g = _x(m, n, seed=3).to(dev)
+    qx = numerics.quantize(x, FB_A)
+    qw = numerics.quantize(w, FB_W)
+    for q, src in ((qx, x), (qw, w)):
+        ref = formats.quantize(src.cpu(), q.fmt)
+        assert torch.equal(q.data.cpu(), ref.data) and torch.equal(q.scale.cpu(), ref.scale)
+    stats = fastgemm.GemmStats()
+    y = fastgemm.scaled_mm_fp8_block(qx.data, qx.scale, (1, 128), qw.data, qw.scale, (128, 128), stats=stats)
+    want = formats.dequantize(qx) @ formats.dequantize(qw).t()
+    assert y is not None and y.dtype == torch.float32 and _rel(y, want) < 5e-3
+    # dgrad: g rowwise (1x128 along N) x W's columnwise copy ([K, N] bytes, 128x128 tiles)
+    qg = numerics.quantize(g, FB_A)
+    wc = numerics.quantize(w.float(), FB_W, axis="col")
+    ref = formats.quantize(w.float().cpu(), FB_W, axis="col")
+    assert torch.equal(wc.data.cpu(), ref.data) and torch.equal(wc.scale.cpu(), ref.scale)
+    dx = fastgemm.scaled_mm_fp8_block(qg.data, qg.scale, (1, 128), wc.data, wc.scale, (128, 128), stats=stats)
+    assert dx is not None and _rel(dx, formats.dequantize(qg) @ formats.dequantize(wc)) < 5e-3
+    # wgrad: columnwise copies of g and x along the (zero-padded) token dim
+    gp, _ = numerics._pad_rows(g, 128)
+    xp, _ = numerics._pad_rows(x, 128)
+    qgc, qxc = numerics.quantize(gp, FB_A, axis="col"), numerics.quantize(xp, FB_A, axis="col")
+    for q, src in ((qgc, gp), (qxc, xp)):
+        ref = formats.quantize(src.cpu(), FB_A, axis="col")
+        assert torch.equal(q.data.cpu(), ref.data) and torch.equal(q.scale.cpu(), ref.scale)
+    dw = fastgemm.scaled_mm_fp8_block(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), stats=stats)
+    assert dw is not None and _rel(dw, formats.dequantize(qgc).t() @ formats.dequantize(qxc)) < 5e-3
+    assert stats.counts == {"native-fp8": 3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["fp8-blockwise-hopper", "mxfp8-e2e", "nvfp4-pertoken-dequant-backward",
+                                    "mxfp8-hp-backward", "bf16"])
+def test_fast_executor_on_cuda_matches_reference_emulation(policy):
+    """The fast path on the H200 (tensor cores; native FP8 for fp8_block) against the reference emulation on the
+    same device and weights: forward and gradients within GEMM-accumulation tolerance (FP8: the native GEMM
+    accumulates in fp32 per 128-wide K block), and it reports which GEMMs ran natively."""
+    _need_sm90()
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    plan = load_plan(policy, load_architecture("tiny-moe"))
+    ids = torch.randint(3, 32, (16, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    out = {}
+    for mode in ("reference", "fast"):
+        model = load_model(resolve_model_dir("tiny-moe")).cuda()
+        ex = TrainerExecutor(plan, model, gemm=mode).install()
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        out[mode] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                                       if p.grad is not None}, ex)
+    (lr, gr, _), (lf, gf, exf) = out["reference"], out["fast"]
+    paths = exf.gemm_report()
+    tol = 2e-2 if policy.startswith("fp8") else 1e-4
+    assert _rel(lf, lr) < tol
+    for n in gr:
+        assert _rel(gf[n], gr[n]) < (10 * tol if gr[n].norm() > 0 else 1), n
+    if policy.startswith("fp8"):
+        assert paths.get("native-fp8", 0) > 0, paths
+    else:
+        assert "native-fp8" not in paths and paths.get("bf16-tc", 0) > 0, paths
