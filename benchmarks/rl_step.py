@@ -1,11 +1,18 @@
-"""RL step time of every seed policy relative to BF16, in one process, plus rollout tokens/s.
+"""RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
-    python benchmarks/rl_step.py --device cuda --steps 6 --prompts 64     # H200 (numerics emulated on Hopper)
-    python benchmarks/rl_step.py --device cpu --steps 3 --prompts 8       # smoke run
+    # H200, issue 12 goal 3: the tiny model and the compute-bound Qwen3-MoE (hidden 2048) side by side
+    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 \
+        --model tiny-moe:64:2 --model benchmarks/models/moe-h2048:256:6
+    python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
-Each config runs `--steps` GRPO steps of the embedded engine (tiny-moe, arithmetic) after `--warmup` steps; the
-median per-phase time is reported. MXFP8/NVFP4 are EMULATED (quantize -> dequantize -> FP32 GEMM) on Hopper and
-CPU, so the ratios measure the emulation overhead of each contract, NOT Blackwell tensor-core speed-ups.
+`--model NAME[:PROMPTS[:DIGITS]]` (repeatable): a bundled model or HF config directory, prompts per step (x
+`--samples`) and the arithmetic task's digits (longer numbers = longer sequences = more tokens per step). Each
+(model, policy) runs `--steps` GRPO steps of the embedded engine after `--warmup` steps; the median per-phase time
+is reported. On CUDA the trainer's GEMMs run on tensor cores (engine/fastgemm.py): BF16 operands and bf16-exact
+dequantized MXFP8/NVFP4 operands on BF16 tensor cores (the formats stay EMULATED: quantize -> dequantize -> GEMM,
+so their ratios measure emulation overhead, NOT Blackwell speed-ups), fp8_block (fp8-blockwise-hopper) as NATIVE
+FP8 GEMMs (torch._scaled_mm). Each row reports the trainer's GEMM calls per path and its GEMM TFLOP/s over the
+train phase (GEMM FLOPs of forward + backward / train time: near the GPU's peak = GEMM-bound).
 Writes a JSON report (--out) and prints a table.
 
 `--curves-steps N --curves-seeds S --curves-dir DIR` additionally runs the seed ablation (6 policies + one NVFP4 run
@@ -28,15 +35,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from precision_dsl.engine.plans import SEED_POLICIES  # noqa: E402
 
 
-def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int) -> dict:
+def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int, model: str = "tiny-moe",
+          digits: int = 2) -> dict:
     from precision_dsl.engine.loop import RunConfig, run
 
-    res = run(RunConfig(policy=policy, steps=warmup + steps, device=device, prompts_per_step=prompts,
-                        samples_per_prompt=samples, check_weight_bytes=True))
+    res = run(RunConfig(policy=policy, model=model, digits=digits, steps=warmup + steps, device=device,
+                        prompts_per_step=prompts, samples_per_prompt=samples, check_weight_bytes=True))
     ms = res.steps[warmup:]
     med = lambda k: statistics.median(getattr(m, k) for m in ms)  # noqa: E731
+    flops_per_step = res.train_gemm_flops / len(res.steps)  # same batch shape every step (+- sequence length)
     return {
-        "policy": policy,
+        "policy": policy, "model": model, "prompts": prompts, "digits": digits,
+        "gemm_paths": res.gemm_paths, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),
         "step_s": statistics.median(m.time_rollout_s + m.time_train_s + m.time_weight_update_s for m in ms),
@@ -47,6 +58,29 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     }
 
 
+def materialize(model: str, work: Path) -> str:
+    """A config-only model directory (benchmarks/models/moe-h2048: config.json + vocab.json) gets a random-weights
+    checkpoint (the model's own seeded init, BF16) in a copy under `work`: step time does not depend on the values,
+    and the arithmetic task's rewards are then ~0 (say so when reporting)."""
+    import shutil
+
+    src = Path(model)
+    if not src.is_dir() or any(src.glob("*.safetensors")):
+        return model
+    dst = work / src.name
+    if not (dst / "model.safetensors").exists():
+        from precision_dsl.engine.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_model
+
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy(f, dst / f.name)
+        t0 = time.time()
+        save_model(Qwen3MoeForCausalLM(Qwen3MoeConfig.from_file(dst / "config.json")), dst / "model.safetensors")
+        print(f"  {model}: random-init checkpoint -> {dst} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return str(dst)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -54,8 +88,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES))
+    ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES) + ["fp8-blockwise-hopper"])
+    ap.add_argument("--model", action="append", default=None, help="NAME[:PROMPTS[:DIGITS]] (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/rl_step_models"), help="random-init checkpoints go here")
     ap.add_argument("--curves-steps", type=int, default=0)
     ap.add_argument("--curves-seeds", type=int, default=2)
     ap.add_argument("--curves-prompts", type=int, default=16)
@@ -66,26 +102,35 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device (hint: --device cpu)")
     env = {"device": torch.cuda.get_device_name() if a.device == "cuda" else f"cpu x{os.cpu_count()}",
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": a.prompts,
-           "samples": a.samples, "steps": a.steps, "warmup": a.warmup,
-           "note": "MXFP8/NVFP4 emulated (quantize->dequantize->FP32 GEMM); ratios = emulation overhead"}
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "samples": a.samples, "steps": a.steps,
+           "warmup": a.warmup,
+           "note": "MXFP8/NVFP4 emulated (quantize->dequantize->GEMM with fp32 accumulation; tensor cores on CUDA); "
+                   "fp8_block native FP8 on sm_90; ratios = emulation overhead / native speed"}
+    models = []
+    for spec in a.model or [f"tiny-moe:{a.prompts}:2"]:
+        name, *rest = spec.split(":")
+        models.append((materialize(name, a.work), int(rest[0]) if rest else a.prompts, int(rest[1]) if len(rest) > 1 else 2))
     rows = []
     t0 = time.time()
-    for p in a.policies:
-        rows.append(bench(p, a.device, a.steps, a.warmup, a.prompts, a.samples))
-        print(f"  {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["policy"] == "bf16"), rows[0])
-    for r in rows:
-        r["step_vs_bf16"] = r["step_s"] / base["step_s"]
-        r["train_vs_bf16"] = r["train_s"] / base["train_s"]
-        r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
-    print(f"{env['device']}  ({env['note']})")
-    print(f"{'policy':34s} {'step s':>8s} {'xBF16':>6s} {'rollout':>8s} {'train':>8s} {'update':>8s} "
-          f"{'tok/s':>8s} {'|dlogp|':>9s} bytes==")
-    for r in rows:
-        print(f"{r['policy']:34s} {r['step_s']:8.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:8.3f} "
-              f"{r['train_s']:8.3f} {r['weight_update_s']:8.3f} {r['rollout_tokens_per_s']:8.0f} "
-              f"{r['mismatch_abs_logp']:9.2e} {r['weights_identical']}")
+    for name, prompts, digits in models:
+        mrows = []
+        for p in a.policies:
+            mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits))
+            print(f"  {name} {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        base = next((r for r in mrows if r["policy"] == "bf16"), mrows[0])
+        for r in mrows:
+            r["step_vs_bf16"] = r["step_s"] / base["step_s"]
+            r["train_vs_bf16"] = r["train_s"] / base["train_s"]
+            r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
+        rows += mrows
+        print(f"{env['device']} · {name} · {prompts} prompts x {a.samples} samples, digits {digits}  ({env['note']})")
+        print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
+              f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
+        for r in mrows:
+            print(f"{r['policy']:32s} {r['step_s']:7.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:7.3f} "
+                  f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
+                  f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
+                  f"{r['weights_identical']!s:7s} {r['gemm_paths']}", flush=True)
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")
     if a.curves_steps:

@@ -65,6 +65,7 @@ class GemmStats:
     """How many GEMM calls ran on each path (forward + backward), for the run report."""
 
     counts: dict = field(default_factory=dict)
+    flops: int = 0  # GEMM FLOPs issued by the model's linears (2*M*K*N per GEMM, forward + backward)
 
     def add(self, path: str, n: int = 1) -> None:
         self.counts[path] = self.counts.get(path, 0) + n
@@ -103,9 +104,36 @@ def _split3(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, mid, lo], 0)
 
 
-def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
-    """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y)."""
-    return torch.mm(a16, b16.t(), out_dtype=torch.float32)
+_OUT_DTYPE_MM = [True]  # torch.mm(bf16, bf16, out_dtype=float32) exists in this torch (cleared on first refusal)
+
+
+def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]:
+    """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y); None
+    when this torch has no fp32-output bf16 GEMM (the caller then runs the fp32 GEMM: same contract, slower)."""
+    if _OUT_DTYPE_MM[0]:
+        try:
+            return torch.mm(a16, b16.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_MM[0] = False
+    return None
+
+
+def _mm_tc(a: Op, b: Op) -> tuple[Optional[torch.Tensor], str]:
+    """Tensor-core GEMM of two ops of which at least one is bf16-exact (an fp32 one is split into 3 bf16 terms,
+    all terms in ONE GEMM over the stacked operand, summed hi + mid + lo in fp32)."""
+    if a.exact and b.exact:
+        return _mm_bf16_f32(a.v.to(torch.bfloat16), b.v.to(torch.bfloat16)), BF16_TC
+    if b.exact:
+        y3 = _mm_bf16_f32(_split3(a.v.float()), b.v.to(torch.bfloat16))
+        if y3 is None:
+            return None, FP32
+        m = a.v.shape[0]
+        return (y3[:m] + y3[m:2 * m]) + y3[2 * m:], BF16X3
+    y3 = _mm_bf16_f32(a.v.to(torch.bfloat16), _split3(b.v.float()))
+    if y3 is None:
+        return None, FP32
+    n = b.v.shape[0]
+    return (y3[:, :n] + y3[:, n:2 * n]) + y3[:, 2 * n:], BF16X3
 
 
 def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
@@ -113,20 +141,11 @@ def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
     if not a.v.is_cuda:  # CPU: fp32 GEMM over the same fp32 values (bit-reproducible, the reference's GEMM)
         y = a.v.float() @ b.v.float().t()
         path = FP32
-    elif a.exact and b.exact:
-        y = _mm_bf16_f32(a.v.to(torch.bfloat16), b.v.to(torch.bfloat16))
-        path = BF16_TC
-    elif a.exact or b.exact:  # one fp32 operand: three exact bf16 terms, one GEMM over the stacked terms
-        if b.exact:
-            y3 = _mm_bf16_f32(_split3(a.v.float()), b.v.to(torch.bfloat16))
-            m = a.v.shape[0]
-            y = (y3[:m] + y3[m:2 * m]) + y3[2 * m:]
-        else:
-            y3 = _mm_bf16_f32(a.v.to(torch.bfloat16), _split3(b.v.float()))
-            n = b.v.shape[0]
-            y = (y3[:, :n] + y3[:, n:2 * n]) + y3[:, 2 * n:]
-        path = BF16X3
+    elif (a.exact or b.exact) and _OUT_DTYPE_MM[0]:
+        y, path = _mm_tc(a, b)
     else:
+        y, path = None, FP32
+    if y is None:  # both operands inexact, or no fp32-output bf16 GEMM in this torch
         y = a.v.float() @ b.v.float().t()
         path = FP32
     if a.s is not None:
@@ -169,9 +188,9 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
         v = v.reshape(q.shape)
         return Op(v if rows is None else v[:rows])
     if fmt.kind == FormatKind.NVFP4 and fmt.block in (None, (1, 16)) and q.axis == "row":
-        from ..formats.nvfp4 import _codes_to_f32, _unpack
+        from .rollout_quant import e2m1_values  # the engine's own E2M1 decode (same LUT, -0.0 for code 8)
 
-        vals = _codes_to_f32(_unpack(q.data))
+        vals = e2m1_values(q.data)
         r, c = vals.shape
         v = (vals.view(r, c // 16, 16) * q.scale.view(torch.float8_e4m3fn).float().view(r, c // 16, 1)).view(r, c)
         s = q.global_scale.float()

@@ -101,6 +101,7 @@ class RunResult(BaseModel):
     wall_s: float = 0.0
     emulated: bool = True
     gemm_paths: dict[str, int] = Field(default_factory=dict)  # trainer GEMM calls per path (fastgemm.PATH_NOTES)
+    train_gemm_flops: int = 0  # trainer linears' GEMM FLOPs over the whole run (forward + backward)
 
 
 def _bf16_plan(plan):
@@ -271,5 +272,6 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             on_step(m)
     rollout.close()
     result.gemm_paths = executor.gemm_report()
+    result.train_gemm_flops = executor.stats.flops
     result.wall_s = time.perf_counter() - t_start
     return result

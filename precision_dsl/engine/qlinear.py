@@ -364,8 +364,10 @@ class TrainerExecutor:
             self._refresh()
         spec = self.specs[hf_name]
         fw = self._fwd[hf_name]
+        # 2*M*K*N per GEMM: forward, plus dgrad + wgrad when autograd will run the backward
+        self.stats.flops += 2 * x.numel() * w.shape[0] * (3 if torch.is_grad_enabled() and w.requires_grad else 1)
         if not isinstance(fw, FastWeight):
-            self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() else 1)
+            self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() and w.requires_grad else 1)
             return qlinear(x, w, fw, spec)
         shape = x.shape
         y = FastQLinearFunction.apply(x.reshape(-1, shape[-1]), w, fw, spec, self)

@@ -67,7 +67,7 @@ class RolloutEngine:
         self.plan = plan
         self.numerics = numerics
         dtype = torch.bfloat16 if numerics == "independent" else torch.float32
-        self.model = Qwen3MoeForCausalLM(cfg).to(device=device, dtype=dtype).requires_grad_(False).eval()
+        self.model = Qwen3MoeForCausalLM(cfg, init=False).to(device=device, dtype=dtype).requires_grad_(False).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))
