@@ -109,7 +109,8 @@ def main() -> None:
     models = []
     for spec in a.model or [f"tiny-moe:{a.prompts}:2"]:
         name, *rest = spec.split(":")
-        models.append((materialize(name, a.work), int(rest[0]) if rest else a.prompts, int(rest[1]) if len(rest) > 1 else 2))
+        models.append((materialize(name, a.work), int(rest[0]) if rest else a.prompts,
+                       int(rest[1]) if len(rest) > 1 else 2))
     rows = []
     t0 = time.time()
     for name, prompts, digits in models:

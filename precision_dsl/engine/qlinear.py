@@ -166,15 +166,31 @@ def _native_fp8(spec: LinearSpec, native: bool) -> bool:
             and tuple(spec.activation.block or (1, 128)) == (1, 128) and spec.act_partitions == 1)
 
 
-def _fake_op(x: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
-    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x): the fused quantize kernel, then the
-    quantized elements decoded straight to bf16 (no fp32 copy) with the second-level scale kept for the epilogue."""
+# MXFP8 / NVFP4 quantizers compute on the fp32 VALUES with dtype-independent constants, so a bf16 operand gives the
+# same bytes as its fp32 copy (tests/test_engine_fastgemm.py); FP8 block scaling clamps an overflowing scale to the
+# INPUT dtype's max (TE), so its operands keep the reference's fp32 input.
+_DTYPE_FREE = (FormatKind.MXFP8, FormatKind.NVFP4)
+
+
+def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
+    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16.float()) for a bf16 operand: MXFP8 in ONE
+    fused kernel pass (kernels/triton_fakequant.py, bf16 out) on a GPU, else the fused quantize kernel then the
+    elements decoded straight to bf16, with the second-level scale kept for the epilogue (NVFP4)."""
     if not fmt.is_quantized:
-        return fastgemm.Op(x.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
-            else fastgemm.Op(numerics.round_hp(x, fmt), None, False)
+        return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
+            else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
+    x = x16 if fmt.kind in _DTYPE_FREE else x16.float()
     if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
-        return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
+        return fastgemm.Op(numerics.fake_quantize_partitioned(x.float(), fmt, parts, what=what), None, False)
     x2 = x.reshape(-1, x.shape[-1])
+    if fmt.kind == FormatKind.MXFP8 and x2.is_cuda and x2.shape[1] % 32 == 0:
+        from .. import formats, kernels
+
+        ax, tile_2d = formats.mxfp8_layout(fmt, axis)
+        if not tile_2d and kernels.available():
+            from ..kernels.triton_fakequant import mxfp8_fake_quantize_bf16
+
+            return fastgemm.Op(mxfp8_fake_quantize_bf16(x2.contiguous(), fmt.element, ax))
     xp, m = numerics._pad_rows(x2, numerics._block_rows(fmt, axis))
     return fastgemm.decode_op(numerics.quantize(xp, fmt, axis=axis, what=what), rows=m)
 
@@ -198,7 +214,7 @@ class FastQLinearFunction(torch.autograd.Function):
                 stats.add(fastgemm.FP8_FALLBACK)
             xa = None
         else:
-            xa = _fake_op(x16.float(), spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
+            xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
                 if spec.activation.is_quantized else fastgemm.Op(x16)
             y = fastgemm.mm(xa, fw.op, stats)
         if spec.backward == BackwardMode.DEQUANTIZED:
@@ -224,15 +240,14 @@ class FastQLinearFunction(torch.autograd.Function):
             return dx, dw, None, None, None
         (x16,) = ctx.saved_tensors
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
-            g = g16.float()
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
-                return (*_native_fp8_backward(g, x16, fw, spec, stats), None, None, None)
+                return (*_native_fp8_backward(g16.float(), x16, fw, spec, stats), None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
-            g_row = _fake_op(g, spec.grad, what=spec.hf_name + " dgrad")
+            g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
             dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
-            g_col = _fake_op(g, spec.grad, axis="col", what=spec.hf_name + " wgrad")
-            x_col = _fake_op(x16.float(), spec.activation, axis="col", what=spec.hf_name) \
+            g_col = _fake_op(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
+            x_col = _fake_op(x16, spec.activation, axis="col", what=spec.hf_name) \
                 if spec.activation.is_quantized else fastgemm.Op(x16)
             dw = fastgemm.mm(g_col.t(), x_col.t(), stats)
             return dx, dw, None, None, None
@@ -338,7 +353,7 @@ class TrainerExecutor:
         """The weight's columnwise copy for a quantized dgrad (from BF16(master), fp32 in as the reference), once
         per step."""
         if fw.col_op is None:
-            fw.col_op = _fake_op(fw.w16.float(), spec.weight, axis="col", what=spec.hf_name) \
+            fw.col_op = _fake_op(fw.w16, spec.weight, axis="col", what=spec.hf_name) \
                 if spec.weight.is_quantized else fastgemm.Op(fw.w16)
         return fw.col_op
 
