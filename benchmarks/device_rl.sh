@@ -7,7 +7,7 @@ set -o pipefail
 source benchmarks/device_setup.sh
 mkdir -p $OUT/rl; T0=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee $OUT/rl/log.txt
-timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_fastgemm.py tests/test_engine_loop.py \
+timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_fastgemm.py tests/test_engine_loop.py tests/test_rollout_gpu.py \
   2>&1 | tail -12 | tee -a $OUT/rl/log.txt
 echo "== rl_step [$(( $(date +%s) - T0 ))s]" | tee -a $OUT/rl/log.txt
 timeout $(( 228 - ($(date +%s) - T0) )) python3 benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 \

@@ -39,6 +39,17 @@ def main() -> None:
                 want = formats.fake_quantize(xp, fmt, axis=axis, out_dtype=torch.float32)[:40]
                 same = torch.equal(got.float().view(torch.int32), want.view(torch.int32))
                 print(json.dumps({"case": f"{dtype}-{element}-{axis}", "same": same}), flush=True)
+    # NVFP4 element decode: bf16(e2m1 x E4M3 scale) * S_dec == the reference dequantization, bitwise
+    from precision_dsl.kernels.triton_fakequant import nvfp4_decode_bf16
+
+    for per_row in (True, False):
+        fmt = TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3",
+                           global_scale="row" if per_row else "tensor")
+        q = formats.quantize(x, fmt)
+        s = q.global_scale.view(-1, 1) if per_row else q.global_scale.reshape(())
+        got = nvfp4_decode_bf16(q.data, q.scale).float() * s
+        same = torch.equal(got.view(torch.int32), formats.dequantize(q).view(torch.int32))
+        print(json.dumps({"case": f"nvfp4-decode-{'row' if per_row else 'tensor'}", "same": same}), flush=True)
 
 
 if __name__ == "__main__":

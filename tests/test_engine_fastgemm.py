@@ -58,7 +58,8 @@ def test_mxfp8_nvfp4_bytes_do_not_depend_on_the_input_dtype(fmt):
 
 def test_fused_mxfp8_fake_quant_kernel_interpreted():
     """kernels/triton_fakequant.py under TRITON_INTERPRET=1 (fresh process): bf16 output == the reference fake
-    quantization bitwise, e4m3/e5m2, rowwise/columnwise (partial column block), fp32/bf16 input."""
+    quantization bitwise, e4m3/e5m2, rowwise/columnwise (partial column block), fp32/bf16 input; the NVFP4 element
+    decode times S_dec == the reference dequantization bitwise (per-token and per-tensor)."""
     import json
     import os
     import subprocess
@@ -70,7 +71,7 @@ def test_fused_mxfp8_fake_quant_kernel_interpreted():
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines()]
-    assert len(rows) == 8 and all(r["same"] for r in rows), rows
+    assert len(rows) == 10 and all(r["same"] for r in rows), rows
 
 
 def test_split3_is_exact_and_mm_matches_fp32_gemm():
@@ -146,7 +147,7 @@ def _rel(a, b):
 
 
 @pytest.mark.gpu
-def test_fused_mxfp8_fake_quant_kernel_on_gpu():
+def test_fused_fake_quant_and_decode_kernels_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from precision_dsl.kernels.triton_fakequant import mxfp8_fake_quantize_bf16
@@ -157,6 +158,10 @@ def test_fused_mxfp8_fake_quant_kernel_on_gpu():
             got = mxfp8_fake_quantize_bf16(x.cuda().to(torch.bfloat16), fmt.element, axis).cpu()
             want = numerics.fake_quantize(x, fmt, axis=axis)
             assert torch.equal(got.float().view(torch.int32), want.view(torch.int32)), (fmt.element, axis)
+    for fmt in (NV_ROW, NV_T):  # NVFP4 decode on the GPU: decode_op(q).dense() == the reference dequantization
+        q = numerics.quantize(x.cuda(), fmt)
+        assert torch.equal(fastgemm.decode_op(q).dense().cpu().view(torch.int32),
+                           formats.dequantize(formats.quantize(x, fmt)).view(torch.int32))
 
 
 @pytest.mark.gpu

@@ -188,16 +188,24 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
         v = v.reshape(q.shape)
         return Op(v if rows is None else v[:rows])
     if fmt.kind == FormatKind.NVFP4 and fmt.block in (None, (1, 16)) and q.axis == "row":
-        from .rollout_quant import e2m1_values  # the engine's own E2M1 decode (same LUT, -0.0 for code 8)
+        from .. import kernels
 
-        vals = e2m1_values(q.data)
-        r, c = vals.shape
-        v = (vals.view(r, c // 16, 16) * q.scale.view(torch.float8_e4m3fn).float().view(r, c // 16, 1)).view(r, c)
+        if q.data.is_cuda and kernels.available():  # one pass: packed codes + block scales -> bf16 elements
+            from ..kernels.triton_fakequant import nvfp4_decode_bf16
+
+            v = nvfp4_decode_bf16(q.data, q.scale)
+        else:
+            from .rollout_quant import e2m1_values  # the engine's own E2M1 decode (same LUT, -0.0 for code 8)
+
+            vals = e2m1_values(q.data)
+            r, c = vals.shape
+            v = (vals.view(r, c // 16, 16) * q.scale.view(torch.float8_e4m3fn).float().view(r, c // 16, 1))
+            v = v.view(r, c).to(torch.bfloat16)
         s = q.global_scale.float()
         if rows is not None:
             v = v[:rows]
             s = s[:rows] if s.numel() > 1 else s
-        return Op(v.to(torch.bfloat16), s)
+        return Op(v, s)
     dense = formats.dequantize(q, torch.float32)
     if rows is not None:
         dense = dense[:rows]

@@ -1,4 +1,5 @@
-"""Fused MXFP8 fake quantization (Triton): x -> dequantize(quantize(x)) written as bf16 in ONE pass.
+"""Fused MXFP8 fake quantization (Triton): x -> dequantize(quantize(x)) written as bf16 in ONE pass; and a one-pass
+NVFP4 element decode (packed E2M1 codes x E4M3 block scale -> bf16, the second-level S_dec left to the caller).
 
 The trainer's emulated GEMMs only need the dequantized operand. Quantize kernel + separate decode reads and writes
 the tensor ~4 times (x, fp8 bytes, E8M0 scales, decoded values); this kernel reads x once and writes the decoded
@@ -85,4 +86,40 @@ def mxfp8_fake_quantize_bf16(x2, element: str = "e4m3", axis: str = "row", nkb: 
         _mxfp8_fq_kernel[grid](x2, out, m, k, x2.stride(0), out.stride(0), FMAX_RCP=FMAX_RCP[element],
                                E5M2=element == "e5m2", COL=axis == "col", NKB=nkb, num_warps=num_warps,
                                **LAUNCH_OPTS)
+    return out
+
+
+@triton.jit
+def _nvfp4_decode_kernel(d_ptr, s_ptr, o_ptr, R, C, stride_d, stride_s, stride_o, BR: tl.constexpr,
+                         BC: tl.constexpr):
+    """out[r, c] = e2m1(code of element c) * f32(E4M3 scale of block c // 16): exact in bf16 (<= 2 x 4 significant
+    bits, smallest magnitude 0.5 * 2^-9). Code c: magnitude {0, .5, 1, 1.5, 2, 3, 4, 6}[c & 7], sign c & 8 (code 8
+    = -0.0, as the reference LUT)."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)[:, None]
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)[None, :]
+    mask = (rows < R) & (cols < C)
+    rows64 = rows.to(tl.int64)
+    byte = tl.load(d_ptr + rows64 * stride_d + cols // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((cols % 2) * 4)) & 15
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    v = tl.where(e == 0, m.to(tl.float32) * 0.5,
+                 (m + 2).to(tl.float32) * ((e - 2 + 127) << 23).to(tl.float32, bitcast=True))
+    v = tl.where((code & 8) != 0, -v, v)
+    sf = _fp8_byte_value(tl.load(s_ptr + rows64 * stride_s + cols // 16, mask=mask, other=0).to(tl.int32), False)
+    tl.store(o_ptr + rows64 * stride_o + cols, (v * sf).to(tl.bfloat16), mask=mask)
+
+
+def nvfp4_decode_bf16(data, scale, br: int = 16, bc: int = 256, num_warps: int = 4):
+    """bf16 [R, C] = E2M1 elements x E4M3 1x16 block scales of a rowwise NVFP4 tensor (data uint8 [R, C/2], low
+    nibble = even element; scale uint8 E4M3 bytes [R, C/16]); S_dec is NOT applied (fp32, not bf16-exact)."""
+    import torch
+
+    r, c = data.shape[0], data.shape[1] * 2
+    out = torch.empty((r, c), dtype=torch.bfloat16, device=data.device)
+    if r and c:
+        grid = (triton.cdiv(r, br), triton.cdiv(c, bc))
+        _nvfp4_decode_kernel[grid](data, scale, out, r, c, data.stride(0), scale.stride(0), out.stride(0), BR=br,
+                                   BC=bc, num_warps=num_warps, **LAUNCH_OPTS)
     return out
