@@ -11,6 +11,6 @@ timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_engine_fas
   2>&1 | tail -12 | tee -a $OUT/rl/log.txt
 echo "== rl_step [$(( $(date +%s) - T0 ))s]" | tee -a $OUT/rl/log.txt
 timeout $(( 228 - ($(date +%s) - T0) )) python3 benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 \
-  --model tiny-moe:64:2 --model benchmarks/models/moe-h2048:256:6 --out $OUT/rl/rl_step.json 2>&1 \
+  --model benchmarks/models/moe-h2048:256:6 --model tiny-moe:64:2 --out $OUT/rl/rl_step.json 2>&1 \
   | tee -a $OUT/rl/log.txt | grep -v "^  "
 echo "== done rc=$? [$(( $(date +%s) - T0 ))s]" | tee -a $OUT/rl/log.txt

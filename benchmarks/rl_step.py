@@ -58,6 +58,22 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     }
 
 
+def model_info(model: str) -> dict:
+    """Shape summary of a Qwen3-MoE config: parameters in GEMM weights, total and active per token."""
+    from precision_dsl.engine.model import Qwen3MoeConfig, resolve_model_dir
+
+    c = Qwen3MoeConfig.from_file(resolve_model_dir(model) / "config.json")
+    h, hd = c.hidden_size, c.head_dim
+    attn = h * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    expert = 3 * h * c.moe_intermediate_size
+    total = c.num_hidden_layers * (attn + c.num_experts * expert) + h * c.vocab_size
+    active = c.num_hidden_layers * (attn + c.num_experts_per_tok * expert) + h * c.vocab_size
+    return {"hidden": h, "layers": c.num_hidden_layers, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
+            "moe_intermediate": c.moe_intermediate_size, "gemm_params": total, "active_gemm_params": active,
+            "summary": f"hidden {h}, {c.num_hidden_layers} layers, {c.num_experts} experts top-{c.num_experts_per_tok} "
+                       f"x {c.moe_intermediate_size}, {total / 1e6:.0f}M GEMM params, {active / 1e6:.0f}M active"}
+
+
 def materialize(model: str, work: Path) -> str:
     """A config-only model directory (benchmarks/models/moe-h2048: config.json + vocab.json) gets a random-weights
     checkpoint (the model's own seeded init, BF16) in a copy under `work`: step time does not depend on the values,
@@ -124,7 +140,10 @@ def main() -> None:
             r["train_vs_bf16"] = r["train_s"] / base["train_s"]
             r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
         rows += mrows
-        print(f"{env['device']} · {name} · {prompts} prompts x {a.samples} samples, digits {digits}  ({env['note']})")
+        info = model_info(name)
+        env.setdefault("models", {})[name] = info
+        print(f"{env['device']} · {name} ({info['summary']}) · {prompts} prompts x {a.samples} samples, digits "
+              f"{digits} · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
         print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
               f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
         for r in mrows:
@@ -132,6 +151,7 @@ def main() -> None:
                   f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
                   f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
                   f"{r['weights_identical']!s:7s} {r['gemm_paths']}", flush=True)
+        a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")  # after each model: partial runs
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")
     if a.curves_steps:
