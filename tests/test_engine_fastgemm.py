@@ -56,6 +56,17 @@ def test_mxfp8_nvfp4_bytes_do_not_depend_on_the_input_dtype(fmt):
     assert all(torch.equal(u, v) for u, v in zip(a.tensors().values(), b.tensors().values()))
 
 
+def test_trainer_quantizes_the_bf16_tensor_like_te_and_the_rollout():
+    """FP8 block scaling clamps an overflowing scale (block amax < 448 / FLT_MAX ~ 1.3e-36) to the INPUT dtype's
+    max: the trainer hands its BF16 operands to the quantizers as bf16 tensors (TE's in_dtype, and what the rollout
+    quantizes), so such a block gets bf16's clamp, not fp32's."""
+    x16 = _x(4, 256).to(torch.bfloat16)
+    x16[1, :128] = 1e-37  # amax below 448 / FLT_MAX
+    got = numerics.fake_quantize(x16, FB_A)
+    assert torch.equal(got, formats.fake_quantize(x16, FB_A, out_dtype=torch.float32))
+    assert not torch.equal(got, formats.fake_quantize(x16.float(), FB_A, out_dtype=torch.float32))
+
+
 def test_fused_mxfp8_fake_quant_kernel_interpreted():
     """kernels/triton_fakequant.py under TRITON_INTERPRET=1 (fresh process): bf16 output == the reference fake
     quantization bitwise, e4m3/e5m2, rowwise/columnwise (partial column block), fp32/bf16 input; the NVFP4 element

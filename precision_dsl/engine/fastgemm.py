@@ -148,10 +148,13 @@ def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
     if y is None:  # both operands inexact, or no fp32-output bf16 GEMM in this torch
         y = a.v.float() @ b.v.float().t()
         path = FP32
-    if a.s is not None:
-        y = y * (a.s.view(-1, 1) if a.s.numel() > 1 else a.s.reshape(()))
-    if b.s is not None:
-        y = y * (b.s.view(1, -1) if b.s.numel() > 1 else b.s.reshape(()))
+    sa = None if a.s is None else (a.s.view(-1, 1) if a.s.numel() > 1 else a.s.reshape(()))
+    sb = None if b.s is None else (b.s.view(1, -1) if b.s.numel() > 1 else b.s.reshape(()))
+    if sa is not None and sb is not None and (sa.dim() == 0 or sb.dim() == 0):
+        sa, sb = sa * sb, None  # per-token x per-tensor S_dec: one pass over y (y is ours: scaled in place)
+    for s in (sa, sb):
+        if s is not None:
+            y.mul_(s)
     if stats is not None:
         stats.add(path)
     return y

@@ -105,8 +105,10 @@ class QLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec):
         """x2 [M, K] fp32, w [N, K] master (fp32), w_fwd [N, K] = the dequantized forward weight (no grad)."""
-        x_hp = _bf16(x2)  # the original BF16 operand (activations are BF16 in the trainer)
-        x_q = numerics.fake_quantize_partitioned(x_hp, spec.activation, spec.act_partitions, what=spec.hf_name)
+        x16 = x2.to(torch.bfloat16)  # the original BF16 operand (activations are BF16 in the trainer) ...
+        x_hp = x16.float()  # ... and its values in fp32 for the fp32 GEMMs; the quantizers take the BF16 tensor
+        x_q = numerics.fake_quantize_partitioned(x16, spec.activation, spec.act_partitions, what=spec.hf_name) \
+            if spec.activation.is_quantized else x_hp
         y = x_q @ w_fwd.t()
         ctx.spec = spec
         if spec.backward == BackwardMode.DEQUANTIZED:
@@ -122,13 +124,14 @@ class QLinearFunction(torch.autograd.Function):
         g = _bf16(gy)  # incoming gradients are BF16 in the trainer
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             # dgrad: contraction over N -> g rowwise (blocks along N), W columnwise (blocks along N = W's rows)
-            g_row = numerics.fake_quantize(g, spec.grad, axis="row", what=spec.hf_name + " dgrad")
-            w_col = numerics.fake_quantize(b, spec.weight, axis="col", what=spec.hf_name) \
+            g16 = gy.to(torch.bfloat16)  # quantizers take the BF16 tensors (values = g, a, b exactly)
+            g_row = numerics.fake_quantize(g16, spec.grad, axis="row", what=spec.hf_name + " dgrad")
+            w_col = numerics.fake_quantize(b.to(torch.bfloat16), spec.weight, axis="col", what=spec.hf_name) \
                 if spec.weight.is_quantized else b
             dx = g_row @ w_col
             # wgrad: contraction over M (tokens) -> columnwise copies of g and x (blocks along M)
-            g_col = numerics.fake_quantize(g, spec.grad, axis="col", what=spec.hf_name + " wgrad")
-            x_col = numerics.fake_quantize(a, spec.activation, axis="col", what=spec.hf_name) \
+            g_col = numerics.fake_quantize(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
+            x_col = numerics.fake_quantize(a.to(torch.bfloat16), spec.activation, axis="col", what=spec.hf_name) \
                 if spec.activation.is_quantized else a
             dw = g_col.t() @ x_col
         else:
@@ -166,22 +169,16 @@ def _native_fp8(spec: LinearSpec, native: bool) -> bool:
             and tuple(spec.activation.block or (1, 128)) == (1, 128) and spec.act_partitions == 1)
 
 
-# MXFP8 / NVFP4 quantizers compute on the fp32 VALUES with dtype-independent constants, so a bf16 operand gives the
-# same bytes as its fp32 copy (tests/test_engine_fastgemm.py); FP8 block scaling clamps an overflowing scale to the
-# INPUT dtype's max (TE), so its operands keep the reference's fp32 input.
-_DTYPE_FREE = (FormatKind.MXFP8, FormatKind.NVFP4)
-
-
 def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
-    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16.float()) for a bf16 operand: MXFP8 in ONE
+    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16) for a bf16 operand: MXFP8 in ONE
     fused kernel pass (kernels/triton_fakequant.py, bf16 out) on a GPU, else the fused quantize kernel then the
     elements decoded straight to bf16, with the second-level scale kept for the epilogue (NVFP4)."""
     if not fmt.is_quantized:
         return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
             else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
-    x = x16 if fmt.kind in _DTYPE_FREE else x16.float()
+    x = x16
     if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
-        return fastgemm.Op(numerics.fake_quantize_partitioned(x.float(), fmt, parts, what=what), None, False)
+        return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
     x2 = x.reshape(-1, x.shape[-1])
     if fmt.kind == FormatKind.MXFP8 and x2.is_cuda and x2.shape[1] % 32 == 0:
         from .. import formats, kernels
@@ -206,7 +203,7 @@ class FastQLinearFunction(torch.autograd.Function):
         ctx.spec, ctx.fw, ctx.ex = spec, fw, ex
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx = numerics.quantize(x16.float(), spec.activation, what=spec.hf_name)  # fp32 in, as the reference
+            qx = numerics.quantize(x16, spec.activation, what=spec.hf_name)  # the BF16 tensor, as the reference
             y = fastgemm.scaled_mm_fp8_block(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128),
                                              spec.activation.element, spec.weight.element, stats)
             if y is None:
@@ -242,7 +239,7 @@ class FastQLinearFunction(torch.autograd.Function):
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
-                return (*_native_fp8_backward(g16.float(), x16, fw, spec, stats), None, None, None)
+                return (*_native_fp8_backward(g16, x16, fw, spec, stats), None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
             g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
             dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
@@ -263,15 +260,15 @@ def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spe
     ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
     m = g.shape[0]
     qg = numerics.quantize(g, spec.grad, what=spec.hf_name + " dgrad")
-    if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step (fp32 in, as today)
-        fw.col_q = numerics.quantize(fw.w16.float(), spec.weight, axis="col", what=spec.hf_name)
+    if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
+        fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
     dx = fastgemm.scaled_mm_fp8_block(qg.data, qg.scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128),
                                       eg, ew, stats)
     if dx is None:
         dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
         stats.add(fastgemm.FP8_FALLBACK)
     gp, _ = numerics._pad_rows(g, 128)  # zero rows never raise a block amax and add nothing to the sum over M
-    xp, _ = numerics._pad_rows(x16.float(), 128)
+    xp, _ = numerics._pad_rows(x16, 128)
     qgc = numerics.quantize(gp, spec.grad, axis="col", what=spec.hf_name + " wgrad")  # data [N, Mp]
     qxc = numerics.quantize(xp, spec.activation, axis="col", what=spec.hf_name)  # data [K, Mp]
     dw = fastgemm.scaled_mm_fp8_block(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
