@@ -95,6 +95,25 @@ def test_split3_is_exact_and_mm_matches_fp32_gemm():
     assert not a.t().exact and torch.equal(a.t().v, a.dense().t())
 
 
+def test_tensor_core_paths_equal_the_fp32_gemm(monkeypatch):
+    """The CUDA branches of mm (bf16 x bf16 -> fp32; an fp32 operand as 3 stacked bf16 terms; epilogue scales),
+    with the bf16-input / fp32-output GEMM stood in by its CPU equivalent (exact bf16 products, fp32 sums): the
+    result equals the fp32 GEMM of the dense operands up to fp32 accumulation (compared in fp64)."""
+    monkeypatch.setattr(fastgemm, "_mm_bf16_f32", lambda a16, b16: a16.float() @ b16.float().t())
+    g = torch.Generator().manual_seed(3)
+    a16 = fastgemm.Op(torch.randn(50, 96, generator=g).to(torch.bfloat16), torch.rand(50, generator=g) + 0.5)
+    w32 = fastgemm.Op(torch.randn(70, 96, generator=g) * 1.37, None, False)  # not bf16-exact
+    w16 = fastgemm.Op(torch.randn(70, 96, generator=g).to(torch.bfloat16), torch.tensor([0.37]))
+    for a, b, path in ((a16, w16, "bf16-tc"), (a16, w32, "bf16x3"), (w32, a16, "bf16x3"),
+                       (a16.t(), fastgemm.Op(torch.randn(33, 50, generator=g).to(torch.bfloat16)), "bf16x3")):
+        y, p = fastgemm._mm_tc(a, b)
+        assert p == path
+        ref = a.dense().double() @ b.dense().double().t()
+        got = y * (a.s.view(-1, 1) if a.s is not None and a.s.numel() > 1 else 1) \
+            * (b.s if b.s is not None else 1)  # the epilogue mm applies after _mm_tc
+        assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-6, path
+
+
 @pytest.mark.parametrize("policy", ["mxfp8-e2e", "mxfp8-dequant-backward", "nvfp4-pertoken-dequant-backward",
                                     "nvfp4-pertoken-hp-backward", "fp8-blockwise-hopper", "bf16"])
 def test_fast_executor_matches_reference_on_cpu(policy):
