@@ -219,7 +219,8 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
 # ---------------------------------------------------------------------------------------------------------------
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------
-_RECIPE_OK: dict = {}  # (a_block, b_block) -> out dtype that passed the first-use check, or False
+_RECIPE_OK: dict = {}  # (a_block, b_block, ea, eb) -> out dtype that passed the first-use check, or False
+_RECIPE_REFUSED: dict = {}  # recipe -> shapes cuBLASLt refused before any passed the check
 
 
 def native_fp8_available(device) -> bool:
@@ -264,16 +265,22 @@ def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="
     chosen = _RECIPE_OK.get(key)
     if chosen is None:  # first use of this recipe in this process: find an accepted out dtype and check the math
         want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
+        computed = False
         for dt in (torch.float32, torch.bfloat16):
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
             except (RuntimeError, ValueError, NotImplementedError):
                 continue
+            computed = True
             if float((y - want).norm() / want.norm().clamp(min=1e-30)) < 1e-2:
                 _RECIPE_OK[key] = chosen = dt
                 break
         else:
-            _RECIPE_OK[key] = False
+            # a result that is not the block-scaled math: never trust this recipe here; refusals only: this shape
+            # is emulated, and after 3 refused shapes the recipe is given up (no reference GEMM per call)
+            tries = _RECIPE_REFUSED[key] = _RECIPE_REFUSED.get(key, 0) + 1
+            if computed or tries >= 3:
+                _RECIPE_OK[key] = False
             return None
     try:
         y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=chosen)
