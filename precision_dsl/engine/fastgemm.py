@@ -114,7 +114,10 @@ def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]
         try:
             return torch.mm(a16, b16.t(), out_dtype=torch.float32)
         except (TypeError, RuntimeError, NotImplementedError):
-            _OUT_DTYPE_MM[0] = False
+            try:  # a layout this build refuses (transposed views): the same GEMM on contiguous copies
+                return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                _OUT_DTYPE_MM[0] = False
     return None
 
 
@@ -164,6 +167,7 @@ def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
 # QuantizedTensor -> Op (decode to bf16 elements; second-level scales kept apart)
 # ---------------------------------------------------------------------------------------------------------------
 _F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
 
 
 def _e8m0_bf16(e: torch.Tensor) -> torch.Tensor:
@@ -198,9 +202,8 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
 
             v = nvfp4_decode_bf16(q.data, q.scale)
         else:
-            from .rollout_quant import e2m1_values  # the engine's own E2M1 decode (same LUT, -0.0 for code 8)
-
-            vals = e2m1_values(q.data)
+            codes = torch.stack([q.data & 0xF, q.data >> 4], dim=-1).reshape(q.data.shape[0], -1)  # low nibble first
+            vals = torch.tensor(_E2M1, dtype=torch.float32, device=q.data.device)[codes.long()]
             r, c = vals.shape
             v = (vals.view(r, c // 16, 16) * q.scale.view(torch.float8_e4m3fn).float().view(r, c // 16, 1))
             v = v.view(r, c).to(torch.bfloat16)
