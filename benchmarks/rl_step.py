@@ -44,9 +44,15 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     ms = res.steps[warmup:]
     med = lambda k: statistics.median(getattr(m, k) for m in ms)  # noqa: E731
     flops_per_step = res.train_gemm_flops / len(res.steps)  # same batch shape every step (+- sequence length)
+    from precision_dsl.engine import fastgemm
+
+    errors = {str(k): v for k, v in fastgemm.ERRORS.items()}  # native FP8 refusals (torch's messages), if any
+    fastgemm.ERRORS.clear()
+    if errors:
+        print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
         "policy": policy, "model": model, "prompts": prompts, "digits": digits,
-        "gemm_paths": res.gemm_paths, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "gemm_paths": res.gemm_paths, "native_fp8_errors": errors, "train_gemm_tflop_per_step": flops_per_step / 1e12,
         "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),

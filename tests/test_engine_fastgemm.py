@@ -154,21 +154,30 @@ def test_fast_executor_matches_reference_on_cpu(policy):
         assert all(torch.equal(a, b) for a, b in zip(q.tensors().values(), qf.tensors().values())), n
 
 
+def _size_stride(t, dim, size, stride) -> bool:
+    return t.size(dim) == size and (t.stride(dim) == stride or size == 1)
+
+
 def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
-    """torch._scaled_mm's blockwise contract spelled out on CPU, checking the layouts cuBLASLt insists on (the
-    probe's): A [M, C] row-major with 1x128 scales [M, C/128] outer-dim-major; B [C, N] column-major with either
-    1x128 scales given as [C/128, N] or a 128x128 grid given as [L4, N/128] (L = C/128 padded to a multiple of 4)."""
+    """torch._scaled_mm's blockwise contract spelled out on CPU, refusing (RuntimeError) what torch 2.11's checks
+    refuse (aten ScaledBlas.cpp is_blockwise_{1x128,128x128}_scaling on a and on b.t() / scale_b.t()): A [M, C]
+    row-major with 1x128 scales [M, C/128] outer-dim-major; B [C, N] column-major with 1x128 scales (as
+    scale_b.t(): [N, C/128] outer-dim-major) or a 128x128 grid (as scale_b.t(): [N/128, L] with row stride L4)."""
     m, c = a8.shape
     n = b8.shape[1]
-    assert a8.is_contiguous() and b8.t().is_contiguous() and c % 128 == 0
-    assert scale_a.shape == (m, c // 128) and scale_a.stride(0) == 1
-    a = a8.float() * scale_a.repeat_interleave(128, 1)
-    if tuple(scale_b.shape) == (c // 128, n):  # 1x128 blocks along C
-        b = b8.float() * scale_b.repeat_interleave(128, 0)
+    l, l4 = -(-c // 128), -(-c // 128 + 3) // 4 * 4
+    if not (a8.is_contiguous() and b8.t().is_contiguous() and c % 16 == 0 and n % 16 == 0):
+        raise RuntimeError("layout")
+    if not (_size_stride(scale_a, 0, m, 1) and _size_stride(scale_a, 1, l, m)):
+        raise RuntimeError("Invalid scaling configuration (a)")
+    sbt = scale_b.t()
+    if _size_stride(sbt, 0, n, 1) and _size_stride(sbt, 1, l, n):  # 1x128 blocks along C
+        b = b8.float() * sbt.t().repeat_interleave(128, 0)[:c]
+    elif _size_stride(sbt, 0, -(-n // 128), l4) and _size_stride(sbt, 1, l, 1):  # 128x128 grid
+        b = b8.float() * sbt.t().repeat_interleave(128, 0)[:c].repeat_interleave(128, 1)[:, :n]
     else:
-        assert scale_b.shape[0] % 4 == 0 and scale_b.shape[1] == -(-n // 128) and scale_b.stride(0) == 1
-        grid = scale_b[: c // 128]
-        b = b8.float() * grid.repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :n]
+        raise RuntimeError("Invalid scaling configuration (b)")
+    a = a8.float() * scale_a.repeat_interleave(128, 1)[:, :c]
     return (a @ b).to(out_dtype)
 
 
@@ -183,7 +192,7 @@ def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
 
     monkeypatch.setattr(fastgemm, "native_fp8_available", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm, raising=False)
-    fastgemm._RECIPE_OK.clear()
+    fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear()
     plan = load_plan(policy, load_architecture("tiny-moe"))
     ids = torch.randint(3, 32, (4, 12), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -194,7 +203,7 @@ def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
         logits.float().pow(2).mean().backward()
         out[mode] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
                                        if p.grad is not None}, ex)
-    fastgemm._RECIPE_OK.clear()
+    fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear()
     (lr, gr, _), (lf, gf, exf) = out["reference"], out["fast"]
     paths = exf.gemm_report()
     assert exf.native and paths.get("native-fp8", 0) > 0, paths
@@ -237,9 +246,12 @@ def test_fused_fake_quant_and_decode_kernels_on_gpu():
     x = _x(4100, 512)  # partial 32-row column block at the end
     for fmt in (MX, MX5):
         for axis in ("row", "col"):
-            got = mxfp8_fake_quantize_bf16(x.cuda().to(torch.bfloat16), fmt.element, axis).cpu()
+            got = mxfp8_fake_quantize_bf16(x.cuda().to(torch.bfloat16), fmt.element, axis).cpu().float()
             want = numerics.fake_quantize(x, fmt, axis=axis)
-            assert torch.equal(got.float().view(torch.int32), want.view(torch.int32)), (fmt.element, axis)
+            bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero()
+            assert len(bad) == 0, (fmt.element, axis, len(bad), [(tuple(i.tolist()), float(x[tuple(i)]),
+                                                                  float(got[tuple(i)]), float(want[tuple(i)]))
+                                                                 for i in bad[:4]])
     for fmt in (NV_ROW, NV_T):  # NVFP4 decode on the GPU: decode_op(q).dense() == the reference dequantization
         q = numerics.quantize(x.cuda(), fmt)
         assert torch.equal(fastgemm.decode_op(q).dense().cpu().view(torch.int32),
@@ -285,6 +297,64 @@ def test_native_fp8_gemms_use_reference_bytes_and_match_fp32_of_dequantized():
     assert stats.counts == {"native-fp8": 3}
 
 
+FB_G = TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype="fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [
+    LinearSpec("t", BF16, BF16, BF16, BackwardMode.HIGH_PRECISION),
+    LinearSpec("t", MX, MX, MX, BackwardMode.QUANTIZED),
+    LinearSpec("t", MX, MX, BF16, BackwardMode.HIGH_PRECISION),
+    LinearSpec("t", MX, MX, BF16, BackwardMode.DEQUANTIZED),
+    LinearSpec("t", NV_T, NV_ROW, BF16, BackwardMode.HIGH_PRECISION),
+    LinearSpec("t", NV_T, NV_ROW, BF16, BackwardMode.DEQUANTIZED),
+    LinearSpec("t", FB_W, FB_A, FB_G, BackwardMode.QUANTIZED)], ids=lambda s: f"{s.weight.short()}-{s.backward}")
+def test_fast_linear_on_cuda_matches_reference_linear(spec):
+    """One linear, same operands, fast path vs reference emulation on the H200: forward, dgrad and wgrad within
+    fp32-accumulation tolerance for the tensor-core paths (exact operands), within the FP8 GEMM's block
+    accumulation for native FP8; and the native path reports native GEMMs (no emulation fallback)."""
+    _need_sm90()
+    from precision_dsl.engine.qlinear import FastQLinearFunction, FastWeight, QLinearFunction, quantize_weights
+
+    class _Plan:  # quantize_weights needs by_name / share_scale_groups only
+        share_scale_groups = ()
+
+        @staticmethod
+        def by_name():
+            from types import SimpleNamespace
+
+            return {"t": SimpleNamespace(is_linear=True, share_scale_group=None,
+                                         precision=SimpleNamespace(weight=spec.weight))}
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1000, 512, generator=g).cuda()  # 1000 tokens: not a multiple of 32 / 128 (padding paths)
+    w = (torch.randn(768, 512, generator=g) * 0.05).cuda()
+    gy = torch.randn(1000, 768, generator=g).cuda()
+    qw = quantize_weights(_Plan, {"t": w})["t"]
+    w16 = w.to(torch.bfloat16)
+    ref_w = qw.float() if isinstance(qw, torch.Tensor) else formats.dequantize(qw)
+    out = {}
+    for mode in ("reference", "fast"):
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        if mode == "reference":
+            y = QLinearFunction.apply(xi, wi, ref_w, spec)
+        else:
+            ex = type("Ex", (), {"stats": fastgemm.GemmStats(), "native": True,
+                                 "weight_col_op": lambda self, sp, fw: __import__("precision_dsl.engine.qlinear",
+                                                                                  fromlist=["x"])._fake_op(
+                                     fw.w16, sp.weight, axis="col")})()
+            fw = FastWeight(w16, fastgemm.Op(w16) if isinstance(qw, torch.Tensor) else fastgemm.decode_op(qw),
+                            q=None if isinstance(qw, torch.Tensor) else qw)
+            y = FastQLinearFunction.apply(xi, wi, fw, spec, ex)
+        y.backward(gy)
+        out[mode] = (y.detach(), xi.grad, wi.grad)
+    tol = 1e-2 if spec.weight.kind == FormatKind.FP8_BLOCK else 1e-5
+    for a, b, what in zip(out["fast"], out["reference"], ("y", "dx", "dw")):
+        assert _rel(a, b) < tol, (what, _rel(a, b), fastgemm.ERRORS)
+    if spec.weight.kind == FormatKind.FP8_BLOCK:
+        assert ex.stats.counts == {"native-fp8": 3}, (ex.stats.counts, fastgemm.ERRORS)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["fp8-blockwise-hopper", "mxfp8-e2e", "nvfp4-pertoken-dequant-backward",
                                     "mxfp8-hp-backward", "bf16"])
@@ -309,10 +379,12 @@ def test_fast_executor_on_cuda_matches_reference_emulation(policy):
                                        if p.grad is not None}, ex)
     (lr, gr, _), (lf, gf, exf) = out["reference"], out["fast"]
     paths = exf.gemm_report()
-    tol = 2e-2 if policy.startswith("fp8") else 1e-4
-    assert _rel(lf, lr) < tol
+    # whole model: a rounding-level difference can flip a token's MoE top-k choice or a quantized element
+    # downstream, so this catches gross errors only (a wrong transpose or scale is O(1)); the per-linear test below
+    # is the tight one
+    assert _rel(lf, lr) < 5e-2
     for n in gr:
-        assert _rel(gf[n], gr[n]) < (10 * tol if gr[n].norm() > 0 else 1), n
+        assert _rel(gf[n], gr[n]) < 0.2 if gr[n].norm() > 0 else True, (n, _rel(gf[n], gr[n]))
     if policy.startswith("fp8"):
         assert paths.get("native-fp8", 0) > 0, paths
     else:

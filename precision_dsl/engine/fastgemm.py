@@ -222,8 +222,9 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
 # ---------------------------------------------------------------------------------------------------------------
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------
-_RECIPE_OK: dict = {}  # (a_block, b_block, ea, eb) -> out dtype that passed the first-use check, or False
-_RECIPE_REFUSED: dict = {}  # recipe -> shapes cuBLASLt refused before any passed the check
+_RECIPE: dict = {}  # (a_block, b_block, ea, eb) -> (scale layout, out dtype) that passed the check, or False
+_REFUSED: dict = {}  # (recipe, C, N) -> True: this shape was refused in every layout (emulated from then on)
+ERRORS: dict = {}  # recipe -> the last refusal / mismatch, for the run report (torch's message names the layout)
 
 
 def native_fp8_available(device) -> bool:
@@ -233,10 +234,30 @@ def native_fp8_available(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _pad_l4(s: torch.Tensor) -> torch.Tensor:
-    """cuBLASLt's 128x128 scale grid: the K-block count L padded to L4 = roundup(L, 4) (zeros: never read)."""
-    pad = (-s.shape[1]) % 4
-    return F.pad(s, (0, pad)) if pad else s
+def _grid_l4_view(s: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's 128x128 scale grid [R, L] stored with its K-block count padded to L4 = roundup(L, 4): a [R, L4]
+    buffer (zeros beyond L, never read) viewed as [R, L] with row stride L4."""
+    r, l4 = s.shape[0], -(-s.shape[1] // 4) * 4
+    if l4 == s.shape[1]:
+        return s.contiguous()
+    buf = s.new_zeros(r, l4)
+    buf[:, :s.shape[1]] = s
+    return buf[:, :s.shape[1]]
+
+
+def _scale_layouts(a_scale, b_scale, b_block) -> dict:
+    """Candidate (scale_a, scale_b) layouts, the documented one first. A: 1x128 outer-dim-major [M, C/128].
+    B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N] (torch's test_scaled_mm_vs_
+    emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch checks as [N/128, L] with
+    row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
+    sa = a_scale.t().contiguous().t()
+    if b_block == (1, 128):
+        return {"b1x128:t-contig": (sa, b_scale.t().contiguous()), "b1x128:t-view": (sa, b_scale.t())}
+    out = {"b128:l4-view": (sa, _grid_l4_view(b_scale).t()), "b128:contig": (sa, b_scale.contiguous().t())}
+    pad = (-b_scale.shape[1]) % 4
+    if pad:
+        out["b128:l4-padded"] = (sa, F.pad(b_scale, (0, pad)).t())
+    return out
 
 
 def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> torch.Tensor:
@@ -254,41 +275,45 @@ def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="
                         stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
     """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
     [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]), both
-    row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates)."""
+    row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
+
+    A recipe's scale layout and output dtype are chosen on first use by checking candidates against the fp32 GEMM
+    of the dequantized operands (rel. error < 1e-2) and then reused; a later shape the chosen layout is refused for
+    searches again; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
     m, c = a_data.shape
     n = b_data.shape[0]
     key = (a_block, b_block, ea, eb)
-    if _RECIPE_OK.get(key) is False or c % 128 or n % 16 or a_block != (1, 128) \
+    if _RECIPE.get(key) is False or _REFUSED.get((key, c, n)) or c % 128 or n % 16 or a_block != (1, 128) \
             or b_block not in ((1, 128), (128, 128)) or (ea, eb) == ("e5m2", "e5m2"):
         return None
-    a8 = a_data.view(_F8[ea])
-    b8 = b_data.view(_F8[eb]).t()  # [C, N] column-major: the transposed view of the row-major [N, C] bytes
-    sa = a_scale.t().contiguous().t()  # 1x128: outer-dim-major [M, C/128]
-    sb = _pad_l4(b_scale).t() if b_block == (128, 128) else b_scale.t().contiguous()  # [L4, N/128] | [C/128, N]
-    chosen = _RECIPE_OK.get(key)
-    if chosen is None:  # first use of this recipe in this process: find an accepted out dtype and check the math
-        want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
-        computed = False
+    a8 = a_data.contiguous().view(_F8[ea])
+    b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
+    layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
+    state = _RECIPE.get(key)
+    if state is not None:
+        name, dt = state
+        sa, sb = layouts[name]
+        try:
+            y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
+            if stats is not None:
+                stats.add(NATIVE_FP8)
+            return y if dt == torch.float32 else y.float()
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            ERRORS[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {str(e)[:400]}"
+    want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
+    for name, (sa, sb) in layouts.items():
         for dt in (torch.float32, torch.bfloat16):
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
-            except (RuntimeError, ValueError, NotImplementedError):
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {str(e)[:400]}"
                 continue
-            computed = True
-            if float((y - want).norm() / want.norm().clamp(min=1e-30)) < 1e-2:
-                _RECIPE_OK[key] = chosen = dt
-                break
-        else:
-            # a result that is not the block-scaled math: never trust this recipe here; refusals only: this shape
-            # is emulated, and after 3 refused shapes the recipe is given up (no reference GEMM per call)
-            tries = _RECIPE_REFUSED[key] = _RECIPE_REFUSED.get(key, 0) + 1
-            if computed or tries >= 3:
-                _RECIPE_OK[key] = False
-            return None
-    try:
-        y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=chosen)
-    except (RuntimeError, ValueError, NotImplementedError):
-        return None  # this shape refused (the recipe itself works): emulate this call
-    if stats is not None:
-        stats.add(NATIVE_FP8)
-    return y if chosen == torch.float32 else y.float()
+            rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
+            if rel < 1e-2:
+                _RECIPE[key] = (name, dt)
+                if stats is not None:
+                    stats.add(NATIVE_FP8)
+                return y
+            ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
+    _REFUSED[(key, c, n)] = True
+    return None
