@@ -40,7 +40,8 @@ def _fp8_byte_value(q, E5M2: tl.constexpr):
         p = tl.where(ex > 0, ex - 10, -9)
         nan = (q & 0x7F) == 0x7F
     v = m_int.to(tl.float32) * ((p + 127) << 23).to(tl.float32, bitcast=True)
-    v = tl.where((q & 0x80) != 0, -v, v)
+    # the sign by its bit: Triton's unary minus is 0 - v, which turns the -0.0 byte (0x80) into +0.0
+    v = (v.to(tl.int32, bitcast=True) | ((q & 0x80) << 24)).to(tl.float32, bitcast=True)
     return tl.where(nan, float("nan"), v)
 
 
@@ -106,7 +107,7 @@ def _nvfp4_decode_kernel(d_ptr, s_ptr, o_ptr, R, C, stride_d, stride_s, stride_o
     m = mag & 1
     v = tl.where(e == 0, m.to(tl.float32) * 0.5,
                  (m + 2).to(tl.float32) * ((e - 2 + 127) << 23).to(tl.float32, bitcast=True))
-    v = tl.where((code & 8) != 0, -v, v)
+    v = (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # sign bit (-0.0 kept)
     sf = _fp8_byte_value(tl.load(s_ptr + rows64 * stride_s + cols // 16, mask=mask, other=0).to(tl.int32), False)
     tl.store(o_ptr + rows64 * stride_o + cols, (v * sf).to(tl.bfloat16), mask=mask)
 
