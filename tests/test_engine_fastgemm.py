@@ -165,7 +165,8 @@ def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
     scale_b.t(): [N, C/128] outer-dim-major) or a 128x128 grid (as scale_b.t(): [N/128, L] with row stride L4)."""
     m, c = a8.shape
     n = b8.shape[1]
-    l, l4 = -(-c // 128), -(-c // 128 + 3) // 4 * 4
+    l = -(-c // 128)
+    l4 = (l + 3) // 4 * 4
     if not (a8.is_contiguous() and b8.t().is_contiguous() and c % 16 == 0 and n % 16 == 0):
         raise RuntimeError("layout")
     if not (_size_stride(scale_a, 0, m, 1) and _size_stride(scale_a, 1, l, m)):
