@@ -12,6 +12,6 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short tests/tes
 grep -E "passed|failed|^FAILED|^ERROR" /tmp/rl_pytest.log | tail -15
 echo "== rl_step [$(( $(date +%s) - T0 ))s]" | tee -a $OUT/rl/log.txt
 timeout $(( 228 - ($(date +%s) - T0) )) python3 benchmarks/rl_step.py --device cuda --steps 3 --warmup 2 \
-  --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --out $OUT/rl/rl_step.json 2>&1 \
+  --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --profile-bf16 --out $OUT/rl/rl_step.json 2>&1 \
   | tee -a $OUT/rl/log.txt | grep -v "^  "
 echo "== done rc=$? [$(( $(date +%s) - T0 ))s]" | tee -a $OUT/rl/log.txt

@@ -64,6 +64,46 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     }
 
 
+GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul")  # cuBLAS / cuBLASLt / CUTLASS kernel names
+
+
+def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int) -> dict:
+    """GPU kernel time of ONE RL step (after one warm-up step) by kind: GEMM kernels (cuBLAS/cuBLASLt, incl. the
+    FP8 block-scaled ones) vs everything else, against the step's wall time - the evidence for 'GEMM-bound' or not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from precision_dsl.engine.loop import RunConfig, run
+
+    cuda = device == "cuda"
+    prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def on_step(m):
+        if m.step == 1:
+            sync()
+            prof.start()
+        elif m.step == 2:
+            sync()
+            prof.stop()
+
+    res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
+                        samples_per_prompt=samples), on_step=on_step)
+    gemm = other = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
+        t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+        if any(k in e.key.lower() for k in GEMM_KERNEL_MARKS):
+            gemm += t
+        else:
+            other += t
+    m = res.steps[1]
+    wall = (m.time_rollout_s + m.time_train_s + m.time_reference_s + m.time_weight_update_s) * 1e3
+    return {"policy": policy, "gemm_kernel_ms": gemm / 1e3, "other_kernel_ms": other / 1e3, "step_wall_ms": wall,
+            "gemm_share_of_kernel_time": gemm / max(gemm + other, 1e-9),
+            "gemm_share_of_wall": gemm / 1e3 / max(wall, 1e-9)}
+
+
 def model_info(model: str) -> dict:
     """Shape summary of a Qwen3-MoE config: parameters in GEMM weights, total and active per token."""
     from precision_dsl.engine.model import Qwen3MoeConfig, resolve_model_dir
@@ -113,6 +153,8 @@ def main() -> None:
     ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES) + ["fp8-blockwise-hopper"])
     ap.add_argument("--model", action="append", default=None, help="NAME[:PROMPTS[:DIGITS]] (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
+    ap.add_argument("--profile-bf16", action="store_true", help="also profile one BF16 step per model (kernel time "
+                    "in GEMMs vs the rest)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rl_step_models"), help="random-init checkpoints go here")
     ap.add_argument("--curves-steps", type=int, default=0)
     ap.add_argument("--curves-seeds", type=int, default=2)
@@ -157,6 +199,13 @@ def main() -> None:
                   f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
                   f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
                   f"{r['weights_identical']!s:7s} {r['gemm_paths']}", flush=True)
+        if a.profile_bf16:
+            pr = profile_step("bf16", a.device, prompts, a.samples, name, digits)
+            env.setdefault("profile", {})[name] = pr
+            print(f"BF16 step, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other kernels "
+                  f"{pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
+                  f"{100 * pr['gemm_share_of_kernel_time']:.0f}% of kernel time, "
+                  f"{100 * pr['gemm_share_of_wall']:.0f}% of wall)", flush=True)
         a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")  # after each model: partial runs
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")

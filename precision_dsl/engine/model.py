@@ -233,7 +233,7 @@ class SparseMoeBlock(nn.Module):
             if rows.numel() == 0:
                 continue
             y = expert(flat[rows]) * topw[rows, slot, None]
-            out = out.index_add(0, rows, y.float())
+            out.index_add_(0, rows, y.float())  # in place: one copy of the [tokens, hidden] sum, not one per expert
         return out.to(x.dtype).view(b, t, h)
 
 
