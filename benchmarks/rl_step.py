@@ -52,7 +52,7 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
         print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
         "policy": policy, "model": model, "prompts": prompts, "digits": digits,
-        "gemm_paths": res.gemm_paths, "native_fp8_errors": errors, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "gemm_paths": res.gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
         "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),
@@ -179,9 +179,21 @@ def main() -> None:
     t0 = time.time()
     for name, prompts, digits in models:
         mrows = []
+        failed = []
         for p in a.policies:
-            mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits))
+            try:
+                mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits))
+            except Exception as e:  # noqa: BLE001 - one failing policy must not lose the others' numbers
+                import traceback
+
+                traceback.print_exc()
+                failed.append({"policy": p, "model": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                print(f"  {name} {p}: FAILED {failed[-1]['error']}", flush=True)
+                continue
             print(f"  {name} {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        env.setdefault("failed", []).extend(failed)
+        if not mrows:
+            continue
         base = next((r for r in mrows if r["policy"] == "bf16"), mrows[0])
         for r in mrows:
             r["step_vs_bf16"] = r["step_s"] / base["step_s"]
@@ -198,9 +210,16 @@ def main() -> None:
             print(f"{r['policy']:32s} {r['step_s']:7.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:7.3f} "
                   f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
                   f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
-                  f"{r['weights_identical']!s:7s} {r['gemm_paths']}", flush=True)
+                  f"{r['weights_identical']!s:7s} {r['gemm_paths']}"
+                  + ("" if r["weight_update_path"] in ("device", "host") else f" update: {r['weight_update_path']}"),
+                  flush=True)
         if a.profile_bf16:
-            pr = profile_step("bf16", a.device, prompts, a.samples, name, digits)
+            try:
+                pr = profile_step("bf16", a.device, prompts, a.samples, name, digits)
+            except Exception as e:  # noqa: BLE001 - the profile is an extra; the table above stands without it
+                print(f"BF16 profile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                pr = None
+        if a.profile_bf16 and pr:
             env.setdefault("profile", {})[name] = pr
             print(f"BF16 step, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other kernels "
                   f"{pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "

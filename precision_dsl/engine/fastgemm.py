@@ -187,6 +187,13 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
     fmt = q.fmt
     if fmt.kind == FormatKind.MXFP8 and fmt.block in (None, (1, 32), (32, 1)):
         r, c = q.data.shape
+        from .. import kernels
+
+        if q.data.is_cuda and kernels.available():  # one pass: bytes + E8M0 -> bf16 values
+            from ..kernels.triton_decode import mxfp8_decode_bf16
+
+            v = mxfp8_decode_bf16(q.data, q.scale, fmt.element, q.axis).reshape(q.shape)
+            return Op(v if rows is None else v[:rows])
         vals = q.data.view(_F8[fmt.element]).to(torch.bfloat16)
         if q.axis == "row":  # scale [R, C/32]
             v = (vals.view(r, c // 32, 32) * _e8m0_bf16(q.scale)[..., None]).view(r, c)
@@ -198,7 +205,7 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
         from .. import kernels
 
         if q.data.is_cuda and kernels.available():  # one pass: packed codes + block scales -> bf16 elements
-            from ..kernels.triton_fakequant import nvfp4_decode_bf16
+            from ..kernels.triton_decode import nvfp4_decode_bf16
 
             v = nvfp4_decode_bf16(q.data, q.scale)
         else:
@@ -223,7 +230,8 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------
 _RECIPE: dict = {}  # (a_block, b_block, ea, eb) -> (scale layout, out dtype) that passed the check, or False
-_REFUSED: dict = {}  # (recipe, C, N) -> True: this shape was refused in every layout (emulated from then on)
+_REFUSED: dict = {}  # shape class -> True: refused in every layout (emulated from then on)
+_VERIFIED: dict = {}  # shape class -> (layout, out dtype) checked against the block-scaled math in that class
 ERRORS: dict = {}  # recipe -> the last refusal / mismatch, for the run report (torch's message names the layout)
 
 
@@ -252,11 +260,14 @@ def _scale_layouts(a_scale, b_scale, b_block) -> dict:
     row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
     sa = a_scale.t().contiguous().t()
     if b_block == (1, 128):
-        return {"b1x128:t-contig": (sa, b_scale.t().contiguous()), "b1x128:t-view": (sa, b_scale.t())}
-    out = {"b128:l4-view": (sa, _grid_l4_view(b_scale).t()), "b128:contig": (sa, b_scale.contiguous().t())}
-    pad = (-b_scale.shape[1]) % 4
-    if pad:
-        out["b128:l4-padded"] = (sa, F.pad(b_scale, (0, pad)).t())
+        bs = {"b1x128:t-contig": b_scale.t().contiguous(), "b1x128:t-view": b_scale.contiguous().t()}
+    else:
+        bs = {"b128:l4-view": _grid_l4_view(b_scale).t(), "b128:contig": b_scale.contiguous().t()}
+        pad = (-b_scale.shape[1]) % 4
+        if pad:
+            bs["b128:l4-padded"] = F.pad(b_scale, (0, pad)).t()
+    out = {name: (sa, sb) for name, sb in bs.items()}
+    out.update({"a-contig/" + name: (a_scale.contiguous(), sb) for name, sb in bs.items()})  # other torch builds
     return out
 
 
@@ -271,25 +282,36 @@ def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> 
     return deq(a_data, a_scale, a_block, ea) @ deq(b_data, b_scale, b_block, eb).t()
 
 
+def _msg(e: BaseException) -> str:
+    """torch's refusal: its first line and its tail (the 'Got ... size/stride' part that says what was wrong)."""
+    t = str(e)
+    return t if len(t) <= 500 else f"{t[:120]} ... {t[-380:]}"
+
+
 def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="e4m3", eb="e4m3",
                         stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
     """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
     [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]), both
     row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
 
-    A recipe's scale layout and output dtype are chosen on first use by checking candidates against the fp32 GEMM
-    of the dequantized operands (rel. error < 1e-2) and then reused; a later shape the chosen layout is refused for
-    searches again; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
+    The scale layout and output dtype are chosen per (recipe, C, N) on first use, by checking candidates (the
+    recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then reused
+    for every M; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
     m, c = a_data.shape
     n = b_data.shape[0]
     key = (a_block, b_block, ea, eb)
-    if _RECIPE.get(key) is False or _REFUSED.get((key, c, n)) or c % 128 or n % 16 or a_block != (1, 128) \
-            or b_block not in ((1, 128), (128, 128)) or (ea, eb) == ("e5m2", "e5m2"):
+    if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
+            or (ea, eb) == ("e5m2", "e5m2"):
+        return None
+    cls = (key, c if b_block == (128, 128) else (c // 128) % 4, n)
+    if _REFUSED.get(cls):
         return None
     a8 = a_data.contiguous().view(_F8[ea])
     b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
     layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
-    state = _RECIPE.get(key)
+    # a layout torch accepts could be read differently at other block counts: each shape class is checked once
+    # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
+    state = _VERIFIED.get(cls)
     if state is not None:
         name, dt = state
         sa, sb = layouts[name]
@@ -299,21 +321,24 @@ def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="
                 stats.add(NATIVE_FP8)
             return y if dt == torch.float32 else y.float()
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            ERRORS[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {str(e)[:400]}"
+            ERRORS[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
     want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
-    for name, (sa, sb) in layouts.items():
-        for dt in (torch.float32, torch.bfloat16):
+    prev = _RECIPE.get(key) or None
+    order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
+    for name in order:
+        sa, sb = layouts[name]
+        for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
             except (RuntimeError, ValueError, NotImplementedError) as e:
-                ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {str(e)[:400]}"
+                ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {_msg(e)}"
                 continue
             rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
             if rel < 1e-2:
-                _RECIPE[key] = (name, dt)
+                _RECIPE[key] = _VERIFIED[cls] = (name, dt)  # the recipe's: the first guess at new shapes
                 if stats is not None:
                     stats.add(NATIVE_FP8)
                 return y
             ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
-    _REFUSED[(key, c, n)] = True
+    _REFUSED[cls] = True
     return None

@@ -170,9 +170,9 @@ def _native_fp8(spec: LinearSpec, native: bool) -> bool:
 
 
 def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
-    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16) for a bf16 operand: MXFP8 in ONE
-    fused kernel pass (kernels/triton_fakequant.py, bf16 out) on a GPU, else the fused quantize kernel then the
-    elements decoded straight to bf16, with the second-level scale kept for the epilogue (NVFP4)."""
+    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16) for a bf16 operand: the fused quantize
+    kernel, then the elements decoded straight to bf16 (one-pass decode kernels on a GPU, kernels/triton_decode.py),
+    with the second-level scale kept for the epilogue (NVFP4)."""
     if not fmt.is_quantized:
         return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
             else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
@@ -180,14 +180,6 @@ def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int
     if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
         return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
     x2 = x.reshape(-1, x.shape[-1])
-    if fmt.kind == FormatKind.MXFP8 and x2.is_cuda and x2.shape[1] % 32 == 0:
-        from .. import formats, kernels
-
-        ax, tile_2d = formats.mxfp8_layout(fmt, axis)
-        if not tile_2d and kernels.available():
-            from ..kernels.triton_fakequant import mxfp8_fake_quantize_bf16
-
-            return fastgemm.Op(mxfp8_fake_quantize_bf16(x2.contiguous(), fmt.element, ax))
     xp, m = numerics._pad_rows(x2, numerics._block_rows(fmt, axis))
     return fastgemm.decode_op(numerics.quantize(xp, fmt, axis=axis, what=what), rows=m)
 

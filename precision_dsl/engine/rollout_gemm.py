@@ -91,11 +91,12 @@ def _fused_operand(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
     m, k = x16.shape
     block = tuple(fmt.block or ())
     if fmt.kind == FormatKind.MXFP8 and block in ((), (1, 32)) and k % 32 == 0:
-        from ..kernels.triton_fakequant import mxfp8_fake_quantize_bf16
+        from ..kernels.triton_decode import mxfp8_decode_bf16
 
-        return Operand("bf16", mxfp8_fake_quantize_bf16(x16.contiguous(), fmt.element, "row"))
+        q = kernels.quantize(x16, fmt)
+        return Operand("bf16", mxfp8_decode_bf16(q.data, q.scale, fmt.element, "row"))
     if fmt.kind == FormatKind.NVFP4 and block in ((), (1, 16)) and k % 16 == 0:
-        from ..kernels.triton_fakequant import nvfp4_decode_bf16
+        from ..kernels.triton_decode import nvfp4_decode_bf16
 
         q = kernels.quantize(x16, fmt)
         return Operand("bf16", nvfp4_decode_bf16(q.data, q.scale), gscale=q.global_scale.float())
