@@ -253,6 +253,19 @@ def _grid_l4_view(s: torch.Tensor) -> torch.Tensor:
     return buf[:, :s.shape[1]]
 
 
+def outer_major_m4(s: torch.Tensor) -> torch.Tensor:
+    """A 1x128 scale grid [M, L] laid out outer-dim-major with its column stride padded to M4 = roundup(M, 4) (16-byte
+    aligned columns): the H200 run (torch 2.11) refused the plain outer-dim-major layout for every M % 4 != 0
+    ("scale_a.size()=[39, 1], stride=[1, 1]" ... for the token counts of single experts) and accepted M % 4 == 0."""
+    m, l = s.shape
+    m4 = -(-m // 4) * 4
+    if m4 == m:
+        return s.t().contiguous().t()
+    buf = s.new_zeros(l, m4)
+    buf[:, :m] = s.t()
+    return buf[:, :m].t()
+
+
 def _scale_layouts(a_scale, b_scale, b_block) -> dict:
     """Candidate (scale_a, scale_b) layouts, the documented one first. A: 1x128 outer-dim-major [M, C/128].
     B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N] (torch's test_scaled_mm_vs_
@@ -260,13 +273,15 @@ def _scale_layouts(a_scale, b_scale, b_block) -> dict:
     row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
     sa = a_scale.t().contiguous().t()
     if b_block == (1, 128):
-        bs = {"b1x128:t-contig": b_scale.t().contiguous(), "b1x128:t-view": b_scale.contiguous().t()}
+        bs = {"b1x128:m4": outer_major_m4(b_scale).t(), "b1x128:t-contig": b_scale.t().contiguous(),
+              "b1x128:t-view": b_scale.contiguous().t()}
     else:
         bs = {"b128:l4-view": _grid_l4_view(b_scale).t(), "b128:contig": b_scale.contiguous().t()}
         pad = (-b_scale.shape[1]) % 4
         if pad:
             bs["b128:l4-padded"] = F.pad(b_scale, (0, pad)).t()
-    out = {name: (sa, sb) for name, sb in bs.items()}
+    out = {"a-m4/" + name: (outer_major_m4(a_scale), sb) for name, sb in bs.items()}  # first: 16-byte columns
+    out.update({name: (sa, sb) for name, sb in bs.items()})
     out.update({"a-contig/" + name: (a_scale.contiguous(), sb) for name, sb in bs.items()})  # other torch builds
     return out
 

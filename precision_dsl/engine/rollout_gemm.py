@@ -197,8 +197,13 @@ def _fp8_scaled_mm(a: Operand, b: Operand, paths: dict) -> torch.Tensor:
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
         return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
+    from .fastgemm import outer_major_m4
+
     sa, sb = a.scale_inv, b.scale_inv  # [M, K/128], [N/128, K/128]
-    cands = {"a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
+    # first: A's scale columns padded to M4 = roundup(M, 4) (the H200's torch 2.11 refused M % 4 != 0 otherwise,
+    # and every such decode call fell back to the spelled-out math)
+    cands = {"a_om4/b_t": (outer_major_m4(sa), sb.t()),
+             "a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
                                                                          sb.t().contiguous()),
              "a_c/b_t": (sa.contiguous(), sb.t()), "a_om/b": (sa.t().contiguous().t(), sb)}
     chosen = paths.get("_fp8_block_layout")
