@@ -1,8 +1,8 @@
 """RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
-    # H200, issue 12 goal 3: the tiny model and the compute-bound Qwen3-MoE (hidden 2048) side by side
+    # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE and the tiny model side by side
     python benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 \
-        --model tiny-moe:64:2 --model benchmarks/models/moe-h2048:256:6
+        --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --profile-bf16
     python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
 `--model NAME[:PROMPTS[:DIGITS]]` (repeatable): a bundled model or HF config directory, prompts per step (x
@@ -121,7 +121,7 @@ def model_info(model: str) -> dict:
 
 
 def materialize(model: str, work: Path) -> str:
-    """A config-only model directory (benchmarks/models/moe-h2048: config.json + vocab.json) gets a random-weights
+    """A config-only model directory (benchmarks/models/moe-h3072: config.json + vocab.json) gets a random-weights
     checkpoint (the model's own seeded init, BF16) in a copy under `work`: step time does not depend on the values,
     and the arithmetic task's rewards are then ~0 (say so when reporting)."""
     import shutil
