@@ -1,7 +1,7 @@
 """RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
     # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE and the tiny model side by side
-    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 \
+    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 2 \
         --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --profile-bf16
     python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
