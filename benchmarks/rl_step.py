@@ -1,11 +1,18 @@
-"""RL step time of every seed policy relative to BF16, in one process, plus rollout tokens/s.
+"""RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
-    python benchmarks/rl_step.py --device cuda --steps 6 --prompts 64     # H200 (numerics emulated on Hopper)
-    python benchmarks/rl_step.py --device cpu --steps 3 --prompts 8       # smoke run
+    # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE and the tiny model side by side
+    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 2 \
+        --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --profile-bf16
+    python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
-Each config runs `--steps` GRPO steps of the embedded engine (tiny-moe, arithmetic) after `--warmup` steps; the
-median per-phase time is reported. MXFP8/NVFP4 are EMULATED (quantize -> dequantize -> FP32 GEMM) on Hopper and
-CPU, so the ratios measure the emulation overhead of each contract, NOT Blackwell tensor-core speed-ups.
+`--model NAME[:PROMPTS[:DIGITS]]` (repeatable): a bundled model or HF config directory, prompts per step (x
+`--samples`) and the arithmetic task's digits (longer numbers = longer sequences = more tokens per step). Each
+(model, policy) runs `--steps` GRPO steps of the embedded engine after `--warmup` steps; the median per-phase time
+is reported. On CUDA the trainer's GEMMs run on tensor cores (engine/fastgemm.py): BF16 operands and bf16-exact
+dequantized MXFP8/NVFP4 operands on BF16 tensor cores (the formats stay EMULATED: quantize -> dequantize -> GEMM,
+so their ratios measure emulation overhead, NOT Blackwell speed-ups), fp8_block (fp8-blockwise-hopper) as NATIVE
+FP8 GEMMs (torch._scaled_mm). Each row reports the trainer's GEMM calls per path and its GEMM TFLOP/s over the
+train phase (GEMM FLOPs of forward + backward / train time: near the GPU's peak = GEMM-bound).
 Writes a JSON report (--out) and prints a table.
 
 `--curves-steps N --curves-seeds S --curves-dir DIR` additionally runs the seed ablation (6 policies + one NVFP4 run
@@ -28,15 +35,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from precision_dsl.engine.plans import SEED_POLICIES  # noqa: E402
 
 
-def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int) -> dict:
+def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int, model: str = "tiny-moe",
+          digits: int = 2) -> dict:
     from precision_dsl.engine.loop import RunConfig, run
 
-    res = run(RunConfig(policy=policy, steps=warmup + steps, device=device, prompts_per_step=prompts,
-                        samples_per_prompt=samples, check_weight_bytes=True))
+    res = run(RunConfig(policy=policy, model=model, digits=digits, steps=warmup + steps, device=device,
+                        prompts_per_step=prompts, samples_per_prompt=samples, check_weight_bytes=True))
     ms = res.steps[warmup:]
     med = lambda k: statistics.median(getattr(m, k) for m in ms)  # noqa: E731
+    flops_per_step = res.train_gemm_flops / len(res.steps)  # same batch shape every step (+- sequence length)
+    from precision_dsl.engine import fastgemm
+
+    errors = {str(k): v for k, v in fastgemm.ERRORS.items()}  # native FP8 refusals (torch's messages), if any
+    fastgemm.ERRORS.clear()
+    if errors:
+        print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
-        "policy": policy,
+        "policy": policy, "model": model, "prompts": prompts, "digits": digits,
+        "gemm_paths": res.gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),
         "step_s": statistics.median(m.time_rollout_s + m.time_train_s + m.time_weight_update_s for m in ms),
@@ -47,6 +64,85 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     }
 
 
+GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul")  # cuBLAS / cuBLASLt / CUTLASS kernel names
+
+
+def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int) -> dict:
+    """GPU kernel time of ONE RL step (after one warm-up step) by kind: GEMM kernels (cuBLAS/cuBLASLt, incl. the
+    FP8 block-scaled ones) vs everything else, against the step's wall time - the evidence for 'GEMM-bound' or not."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from precision_dsl.engine.loop import RunConfig, run
+
+    cuda = device == "cuda"
+    prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def on_step(m):
+        if m.step == 1:
+            sync()
+            prof.start()
+        elif m.step == 2:
+            sync()
+            prof.stop()
+
+    res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
+                        samples_per_prompt=samples), on_step=on_step)
+    gemm = other = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
+        t = getattr(e, "self_cuda_time_total", 0) if t is None else t
+        if any(k in e.key.lower() for k in GEMM_KERNEL_MARKS):
+            gemm += t
+        else:
+            other += t
+    m = res.steps[1]
+    wall = (m.time_rollout_s + m.time_train_s + m.time_reference_s + m.time_weight_update_s) * 1e3
+    return {"policy": policy, "gemm_kernel_ms": gemm / 1e3, "other_kernel_ms": other / 1e3, "step_wall_ms": wall,
+            "gemm_share_of_kernel_time": gemm / max(gemm + other, 1e-9),
+            "gemm_share_of_wall": gemm / 1e3 / max(wall, 1e-9)}
+
+
+def model_info(model: str) -> dict:
+    """Shape summary of a Qwen3-MoE config: parameters in GEMM weights, total and active per token."""
+    from precision_dsl.engine.model import Qwen3MoeConfig, resolve_model_dir
+
+    c = Qwen3MoeConfig.from_file(resolve_model_dir(model) / "config.json")
+    h, hd = c.hidden_size, c.head_dim
+    attn = h * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+    expert = 3 * h * c.moe_intermediate_size
+    total = c.num_hidden_layers * (attn + c.num_experts * expert) + h * c.vocab_size
+    active = c.num_hidden_layers * (attn + c.num_experts_per_tok * expert) + h * c.vocab_size
+    return {"hidden": h, "layers": c.num_hidden_layers, "experts": c.num_experts, "top_k": c.num_experts_per_tok,
+            "moe_intermediate": c.moe_intermediate_size, "gemm_params": total, "active_gemm_params": active,
+            "summary": f"hidden {h}, {c.num_hidden_layers} layers, {c.num_experts} experts top-{c.num_experts_per_tok} "
+                       f"x {c.moe_intermediate_size}, {total / 1e6:.0f}M GEMM params, {active / 1e6:.0f}M active"}
+
+
+def materialize(model: str, work: Path) -> str:
+    """A config-only model directory (benchmarks/models/moe-h3072: config.json + vocab.json) gets a random-weights
+    checkpoint (the model's own seeded init, BF16) in a copy under `work`: step time does not depend on the values,
+    and the arithmetic task's rewards are then ~0 (say so when reporting)."""
+    import shutil
+
+    src = Path(model)
+    if not src.is_dir() or any(src.glob("*.safetensors")):
+        return model
+    dst = work / src.name
+    if not (dst / "model.safetensors").exists():
+        from precision_dsl.engine.model import Qwen3MoeConfig, Qwen3MoeForCausalLM, save_model
+
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.is_file():
+                shutil.copy(f, dst / f.name)
+        t0 = time.time()
+        save_model(Qwen3MoeForCausalLM(Qwen3MoeConfig.from_file(dst / "config.json")), dst / "model.safetensors")
+        print(f"  {model}: random-init checkpoint -> {dst} ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+    return str(dst)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -54,8 +150,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES))
+    ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES) + ["fp8-blockwise-hopper"])
+    ap.add_argument("--model", action="append", default=None, help="NAME[:PROMPTS[:DIGITS]] (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
+    ap.add_argument("--profile-bf16", action="store_true", help="also profile one BF16 step per model (kernel time "
+                    "in GEMMs vs the rest)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/rl_step_models"), help="random-init checkpoints go here")
     ap.add_argument("--curves-steps", type=int, default=0)
     ap.add_argument("--curves-seeds", type=int, default=2)
     ap.add_argument("--curves-prompts", type=int, default=16)
@@ -66,26 +166,66 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda but no CUDA device (hint: --device cpu)")
     env = {"device": torch.cuda.get_device_name() if a.device == "cuda" else f"cpu x{os.cpu_count()}",
-           "torch": torch.__version__, "threads": torch.get_num_threads(), "prompts": a.prompts,
-           "samples": a.samples, "steps": a.steps, "warmup": a.warmup,
-           "note": "MXFP8/NVFP4 emulated (quantize->dequantize->FP32 GEMM); ratios = emulation overhead"}
+           "torch": torch.__version__, "threads": torch.get_num_threads(), "samples": a.samples, "steps": a.steps,
+           "warmup": a.warmup,
+           "note": "MXFP8/NVFP4 emulated (quantize->dequantize->GEMM with fp32 accumulation; tensor cores on CUDA); "
+                   "fp8_block native FP8 on sm_90; ratios = emulation overhead / native speed"}
+    models = []
+    for spec in a.model or [f"tiny-moe:{a.prompts}:2"]:
+        name, *rest = spec.split(":")
+        models.append((materialize(name, a.work), int(rest[0]) if rest else a.prompts,
+                       int(rest[1]) if len(rest) > 1 else 2))
     rows = []
     t0 = time.time()
-    for p in a.policies:
-        rows.append(bench(p, a.device, a.steps, a.warmup, a.prompts, a.samples))
-        print(f"  {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["policy"] == "bf16"), rows[0])
-    for r in rows:
-        r["step_vs_bf16"] = r["step_s"] / base["step_s"]
-        r["train_vs_bf16"] = r["train_s"] / base["train_s"]
-        r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
-    print(f"{env['device']}  ({env['note']})")
-    print(f"{'policy':34s} {'step s':>8s} {'xBF16':>6s} {'rollout':>8s} {'train':>8s} {'update':>8s} "
-          f"{'tok/s':>8s} {'|dlogp|':>9s} bytes==")
-    for r in rows:
-        print(f"{r['policy']:34s} {r['step_s']:8.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:8.3f} "
-              f"{r['train_s']:8.3f} {r['weight_update_s']:8.3f} {r['rollout_tokens_per_s']:8.0f} "
-              f"{r['mismatch_abs_logp']:9.2e} {r['weights_identical']}")
+    for name, prompts, digits in models:
+        mrows = []
+        failed = []
+        for p in a.policies:
+            try:
+                mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits))
+            except Exception as e:  # noqa: BLE001 - one failing policy must not lose the others' numbers
+                import traceback
+
+                traceback.print_exc()
+                failed.append({"policy": p, "model": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+                print(f"  {name} {p}: FAILED {failed[-1]['error']}", flush=True)
+                continue
+            print(f"  {name} {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
+        env.setdefault("failed", []).extend(failed)
+        if not mrows:
+            continue
+        base = next((r for r in mrows if r["policy"] == "bf16"), mrows[0])
+        for r in mrows:
+            r["step_vs_bf16"] = r["step_s"] / base["step_s"]
+            r["train_vs_bf16"] = r["train_s"] / base["train_s"]
+            r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
+        rows += mrows
+        info = model_info(name)
+        env.setdefault("models", {})[name] = info
+        print(f"{env['device']} · {name} ({info['summary']}) · {prompts} prompts x {a.samples} samples, digits "
+              f"{digits} · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
+        print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
+              f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
+        for r in mrows:
+            print(f"{r['policy']:32s} {r['step_s']:7.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:7.3f} "
+                  f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
+                  f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
+                  f"{r['weights_identical']!s:7s} {r['gemm_paths']}"
+                  + ("" if r["weight_update_path"] in ("device", "host") else f" update: {r['weight_update_path']}"),
+                  flush=True)
+        if a.profile_bf16:
+            try:
+                pr = profile_step("bf16", a.device, prompts, a.samples, name, digits)
+            except Exception as e:  # noqa: BLE001 - the profile is an extra; the table above stands without it
+                print(f"BF16 profile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                pr = None
+        if a.profile_bf16 and pr:
+            env.setdefault("profile", {})[name] = pr
+            print(f"BF16 step, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other kernels "
+                  f"{pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
+                  f"{100 * pr['gemm_share_of_kernel_time']:.0f}% of kernel time, "
+                  f"{100 * pr['gemm_share_of_wall']:.0f}% of wall)", flush=True)
+        a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")  # after each model: partial runs
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")
     if a.curves_steps:

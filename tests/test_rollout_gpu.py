@@ -27,6 +27,23 @@ def test_rollout_quantizers_same_bytes_on_cuda():
             assert torch.equal(a, b.cpu())
 
 
+def test_fused_kernel_operands_equal_rollout_quant_operands():
+    """On CUDA the rollout quantizes activations with the fused kernels: the operands (values, scales) equal those
+    of its own rollout_quant implementation exactly."""
+    x = (torch.randn(300, 512, generator=torch.Generator().manual_seed(2)) * 3).bfloat16().cuda()
+    fmts = [TensorFormat(kind=FormatKind.MXFP8, element=e, block=(1, 32), scale_dtype="e8m0") for e in ("e4m3", "e5m2")]
+    fmts += [TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3", global_scale=g)
+             for g in ("row", "tensor")]
+    fmts += [TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype=s)
+             for s in ("fp32", "pow2")]
+    for fmt in fmts:
+        a, b = rg.activation_operand(x, fmt, fused=True), rg.activation_operand(x, fmt, fused=False)
+        assert a.kind == b.kind and a.block == b.block, fmt
+        assert torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8)), fmt
+        for u, v in ((a.gscale, b.gscale), (a.scale_inv, b.scale_inv)):
+            assert (u is None and v is None) or torch.equal(u, v), fmt
+
+
 def test_fp8_block_gemm_native_scaled_mm_matches_cpu_math():
     from precision_dsl import formats
 

@@ -100,6 +100,9 @@ class RunResult(BaseModel):
     steps: list[StepMetrics] = Field(default_factory=list)
     wall_s: float = 0.0
     emulated: bool = True
+    gemm_paths: dict[str, int] = Field(default_factory=dict)  # trainer GEMM calls per path (fastgemm.PATH_NOTES)
+    train_gemm_flops: int = 0  # trainer linears' GEMM FLOPs over the whole run (forward + backward)
+    weight_update_path: str = ""  # "device" | "host" | "host (device path failed: ...)" (weight_path.LiveUpdateChannel)
 
 
 def _bf16_plan(plan):
@@ -269,5 +272,11 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         if on_step:
             on_step(m)
     rollout.close()
+    result.gemm_paths = executor.gemm_report()
+    result.train_gemm_flops = executor.stats.flops
+    ch = rollout.channel
+    err = getattr(ch, "device_path_error", None)
+    on_gpu = device == "cuda" and getattr(ch, "device_path", False)
+    result.weight_update_path = "device" if on_gpu else (f"host (device path failed: {err})" if err else "host")
     result.wall_s = time.perf_counter() - t_start
     return result

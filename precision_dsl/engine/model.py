@@ -233,7 +233,7 @@ class SparseMoeBlock(nn.Module):
             if rows.numel() == 0:
                 continue
             y = expert(flat[rows]) * topw[rows, slot, None]
-            out = out.index_add(0, rows, y.float())
+            out.index_add_(0, rows, y.float())  # in place: one copy of the [tokens, hidden] sum, not one per expert
         return out.to(x.dtype).view(b, t, h)
 
 
@@ -265,7 +265,9 @@ class Qwen3MoeModel(nn.Module):
 
 
 class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig):
+    def __init__(self, cfg: Qwen3MoeConfig, init: bool = True):
+        """init=False leaves the parameters uninitialised (torch.empty): for callers that overwrite every one of
+        them (a checkpoint load, the rollout's NaN fill) - the seeded CPU randn costs seconds per 100M params."""
         super().__init__()
         self.config = cfg
         self.linear_executor: LinearExecutor = _fp32_linear
@@ -276,7 +278,8 @@ class Qwen3MoeForCausalLM(nn.Module):
         # tied embeddings (small Qwen3s): no lm_head tensor in the checkpoint, the plan or the weight update
         self.lm_head = None if cfg.tie_word_embeddings else PlanLinear(cfg.hidden_size, cfg.vocab_size,
                                                                           "lm_head.weight", self)
-        self.reset_parameters(seed=0)
+        if init:
+            self.reset_parameters(seed=0)
 
     # -- init ------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -351,7 +354,7 @@ def load_model(model_dir: Path, *, allow_missing: bool = False) -> Qwen3MoeForCa
 
     model_dir = Path(model_dir)
     cfg = Qwen3MoeConfig.from_file(model_dir / "config.json")
-    model = Qwen3MoeForCausalLM(cfg)
+    model = Qwen3MoeForCausalLM(cfg, init=allow_missing)  # every parameter is loaded below (else: an error)
     params = dict(model.named_parameters())
     expected = set(model.hf_state_names())
     seen: set[str] = set()

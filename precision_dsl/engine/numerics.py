@@ -61,11 +61,15 @@ def fake_quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", glob
                   what: str = "") -> torch.Tensor:
     """dequantize(quantize(x)) as fp32, same shape; high-precision formats just round. Operands whose token count
     is not a multiple of the block height (columnwise wgrad copies, expert batches) are zero-padded first: zeros
-    never raise a block amax, so the real rows quantize exactly as in TE's padded buffers."""
+    never raise a block amax, so the real rows quantize exactly as in TE's padded buffers. A bf16 `x` is quantized
+    AS bf16 (TE's in_dtype: FP8 block scaling clamps an overflowing scale to the input dtype's max; MXFP8/NVFP4
+    do not depend on the input dtype) - the trainer passes its BF16 operands, as the rollout does."""
     if not fmt.is_quantized:
-        return round_hp(x, fmt)
+        return round_hp(x.float(), fmt)
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).float()
+    x2 = x.reshape(-1, shape[-1])
+    if x2.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        x2 = x2.float()
     x2, m = _pad_rows(x2, _block_rows(fmt, axis))
     try:
         if x2.is_cuda:  # fused quantize kernel + dequantize: bitwise the same values as formats.fake_quantize

@@ -26,7 +26,7 @@ import torch
 
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
-from . import numerics
+from . import fastgemm, numerics
 
 BF16_FMT = TensorFormat(kind=FormatKind.BF16, element="bf16")
 
@@ -105,8 +105,10 @@ class QLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec):
         """x2 [M, K] fp32, w [N, K] master (fp32), w_fwd [N, K] = the dequantized forward weight (no grad)."""
-        x_hp = _bf16(x2)  # the original BF16 operand (activations are BF16 in the trainer)
-        x_q = numerics.fake_quantize_partitioned(x_hp, spec.activation, spec.act_partitions, what=spec.hf_name)
+        x16 = x2.to(torch.bfloat16)  # the original BF16 operand (activations are BF16 in the trainer) ...
+        x_hp = x16.float()  # ... and its values in fp32 for the fp32 GEMMs; the quantizers take the BF16 tensor
+        x_q = numerics.fake_quantize_partitioned(x16, spec.activation, spec.act_partitions, what=spec.hf_name) \
+            if spec.activation.is_quantized else x_hp
         y = x_q @ w_fwd.t()
         ctx.spec = spec
         if spec.backward == BackwardMode.DEQUANTIZED:
@@ -122,13 +124,14 @@ class QLinearFunction(torch.autograd.Function):
         g = _bf16(gy)  # incoming gradients are BF16 in the trainer
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             # dgrad: contraction over N -> g rowwise (blocks along N), W columnwise (blocks along N = W's rows)
-            g_row = numerics.fake_quantize(g, spec.grad, axis="row", what=spec.hf_name + " dgrad")
-            w_col = numerics.fake_quantize(b, spec.weight, axis="col", what=spec.hf_name) \
+            g16 = gy.to(torch.bfloat16)  # quantizers take the BF16 tensors (values = g, a, b exactly)
+            g_row = numerics.fake_quantize(g16, spec.grad, axis="row", what=spec.hf_name + " dgrad")
+            w_col = numerics.fake_quantize(b.to(torch.bfloat16), spec.weight, axis="col", what=spec.hf_name) \
                 if spec.weight.is_quantized else b
             dx = g_row @ w_col
             # wgrad: contraction over M (tokens) -> columnwise copies of g and x (blocks along M)
-            g_col = numerics.fake_quantize(g, spec.grad, axis="col", what=spec.hf_name + " wgrad")
-            x_col = numerics.fake_quantize(a, spec.activation, axis="col", what=spec.hf_name) \
+            g_col = numerics.fake_quantize(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
+            x_col = numerics.fake_quantize(a.to(torch.bfloat16), spec.activation, axis="col", what=spec.hf_name) \
                 if spec.activation.is_quantized else a
             dw = g_col.t() @ x_col
         else:
@@ -144,19 +147,154 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearS
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# the fast path (CUDA): the same contract on tensor cores, native FP8 for fp8_block (fastgemm.py)
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass
+class FastWeight:
+    """One GEMM weight of the current optimizer step as the fast path consumes it, built once per step (weights only
+    change at the update): BF16(master), the forward operand (bf16 elements + epilogue scale), the stored bytes, and
+    the columnwise copy for a quantized backward (built on first use, then cached for the step)."""
+
+    w16: torch.Tensor
+    op: fastgemm.Op
+    q: Optional[object] = None  # formats.QuantizedTensor of the forward weight (None: BF16 weight)
+    col_q: Optional[object] = None
+    col_op: Optional[fastgemm.Op] = None
+
+
+def _native_fp8(spec: LinearSpec, native: bool) -> bool:
+    """fp8-blockwise-hopper's GEMMs: 1x128 activations x 128x128 weights (DeepSeek-V3 / TE Float8BlockScaling)."""
+    return (native and spec.weight.kind == FormatKind.FP8_BLOCK and spec.activation.kind == FormatKind.FP8_BLOCK
+            and tuple(spec.weight.block or (128, 128)) == (128, 128)
+            and tuple(spec.activation.block or (1, 128)) == (1, 128) and spec.act_partitions == 1)
+
+
+def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
+    """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16) for a bf16 operand: the fused quantize
+    kernel, then the elements decoded straight to bf16 (one-pass decode kernels on a GPU, kernels/triton_decode.py),
+    with the second-level scale kept for the epilogue (NVFP4)."""
+    if not fmt.is_quantized:
+        return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
+            else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
+    x = x16
+    if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
+        return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
+    x2 = x.reshape(-1, x.shape[-1])
+    xp, m = numerics._pad_rows(x2, numerics._block_rows(fmt, axis))
+    return fastgemm.decode_op(numerics.quantize(xp, fmt, axis=axis, what=what), rows=m)
+
+
+class FastQLinearFunction(torch.autograd.Function):
+    """QLinearFunction's contract (same operands bit for bit, fp32 accumulation) with tensor-core GEMMs; fp8_block
+    operands run as native FP8 GEMMs where cuBLASLt takes them. Saves bf16 / quantized operands, not fp32 copies."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
+        stats = ex.stats
+        x16 = x2.to(torch.bfloat16)  # the original BF16 operand
+        ctx.spec, ctx.fw, ctx.ex = spec, fw, ex
+        y = None
+        if _native_fp8(spec, ex.native) and fw.q is not None:
+            qx = numerics.quantize(x16, spec.activation, what=spec.hf_name)  # the BF16 tensor, as the reference
+            y = fastgemm.scaled_mm_fp8_block(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128),
+                                             spec.activation.element, spec.weight.element, stats)
+            if y is None:
+                y = fastgemm.mm(fastgemm.decode_op(qx), fw.op)
+                stats.add(fastgemm.FP8_FALLBACK)
+            xa = None
+        else:
+            xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
+                if spec.activation.is_quantized else fastgemm.Op(x16)
+            y = fastgemm.mm(xa, fw.op, stats)
+        if spec.backward == BackwardMode.DEQUANTIZED:
+            if xa is None:
+                xa = fastgemm.decode_op(qx)
+            ctx.xa = xa
+        else:
+            ctx.save_for_backward(x16)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: torch.Tensor):
+        spec: LinearSpec = ctx.spec
+        fw: FastWeight = ctx.fw
+        ex = ctx.ex
+        stats = ex.stats
+        g16 = gy.to(torch.bfloat16)  # incoming gradients are BF16 in the trainer
+        if spec.backward == BackwardMode.DEQUANTIZED:
+            xa = ctx.xa
+            del ctx.xa
+            dx = fastgemm.mm(fastgemm.Op(g16), fw.op.t(), stats)
+            dw = fastgemm.mm(fastgemm.Op(g16.t()), xa.t(), stats)
+            return dx, dw, None, None, None
+        (x16,) = ctx.saved_tensors
+        if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
+            if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
+                    and tuple(spec.grad.block or (1, 128)) == (1, 128):
+                return (*_native_fp8_backward(g16, x16, fw, spec, stats), None, None, None)
+            # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
+            g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
+            dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
+            g_col = _fake_op(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
+            x_col = _fake_op(x16, spec.activation, axis="col", what=spec.hf_name) \
+                if spec.activation.is_quantized else fastgemm.Op(x16)
+            dw = fastgemm.mm(g_col.t(), x_col.t(), stats)
+            return dx, dw, None, None, None
+        dx = fastgemm.mm(fastgemm.Op(g16), fastgemm.Op(fw.w16.t()), stats)
+        dw = fastgemm.mm(fastgemm.Op(g16.t()), fastgemm.Op(x16.t()), stats)
+        return dx, dw, None, None, None
+
+
+def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spec: LinearSpec, stats):
+    """backward=quantized for fp8_block on Hopper: dgrad = Q_g(g)[1x128 along N] x W's columnwise 128x128 copy,
+    wgrad = Q_g^col(g)[1x128 along M] x Q_a^col(x)[1x128 along M] (TE Float8BlockScaling), both native FP8 GEMMs;
+    a call cuBLASLt refuses is emulated with the same bytes (fp32 GEMM of the dequantized operands)."""
+    ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
+    m = g.shape[0]
+    qg = numerics.quantize(g, spec.grad, what=spec.hf_name + " dgrad")
+    if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
+        fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
+    dx = fastgemm.scaled_mm_fp8_block(qg.data, qg.scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128),
+                                      eg, ew, stats)
+    if dx is None:
+        dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
+        stats.add(fastgemm.FP8_FALLBACK)
+    gp, _ = numerics._pad_rows(g, 128)  # zero rows never raise a block amax and add nothing to the sum over M
+    xp, _ = numerics._pad_rows(x16, 128)
+    qgc = numerics.quantize(gp, spec.grad, axis="col", what=spec.hf_name + " wgrad")  # data [N, Mp]
+    qxc = numerics.quantize(xp, spec.activation, axis="col", what=spec.hf_name)  # data [K, Mp]
+    dw = fastgemm.scaled_mm_fp8_block(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
+    if dw is None:
+        dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())
+        stats.add(fastgemm.FP8_FALLBACK)
+    return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # executor installed on the trainer model
 # ---------------------------------------------------------------------------------------------------------------
-class TrainerExecutor:
-    """The trainer's linear executor: plan-driven QLinearFunction with per-step cached weight quantization.
-    Call `invalidate()` after every optimizer step (the loop does)."""
+GEMM_MODES = ("auto", "fast", "reference")
 
-    def __init__(self, plan: Plan, model, etp: int = 1):
+
+class TrainerExecutor:
+    """The trainer's linear executor: plan-driven quantized linears with per-step cached weights.
+    Call `invalidate()` after every optimizer step (the loop does).
+
+    gemm="reference": QLinearFunction (fp32 GEMMs over dequantized operands, the oracle; CPU default).
+    gemm="fast": FastQLinearFunction (tensor cores, native FP8 for fp8_block on sm_90; on CPU the same code runs
+    fp32 GEMMs and emulates FP8). gemm="auto": fast on CUDA, reference on CPU. `stats` counts GEMMs per path."""
+
+    def __init__(self, plan: Plan, model, etp: int = 1, gemm: str = "auto"):
+        if gemm not in GEMM_MODES:
+            raise ValueError(f"gemm must be one of {', '.join(GEMM_MODES)}, got {gemm!r}")
         self.plan = plan
         self.specs = linear_specs(plan, etp)
         self.model = model
+        self.gemm = gemm
         self._params = dict(model.named_parameters())
         self.quantized: dict[str, object] = {}  # hf_name -> QuantizedTensor of the current step (for checks)
-        self._fwd: dict[str, torch.Tensor] = {}
+        self._fwd: dict[str, object] = {}  # hf_name -> fp32 dequantized weight (reference) | FastWeight (fast)
+        self.stats = fastgemm.GemmStats()
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "
@@ -168,6 +306,19 @@ class TrainerExecutor:
         self.model.hp_param = lambda p: p + (_bf16(p.detach()) - p.detach())
         return self
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._params.values())).device
+
+    @property
+    def fast(self) -> bool:
+        return self.gemm == "fast" or (self.gemm == "auto" and self.device.type == "cuda")
+
+    @property
+    def native(self) -> bool:
+        """Native FP8 GEMMs for fp8_block linears: fast path on a device whose cuBLASLt has block scaling."""
+        return self.fast and fastgemm.native_fp8_available(self.device)
+
     def invalidate(self) -> None:
         self.quantized.clear()
         self._fwd.clear()
@@ -175,17 +326,32 @@ class TrainerExecutor:
     def _refresh(self) -> None:
         linear = {n: self._params[n] for n in self.specs}
         q = quantize_weights(self.plan, linear)
+        fast = self.fast
         for n, v in q.items():
             if isinstance(v, torch.Tensor):
-                self._fwd[n] = v.to(torch.float32)
+                self._fwd[n] = FastWeight(v, fastgemm.Op(v)) if fast else v.to(torch.float32)
             else:
                 self.quantized[n] = v
-                self._fwd[n] = numerics.dequantize(v, torch.float32)
+                if fast:
+                    w16 = linear[n].detach().to(torch.bfloat16)
+                    self._fwd[n] = FastWeight(w16, fastgemm.decode_op(v), q=v)
+                else:
+                    self._fwd[n] = numerics.dequantize(v, torch.float32)
+
+    def weight_col_op(self, spec: LinearSpec, fw: FastWeight) -> fastgemm.Op:
+        """The weight's columnwise copy for a quantized dgrad (from BF16(master), fp32 in as the reference), once
+        per step."""
+        if fw.col_op is None:
+            fw.col_op = _fake_op(fw.w16, spec.weight, axis="col", what=spec.hf_name) \
+                if spec.weight.is_quantized else fastgemm.Op(fw.w16)
+        return fw.col_op
 
     def forward_weight(self, hf_name: str) -> torch.Tensor:
+        """The fp32 dequantized forward weight (reference semantics; on the fast path rebuilt from its operand)."""
         if not self._fwd:
             self._refresh()
-        return self._fwd[hf_name]
+        v = self._fwd[hf_name]
+        return v.op.dense() if isinstance(v, FastWeight) else v
 
     def current_quantized(self) -> dict[str, object]:
         """The QuantizedTensors the forward uses for the current weights (computed now if stale)."""
@@ -193,5 +359,20 @@ class TrainerExecutor:
             self._refresh()
         return self.quantized
 
+    def gemm_report(self) -> dict:
+        """GEMM calls per path so far (fastgemm.PATH_NOTES says what each path is)."""
+        return dict(sorted(self.stats.counts.items()))
+
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return qlinear(x, w, self.forward_weight(hf_name), self.specs[hf_name])
+        if not self._fwd:
+            self._refresh()
+        spec = self.specs[hf_name]
+        fw = self._fwd[hf_name]
+        # 2*M*K*N per GEMM: forward, plus dgrad + wgrad when autograd will run the backward
+        self.stats.flops += 2 * x.numel() * w.shape[0] * (3 if torch.is_grad_enabled() and w.requires_grad else 1)
+        if not isinstance(fw, FastWeight):
+            self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() and w.requires_grad else 1)
+            return qlinear(x, w, fw, spec)
+        shape = x.shape
+        y = FastQLinearFunction.apply(x.reshape(-1, shape[-1]), w, fw, spec, self)
+        return y.reshape(*shape[:-1], w.shape[0])

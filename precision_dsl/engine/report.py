@@ -5,8 +5,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (quantize -> dequantize -> FP32 GEMM) with the bit-exact "
-                 "reference quantizers; times are NOT Blackwell speeds")
+EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (bit-exact quantizers -> dequantized operands -> GEMM with fp32 "
+                 "accumulation: FP32 on CPU, BF16 tensor cores over bf16-exact operands on CUDA); times are NOT "
+                 "Blackwell speeds")
 ROLLOUT_NOTES = {
     "independent": "rollout: its own quantizers + quantized-domain bf16-input/fp32-accumulate GEMMs over the received "
                    "bytes, bf16 model (engine/rollout_gemm.py)",
@@ -14,9 +15,14 @@ ROLLOUT_NOTES = {
 }
 
 
-def numerics_note(emulated: bool, rollout_numerics: str = "independent") -> str:
-    """What a run's numbers are: a BF16 plan is not 'emulated' (nothing is quantized)."""
-    trainer = EMULATED_NOTE if emulated else "numerics: BF16 (trainer: fp32 compute over bf16 operands)"
+def numerics_note(emulated: bool, rollout_numerics: str = "independent", gemm_paths: dict | None = None) -> str:
+    """What a run's numbers are: a BF16 plan is not 'emulated' (nothing is quantized); `gemm_paths` (trainer GEMM
+    calls per path, qlinear.TrainerExecutor.gemm_report) says which ran natively (fastgemm.PATH_NOTES)."""
+    trainer = EMULATED_NOTE if emulated else "numerics: BF16 (trainer: fp32 model, GEMMs over bf16 operands)"
+    if gemm_paths:
+        trainer += "; trainer GEMM calls by path: " + ", ".join(f"{k} {v}" for k, v in gemm_paths.items())
+        if gemm_paths.get("native-fp8"):
+            trainer += " (native-fp8 = FP8 tensor cores via torch._scaled_mm on our quantizers' bytes)"
     return f"{trainer}; {ROLLOUT_NOTES.get(rollout_numerics, rollout_numerics)}"
 
 
@@ -63,5 +69,7 @@ def run_summary(result) -> dict:
                                                                       if m.routing_disagreement is not None]) else None),
         "routing_replay": result.config.routing_replay, "rollout_numerics": result.config.rollout_numerics,
         "model": result.config.model,
-        "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics),
+        "gemm_paths": result.gemm_paths,
+        "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics,
+                                                        result.gemm_paths),
     }

@@ -51,7 +51,7 @@ class RolloutExecutor:
         self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in model.linear_names()}
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        xq = numerics.fake_quantize_partitioned(x.to(torch.bfloat16).float(), self.act[hf_name], self.parts[hf_name],
+        xq = numerics.fake_quantize_partitioned(x.to(torch.bfloat16), self.act[hf_name], self.parts[hf_name],
                                                 what=hf_name)
         return xq @ w.t()
 
@@ -67,7 +67,7 @@ class RolloutEngine:
         self.plan = plan
         self.numerics = numerics
         dtype = torch.bfloat16 if numerics == "independent" else torch.float32
-        self.model = Qwen3MoeForCausalLM(cfg).to(device=device, dtype=dtype).requires_grad_(False).eval()
+        self.model = Qwen3MoeForCausalLM(cfg, init=False).to(device=device, dtype=dtype).requires_grad_(False).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))

@@ -15,8 +15,10 @@ does (SGLang + cuBLAS / CUTLASS / FlashInfer):
   FP8 tensor cores through torch._scaled_mm (cuBLASLt; 1x128 x 128x128 block scaling is SM90-only); on CPU the
   same math spelled out: per-128-wide K-block partial products over the raw fp8 elements, each multiplied by its
   activation-block x weight-tile scale, accumulated block by block in fp32;
-* activations are quantized with this engine's own quantizers (rollout_quant.py, golden-tested), and everything
-  between GEMMs (residual stream, RMSNorm, attention, router, softmax) runs in bf16 (RolloutEngine casts the model).
+* activations are quantized with this engine's own quantizers (rollout_quant.py, golden-tested; on a GPU the fused
+  Triton kernels, byte-identical to them by test, because ~25-40 eager ops per activation made every decode step
+  launch-bound), and everything between GEMMs (residual stream, RMSNorm, attention, router, softmax) runs in bf16
+  (RolloutEngine casts the model).
 
 Byte identity of the received weights stays the contract (checked by the loop); trainer-rollout log-prob agreement
 is therefore a measured property, as between Megatron/TE and SGLang.
@@ -79,11 +81,48 @@ def weight_operand(q, device) -> Operand:
 # ---------------------------------------------------------------------------------------------------------------
 # activations: this engine's own quantizers (rollout_quant)
 # ---------------------------------------------------------------------------------------------------------------
-def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "") -> Operand:
-    """Quantize a [M, K] activation as the plan says, with rollout_quant. Unquantized -> bf16."""
+def _fused_operand(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
+    """The same operand from the fused Triton kernels (CUDA): one or two launches per activation instead of the ~25-40
+    eager ops of rollout_quant, which make a decode step launch-bound. Same bytes: both implementations are checked
+    byte for byte against the golden vectors (tests/test_rollout_numerics.py, tests/test_kernels.py) and against
+    each other here (tests/test_rollout_gpu.py). None: a format/shape the kernels do not take (rollout_quant runs)."""
+    from .. import kernels
+
+    m, k = x16.shape
+    block = tuple(fmt.block or ())
+    if fmt.kind == FormatKind.MXFP8 and block in ((), (1, 32)) and k % 32 == 0:
+        from ..kernels.triton_decode import mxfp8_decode_bf16
+
+        q = kernels.quantize(x16, fmt)
+        return Operand("bf16", mxfp8_decode_bf16(q.data, q.scale, fmt.element, "row"))
+    if fmt.kind == FormatKind.NVFP4 and block in ((), (1, 16)) and k % 16 == 0:
+        from ..kernels.triton_decode import nvfp4_decode_bf16
+
+        q = kernels.quantize(x16, fmt)
+        return Operand("bf16", nvfp4_decode_bf16(q.data, q.scale), gscale=q.global_scale.float())
+    if fmt.kind == FormatKind.FP8_BLOCK and block in ((), (1, 128)):
+        q = kernels.quantize(x16, fmt)
+        return Operand("fp8", q.data.view(rq.F8[fmt.element]), scale_inv=q.scale.float(), block=(1, 128))
+    return None
+
+
+def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fused: Optional[bool] = None) -> Operand:
+    """Quantize a [M, K] activation as the plan says: with rollout_quant, or (fused=None: on a GPU the kernels can
+    run on) the fused Triton kernels, same bytes. Unquantized -> bf16."""
     x16 = x2.to(torch.bfloat16)
     if not fmt.is_quantized:
         return Operand("bf16", x16)
+    if fused is None:
+        from .. import kernels
+
+        fused = x16.is_cuda and kernels.available()
+    if fused:
+        try:
+            op = _fused_operand(x16, fmt)
+        except ValueError as e:  # FormatInputError: shape not divisible into blocks
+            raise EngineFormatError(f"{what or 'activation'}: {e}") from None
+        if op is not None:
+            return op
     m, k = x16.shape
     try:
         if fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32):
@@ -158,8 +197,13 @@ def _fp8_scaled_mm(a: Operand, b: Operand, paths: dict) -> torch.Tensor:
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
         return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
+    from .fastgemm import outer_major_m4
+
     sa, sb = a.scale_inv, b.scale_inv  # [M, K/128], [N/128, K/128]
-    cands = {"a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
+    # first: A's scale columns padded to M4 = roundup(M, 4) (the H200's torch 2.11 refused M % 4 != 0 otherwise,
+    # and every such decode call fell back to the spelled-out math)
+    cands = {"a_om4/b_t": (outer_major_m4(sa), sb.t()),
+             "a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
                                                                          sb.t().contiguous()),
              "a_c/b_t": (sa.contiguous(), sb.t()), "a_om/b": (sa.t().contiguous().t(), sb)}
     chosen = paths.get("_fp8_block_layout")

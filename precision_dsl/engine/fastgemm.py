@@ -1,0 +1,359 @@
+"""The trainer's fast GEMM path (CUDA): the same numbers as the emulation, computed on tensor cores.
+
+The reference emulation (qlinear.QLinearFunction) dequantizes every operand to fp32 and runs an fp32 GEMM. On a GPU
+that is an FP32 (SIMT) GEMM, ~10x slower than the BF16 tensor cores. This module computes the SAME contract
+(dequantized operand values bit for bit, fp32 accumulation of exact products, fp32 result) with tensor cores:
+
+* `Op` = an operand as `v` (values that are EXACT in bf16, stored bf16) times an optional fp32 scale `s` per row
+  ([R]) or per tensor ([1]) that the GEMM applies in its epilogue. `Op.dense()` rebuilds the reference's fp32
+  dequantized operand bit for bit (tests/test_engine_fastgemm.py checks that against formats.dequantize).
+  Which dequantized values are exact in bf16 (8 significant bits, fp32's exponent range):
+    - BF16 operands (activations, gradients, weights of high-precision GEMMs): trivially.
+    - MXFP8: E4M3/E5M2 element (<= 4 significant bits) x 2^(E-127): exact, except in blocks whose E8M0 scale is
+      below 2^-124 (block amax < ~2^-116 ~ 1e-35), where E4M3 subnormals land below bf16's smallest subnormal
+      (2^-133); such blocks are rounded by bf16 (an absolute error < 2^-133). `decode_op` keeps the rule.
+    - NVFP4: E2M1 (<= 2 bits) x E4M3 block scale (<= 4 bits) is exact; the second-level fp32 S_dec (per token
+      or per tensor) is NOT (24 bits), so it stays in `s` and is applied to the fp32 GEMM output: the reference
+      computes (e2m1 * sf) * S_dec per element, one rounding, and `dense()` reproduces exactly that.
+    - FP8 block with fp32 scale_inv (fp8-blockwise-hopper) and FP8 per-tensor: element x arbitrary fp32 scale is
+      NOT exact in bf16 -> kept as fp32 (`v` fp32, `exact=False`); pow2 block scales are exact like MXFP8.
+* `mm(a, b)` = a @ b^T in fp32. bf16 x bf16: one tensor-core GEMM with an fp32 output (`torch.mm(...,
+  out_dtype=torch.float32)`: bf16 products are exact in fp32, accumulation fp32). An fp32 (inexact) operand is
+  split into three bf16 terms hi + mid + lo == v EXACTLY (8 + 8 + 8 significant bits cover fp32's 24), so three
+  exact-product GEMMs summed in fp32 equal the fp32 GEMM up to accumulation order ("bf16x3"). A per-row scale
+  along the CONTRACTION dim (a transposed per-token operand) cannot go to the epilogue: `Op.t()` materialises it.
+  On CPU the same operands run as fp32 GEMMs (a bf16-valued fp32 GEMM IS a bf16-input / fp32-accumulate GEMM).
+* `scaled_mm_fp8_block`: NATIVE FP8 GEMMs on Hopper (torch._scaled_mm, cuBLASLt block scaling, sm_90 only) for
+  fp8_block operands: 1x128 activations/gradients x 128x128 weights (forward, dgrad) and 1x128 x 1x128 (wgrad),
+  operands = our own quantizers' bytes, scales in the layouts cuBLASLt wants (benchmarks/fp8_gemm_probe.py: 1x128
+  scales outer-dim-major [rows, K/128]; 128x128 grids [N/128, L] padded to L4 = roundup(L, 4) and given as the
+  [L4, N/128] transpose; torch's test_scaled_mm_vs_emulated_block_wise uses the same layouts). The first call of
+  each recipe is checked against the fp32 GEMM of the dequantized operands (rel. error < 1e-2, i.e. the fp32
+  block accumulation, not a layout mix-up) before it is trusted; a refused or failing shape falls back to the
+  emulation and is counted as such.
+
+Results are not bitwise equal to the CPU reference (accumulation order differs, as between any two GEMM libraries);
+operands are. Every call is counted in a `GemmStats` so runs report which GEMMs ran natively.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..precision import FormatKind
+
+NATIVE_FP8 = "native-fp8"  # torch._scaled_mm blockwise FP8 tensor cores
+BF16_TC = "bf16-tc"  # bf16 tensor cores over bf16-exact dequantized operands, fp32 accumulate/output
+BF16X3 = "bf16x3"  # an fp32 operand split exactly into 3 bf16 terms (fp32-GEMM equivalent)
+FP32 = "fp32"  # fp32 GEMM (CPU, or both operands inexact)
+FP8_FALLBACK = "fp8-fallback-emulated"  # native FP8 asked for, refused for this shape: emulated instead
+PATH_NOTES = {
+    NATIVE_FP8: "native FP8 tensor-core GEMM (torch._scaled_mm, 1x128/128x128 block scales, our quantizers' bytes)",
+    BF16_TC: "BF16 tensor-core GEMM over the dequantized operands (exact in bf16), fp32 accumulate + output",
+    BF16X3: "fp32 operand split exactly into 3 bf16 terms (== fp32 GEMM up to accumulation order)",
+    FP32: "FP32 GEMM over the dequantized operands (emulation reference)",
+    FP8_FALLBACK: "FP8 GEMM emulated (shape/recipe refused by cuBLASLt) - fp32 over the dequantized operands",
+}
+
+
+@dataclass
+class GemmStats:
+    """How many GEMM calls ran on each path (forward + backward), for the run report."""
+
+    counts: dict = field(default_factory=dict)
+    flops: int = 0  # GEMM FLOPs issued by the model's linears (2*M*K*N per GEMM, forward + backward)
+
+    def add(self, path: str, n: int = 1) -> None:
+        self.counts[path] = self.counts.get(path, 0) + n
+
+
+@dataclass
+class Op:
+    """One GEMM operand: value = v * s (s per row [R] or per tensor [1]; None = 1). `exact`: v is bf16-exact."""
+
+    v: torch.Tensor
+    s: Optional[torch.Tensor] = None
+    exact: bool = True
+
+    def dense(self) -> torch.Tensor:
+        """The fp32 operand the reference computes (bitwise: one rounding of v * s, as formats' dequantize)."""
+        v = self.v.float()
+        if self.s is None:
+            return v
+        return v * (self.s.view(-1, 1) if self.s.numel() > 1 else self.s.reshape(()))
+
+    def t(self) -> "Op":
+        """The transposed operand. A per-row scale would run along the contraction dim after the transpose: it is
+        folded into an fp32 operand instead (exact = False -> bf16x3 on CUDA)."""
+        if self.s is None or self.s.numel() == 1:
+            return Op(self.v.t(), self.s, self.exact)
+        return Op(self.dense().t(), None, False)
+
+
+def _split3(v: torch.Tensor) -> torch.Tensor:
+    """fp32 [R, C] -> bf16 [3R, C] with hi + mid + lo == v exactly (RN splitting: each remainder is exact in fp32 and
+    has <= 16 resp. <= 8 significant bits)."""
+    hi = v.to(torch.bfloat16)
+    r = v - hi.float()
+    mid = r.to(torch.bfloat16)
+    lo = (r - mid.float()).to(torch.bfloat16)
+    return torch.cat([hi, mid, lo], 0)
+
+
+_OUT_DTYPE_MM = [True]  # torch.mm(bf16, bf16, out_dtype=float32) exists in this torch (cleared on first refusal)
+
+
+def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]:
+    """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y); None
+    when this torch has no fp32-output bf16 GEMM (the caller then runs the fp32 GEMM: same contract, slower)."""
+    if _OUT_DTYPE_MM[0]:
+        try:
+            return torch.mm(a16, b16.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            try:  # a layout this build refuses (transposed views): the same GEMM on contiguous copies
+                return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):
+                _OUT_DTYPE_MM[0] = False
+    return None
+
+
+def _mm_tc(a: Op, b: Op) -> tuple[Optional[torch.Tensor], str]:
+    """Tensor-core GEMM of two ops of which at least one is bf16-exact (an fp32 one is split into 3 bf16 terms,
+    all terms in ONE GEMM over the stacked operand, summed hi + mid + lo in fp32)."""
+    if a.exact and b.exact:
+        return _mm_bf16_f32(a.v.to(torch.bfloat16), b.v.to(torch.bfloat16)), BF16_TC
+    if b.exact:
+        y3 = _mm_bf16_f32(_split3(a.v.float()), b.v.to(torch.bfloat16))
+        if y3 is None:
+            return None, FP32
+        m = a.v.shape[0]
+        return (y3[:m] + y3[m:2 * m]) + y3[2 * m:], BF16X3
+    y3 = _mm_bf16_f32(a.v.to(torch.bfloat16), _split3(b.v.float()))
+    if y3 is None:
+        return None, FP32
+    n = b.v.shape[0]
+    return (y3[:, :n] + y3[:, n:2 * n]) + y3[:, 2 * n:], BF16X3
+
+
+def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
+    """fp32 [M, N] = dense(a) @ dense(b)^T, tensor cores on CUDA (see module docstring)."""
+    if not a.v.is_cuda:  # CPU: fp32 GEMM over the same fp32 values (bit-reproducible, the reference's GEMM)
+        y = a.v.float() @ b.v.float().t()
+        path = FP32
+    elif (a.exact or b.exact) and _OUT_DTYPE_MM[0]:
+        y, path = _mm_tc(a, b)
+    else:
+        y, path = None, FP32
+    if y is None:  # both operands inexact, or no fp32-output bf16 GEMM in this torch
+        y = a.v.float() @ b.v.float().t()
+        path = FP32
+    sa = None if a.s is None else (a.s.view(-1, 1) if a.s.numel() > 1 else a.s.reshape(()))
+    sb = None if b.s is None else (b.s.view(1, -1) if b.s.numel() > 1 else b.s.reshape(()))
+    if sa is not None and sb is not None and (sa.dim() == 0 or sb.dim() == 0):
+        sa, sb = sa * sb, None  # per-token x per-tensor S_dec: one pass over y (y is ours: scaled in place)
+    for s in (sa, sb):
+        if s is not None:
+            y.mul_(s)
+    if stats is not None:
+        stats.add(path)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# QuantizedTensor -> Op (decode to bf16 elements; second-level scales kept apart)
+# ---------------------------------------------------------------------------------------------------------------
+_F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
+
+
+def _e8m0_bf16(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 byte -> 2^(E-127) as bf16 (same exponent field as fp32: bits = E << 7; E = 0 -> 2^-127, the bf16
+    subnormal 0x0040; E = 255 -> NaN), exact."""
+    ei = e.to(torch.int16)
+    bits = torch.where(ei == 0, torch.full_like(ei, 0x0040), ei << 7)
+    bits = torch.where(ei == 255, torch.full_like(ei, 0x7FC0), bits)
+    return bits.view(torch.bfloat16)
+
+
+def decode_op(q, rows: Optional[int] = None) -> Op:
+    """A formats.QuantizedTensor -> Op in the ORIGINAL orientation [R, C] (columnwise copies transposed back), the
+    first `rows` rows (padding dropped). Op.dense() is bitwise formats.dequantize(q, float32)."""
+    from .. import formats
+
+    fmt = q.fmt
+    if fmt.kind == FormatKind.MXFP8 and fmt.block in (None, (1, 32), (32, 1)):
+        r, c = q.data.shape
+        from .. import kernels
+
+        if q.data.is_cuda and kernels.available():  # one pass: bytes + E8M0 -> bf16 values
+            from ..kernels.triton_decode import mxfp8_decode_bf16
+
+            v = mxfp8_decode_bf16(q.data, q.scale, fmt.element, q.axis).reshape(q.shape)
+            return Op(v if rows is None else v[:rows])
+        vals = q.data.view(_F8[fmt.element]).to(torch.bfloat16)
+        if q.axis == "row":  # scale [R, C/32]
+            v = (vals.view(r, c // 32, 32) * _e8m0_bf16(q.scale)[..., None]).view(r, c)
+        else:  # columnwise copy, data not transposed: scale [R/32, C]
+            v = (vals.view(r // 32, 32, c) * _e8m0_bf16(q.scale)[:, None, :]).view(r, c)
+        v = v.reshape(q.shape)
+        return Op(v if rows is None else v[:rows])
+    if fmt.kind == FormatKind.NVFP4 and fmt.block in (None, (1, 16)) and q.axis == "row":
+        from .. import kernels
+
+        if q.data.is_cuda and kernels.available():  # one pass: packed codes + block scales -> bf16 elements
+            from ..kernels.triton_decode import nvfp4_decode_bf16
+
+            v = nvfp4_decode_bf16(q.data, q.scale)
+        else:
+            codes = torch.stack([q.data & 0xF, q.data >> 4], dim=-1).reshape(q.data.shape[0], -1)  # low nibble first
+            vals = torch.tensor(_E2M1, dtype=torch.float32, device=q.data.device)[codes.long()]
+            r, c = vals.shape
+            v = (vals.view(r, c // 16, 16) * q.scale.view(torch.float8_e4m3fn).float().view(r, c // 16, 1))
+            v = v.view(r, c).to(torch.bfloat16)
+        s = q.global_scale.float()
+        if rows is not None:
+            v = v[:rows]
+            s = s[:rows] if s.numel() > 1 else s
+        return Op(v, s)
+    dense = formats.dequantize(q, torch.float32)
+    if rows is not None:
+        dense = dense[:rows]
+    exact = fmt.kind == FormatKind.FP8_BLOCK and fmt.scale_dtype == "pow2"  # element x 2^k, like MXFP8
+    return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# native FP8 block-scaled GEMM (Hopper)
+# ---------------------------------------------------------------------------------------------------------------
+_RECIPE: dict = {}  # (a_block, b_block, ea, eb) -> (scale layout, out dtype) that passed the check, or False
+_REFUSED: dict = {}  # shape class -> True: refused in every layout (emulated from then on)
+_VERIFIED: dict = {}  # shape class -> (layout, out dtype) checked against the block-scaled math in that class
+ERRORS: dict = {}  # recipe -> the last refusal / mismatch, for the run report (torch's message names the layout)
+
+
+def native_fp8_available(device) -> bool:
+    """torch._scaled_mm with 1x128 / 128x128 block scales: cuBLASLt implements it on sm_90 only."""
+    if not (isinstance(device, torch.device) and device.type == "cuda") or not hasattr(torch, "_scaled_mm"):
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _grid_l4_view(s: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt's 128x128 scale grid [R, L] stored with its K-block count padded to L4 = roundup(L, 4): a [R, L4]
+    buffer (zeros beyond L, never read) viewed as [R, L] with row stride L4."""
+    r, l4 = s.shape[0], -(-s.shape[1] // 4) * 4
+    if l4 == s.shape[1]:
+        return s.contiguous()
+    buf = s.new_zeros(r, l4)
+    buf[:, :s.shape[1]] = s
+    return buf[:, :s.shape[1]]
+
+
+def outer_major_m4(s: torch.Tensor) -> torch.Tensor:
+    """A 1x128 scale grid [M, L] laid out outer-dim-major with its column stride padded to M4 = roundup(M, 4) (16-byte
+    aligned columns): the H200 run (torch 2.11) refused the plain outer-dim-major layout for every M % 4 != 0
+    ("scale_a.size()=[39, 1], stride=[1, 1]" ... for the token counts of single experts) and accepted M % 4 == 0."""
+    m, l = s.shape
+    m4 = -(-m // 4) * 4
+    if m4 == m:
+        return s.t().contiguous().t()
+    buf = s.new_zeros(l, m4)
+    buf[:, :m] = s.t()
+    return buf[:, :m].t()
+
+
+def _scale_layouts(a_scale, b_scale, b_block) -> dict:
+    """Candidate (scale_a, scale_b) layouts, the documented one first. A: 1x128 outer-dim-major [M, C/128].
+    B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N] (torch's test_scaled_mm_vs_
+    emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch checks as [N/128, L] with
+    row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
+    sa = a_scale.t().contiguous().t()
+    if b_block == (1, 128):
+        bs = {"b1x128:m4": outer_major_m4(b_scale).t(), "b1x128:t-contig": b_scale.t().contiguous(),
+              "b1x128:t-view": b_scale.contiguous().t()}
+    else:
+        bs = {"b128:l4-view": _grid_l4_view(b_scale).t(), "b128:contig": b_scale.contiguous().t()}
+        pad = (-b_scale.shape[1]) % 4
+        if pad:
+            bs["b128:l4-padded"] = F.pad(b_scale, (0, pad)).t()
+    out = {"a-m4/" + name: (outer_major_m4(a_scale), sb) for name, sb in bs.items()}  # first: 16-byte columns
+    out.update({name: (sa, sb) for name, sb in bs.items()})
+    out.update({"a-contig/" + name: (a_scale.contiguous(), sb) for name, sb in bs.items()})  # other torch builds
+    return out
+
+
+def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> torch.Tensor:
+    """fp32 GEMM of the dequantized operands (the block-scaled math spelled out) for the first-use check."""
+    def deq(d, s, blk, e):
+        v = d.view(_F8[e]).float()
+        r, c = v.shape
+        if blk[0] > 1:
+            s = s.repeat_interleave(blk[0], 0)[:r]
+        return v * s.repeat_interleave(blk[1], 1)[:, :c]
+    return deq(a_data, a_scale, a_block, ea) @ deq(b_data, b_scale, b_block, eb).t()
+
+
+def _msg(e: BaseException) -> str:
+    """torch's refusal: its first line and its tail (the 'Got ... size/stride' part that says what was wrong)."""
+    t = str(e)
+    return t if len(t) <= 500 else f"{t[:120]} ... {t[-380:]}"
+
+
+def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="e4m3", eb="e4m3",
+                        stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
+    """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
+    [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]), both
+    row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
+
+    The scale layout and output dtype are chosen per (recipe, C, N) on first use, by checking candidates (the
+    recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then reused
+    for every M; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
+    m, c = a_data.shape
+    n = b_data.shape[0]
+    key = (a_block, b_block, ea, eb)
+    if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
+            or (ea, eb) == ("e5m2", "e5m2"):
+        return None
+    cls = (key, c if b_block == (128, 128) else (c // 128) % 4, n)
+    if _REFUSED.get(cls):
+        return None
+    a8 = a_data.contiguous().view(_F8[ea])
+    b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
+    layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
+    # a layout torch accepts could be read differently at other block counts: each shape class is checked once
+    # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
+    state = _VERIFIED.get(cls)
+    if state is not None:
+        name, dt = state
+        sa, sb = layouts[name]
+        try:
+            y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
+            if stats is not None:
+                stats.add(NATIVE_FP8)
+            return y if dt == torch.float32 else y.float()
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            ERRORS[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
+    want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
+    prev = _RECIPE.get(key) or None
+    order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
+    for name in order:
+        sa, sb = layouts[name]
+        for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
+            try:
+                y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {_msg(e)}"
+                continue
+            rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
+            if rel < 1e-2:
+                _RECIPE[key] = _VERIFIED[cls] = (name, dt)  # the recipe's: the first guess at new shapes
+                if stats is not None:
+                    stats.add(NATIVE_FP8)
+                return y
+            ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
+    _REFUSED[cls] = True
+    return None
