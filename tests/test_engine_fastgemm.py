@@ -170,6 +170,8 @@ def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
     m4, n4 = -(-m // 4) * 4, -(-n // 4) * 4
     if not (a8.is_contiguous() and b8.t().is_contiguous() and c % 16 == 0 and n % 16 == 0):
         raise RuntimeError("layout")
+    if m % 4:  # the H200's torch 2.11 refused every layout tried for M % 4 != 0 (3033x2048x3072, 2026-12-01)
+        raise RuntimeError("Invalid scaling configuration (M % 4)")
     # 1x128 scales: outer-dim-major with 16-byte aligned columns (stride roundup(M, 4)): what the H200's torch 2.11
     # accepted (M % 4 == 0 always, M % 4 != 0 never with the plain layout)
     if not (_size_stride(scale_a, 0, m, 1) and _size_stride(scale_a, 1, l, m4)):
@@ -189,7 +191,8 @@ def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
 def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
     """The native FP8 path's plumbing (operands, transposes, scale layouts of forward / dgrad / wgrad, padding of
     the token dim) with torch._scaled_mm replaced by its contract spelled out (_fake_scaled_mm): forward and
-    gradients equal the reference emulation's up to fp32 accumulation, and every GEMM is reported native."""
+    gradients equal the reference emulation's up to fp32 accumulation, and every GEMM is reported native - also
+    the experts' GEMMs over token counts that are not a multiple of 4 (padded with zero rows)."""
     from precision_dsl.arch import load_architecture
     from precision_dsl.engine.model import load_model, resolve_model_dir
     from precision_dsl.engine.plans import load_plan

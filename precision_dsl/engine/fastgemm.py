@@ -313,6 +313,15 @@ def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="
     recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then reused
     for every M; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
     m, c = a_data.shape
+    pad = (-m) % 16
+    if pad and a_block == (1, 128):
+        # torch 2.11 on the H200 refused every scale layout tried for M % 4 != 0 (e.g. 3033 tokens x 2048 x 3072,
+        # the token counts of single experts) and accepted M % 4 == 0. A's rows are independent under 1x128 scales:
+        # zero rows (fp8 +0, scale 1) appended and their outputs dropped leave every real output unchanged.
+        a_pad = torch.cat([a_data, a_data.new_zeros(pad, c)])
+        s_pad = torch.cat([a_scale.float(), a_scale.new_ones(pad, a_scale.shape[1], dtype=torch.float32)])
+        y = scaled_mm_fp8_block(a_pad, s_pad, a_block, b_data, b_scale, b_block, ea, eb, stats)
+        return None if y is None else y[:m]
     n = b_data.shape[0]
     key = (a_block, b_block, ea, eb)
     if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
