@@ -54,7 +54,7 @@ from ..plan import Plan
 from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_json_bytes, plan_stamp)
 from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
-from .safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_header
+from .safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -278,12 +278,7 @@ class _DeviceUnits:
         with memoryview(arena.numpy()) as view:
             for (n, fd, at, dt, shape, nbytes), o in zip(spans, offs):
                 piece = view[o:o + nbytes]
-                got = 0
-                while got < nbytes:
-                    k = os.preadv(fd, [piece[got:]], at + got)
-                    if not k:
-                        raise CheckpointError(f"unexpected end of file reading '{n}'")
-                    got += k
+                read_exact(fd, piece, at, n)
                 piece.release()
                 out[n] = arena[o:o + nbytes].view(getattr(torch, _Reader._DT[dt])).reshape(shape)
         return out
@@ -525,12 +520,7 @@ class _Reader:
         buf = self._alloc(e - b)
         fd = self._fd(shard)
         view = memoryview(buf.numpy())
-        got = 0
-        while got < e - b:
-            k = os.preadv(fd, [view[got:]], base + b + got)
-            if not k:
-                raise CheckpointError(f"{self.srcc.root / shard}: unexpected end of file reading '{name}'")
-            got += k
+        read_exact(fd, view[:e - b], base + b, name, self.srcc.root / shard)
         del view
         return buf.view(getattr(torch, self._DT[info["dtype"]])).reshape(info["shape"])
 

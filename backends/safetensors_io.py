@@ -146,6 +146,18 @@ def _take_buffer():
     return _POOL.pop() if _POOL else mmap.mmap(-1, _CHUNK)  # anonymous mmap: page aligned, as O_DIRECT needs
 
 
+def read_exact(fd: int, view: memoryview, offset: int, name: str, path=None) -> None:
+    """Fill `view` from file `fd` at `offset` (positioned reads: no GIL held, no shared file position); a short
+    file is a CheckpointError naming the tensor `name` (and the file, when given)."""
+    got, want = 0, len(view)
+    while got < want:
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if not k:
+            raise CheckpointError(f"{path}: unexpected end of file reading '{name}'" if path is not None
+                                  else f"unexpected end of file reading '{name}'")
+        got += k
+
+
 class StreamingWriter:
     """Write a safetensors file whose tensors are known up front by (name, dtype, shape), data appended in order.
 
@@ -210,48 +222,48 @@ class StreamingWriter:
                     raise
                 self._direct = self._set_direct(False)
 
-    def _checksum_stage(self) -> None:
-        """Thread 1: CRC32 of each full buffer, in file order (zlib releases the GIL)."""
-        import zlib
-
+    def _stage(self, queue, work) -> None:
+        """One writer thread: `work(buf, n)` on each buffer of `queue` in file order until None; the first error is
+        kept (re-raised on the caller's thread by the next write/close) and later buffers are only handed back."""
         while True:
-            item = self._todo.get()
+            item = queue.get()
             if item is None:
                 return
             buf, n = item
             try:
                 if self._error is None and not self._abandoned:
                     with memoryview(buf) as mv:
-                        self._crc = zlib.crc32(mv[:n], self._crc)
-            except BaseException as err:  # re-raised on the caller's thread by the next write/close
-                self._error = err
-            finally:
-                self._done_with(buf)
-
-    def _write_stage(self) -> None:
-        """Thread 2, on the same buffers at the same time as thread 1 (both only read them): writes each buffer in
-        file order; it mostly waits for the device, so it overlaps the checksum and the caller's reads."""
-        while True:
-            item = self._written.get()
-            if item is None:
-                return
-            buf, n = item
-            try:
-                if self._error is None and not self._abandoned:
-                    with memoryview(buf) as mv:
-                        data = mv[:n]
-                        if self._direct and n % _ALIGN:  # the file's tail: direct I/O takes whole blocks only
-                            cut = n - n % _ALIGN
-                            self._write_all(data[:cut])
-                            self._direct = self._set_direct(False)
-                            self._write_all(data[cut:])
-                        else:
-                            self._write_all(data)
-                        data.release()
+                        work(mv[:n])
             except BaseException as err:
                 self._error = err
             finally:
                 self._done_with(buf)
+
+    def _checksum_stage(self) -> None:
+        """Thread 1: CRC32 of each full buffer, in file order (zlib releases the GIL)."""
+        import zlib
+
+        def crc(data) -> None:
+            self._crc = zlib.crc32(data, self._crc)
+            data.release()
+
+        self._stage(self._todo, crc)
+
+    def _write_stage(self) -> None:
+        """Thread 2, on the same buffers at the same time as thread 1 (both only read them): writes each buffer in
+        file order; it mostly waits for the device, so it overlaps the checksum and the caller's reads."""
+        def write(data) -> None:
+            n = len(data)
+            if self._direct and n % _ALIGN:  # the file's tail: direct I/O takes whole blocks only
+                cut = n - n % _ALIGN
+                self._write_all(data[:cut])
+                self._direct = self._set_direct(False)
+                self._write_all(data[cut:])
+            else:
+                self._write_all(data)
+            data.release()
+
+        self._stage(self._written, write)
 
     def _done_with(self, buf) -> None:
         """A buffer goes back to the caller once both stages are done with it."""
@@ -347,12 +359,7 @@ class StreamingWriter:
             k = min(remaining, _CHUNK - self._pos)
             with memoryview(self._cur) as mv:
                 piece = mv[self._pos:self._pos + k]
-                got = 0
-                while got < k:
-                    n = os.preadv(fd, [piece[got:]], offset + got)
-                    if not n:
-                        raise CheckpointError(f"unexpected end of file reading '{name}'")
-                    got += n
+                read_exact(fd, piece, offset, name)
                 ok = check is None or check(piece)
                 piece.release()
             if not ok:
