@@ -404,3 +404,25 @@ def test_streaming_writer_reports_a_write_error_from_its_thread(tmp_path, monkey
             w.close()
         finally:
             w.abort()
+
+
+def test_read_exact_fills_the_view_and_names_a_short_file(tmp_path):
+    """The converter's positioned reads: the exact bytes at an offset; a file that ends early is a CheckpointError
+    naming the tensor (and the shard, when given), never a partly filled buffer passed on."""
+    import os
+
+    from precision_dsl.backends.safetensors_io import CheckpointError, read_exact
+
+    f = tmp_path / "shard.safetensors"
+    f.write_bytes(bytes(range(100)))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        buf = bytearray(10)
+        read_exact(fd, memoryview(buf), 20, "w")
+        assert bytes(buf) == bytes(range(20, 30))
+        with pytest.raises(CheckpointError, match="shard.safetensors: unexpected end of file reading 'w'"):
+            read_exact(fd, memoryview(bytearray(10)), 95, "w", f)
+        with pytest.raises(CheckpointError, match="^unexpected end of file reading 'v'"):
+            read_exact(fd, memoryview(bytearray(10)), 95, "v")
+    finally:
+        os.close(fd)
