@@ -43,7 +43,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..plan import Plan, TensorPlan
+from ..plan import Plan, TensorPlan, per_precision
 from ..precision import FormatKind
 from .common import Artifact, UnsupportedByBackend, dump_json, is_quantized, module_of, plan_stamp
 
@@ -84,7 +84,7 @@ def _sglang_prefix(t: TensorPlan) -> str:
 def _check_fused(plan: Plan) -> None:
     """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang."""
     groups = {m: g for g in plan.share_scale_groups for m in g.members}
-    serving_key = _serving_keys()
+    serving_key = per_precision(_serving_key)
     for key, members in plan.fused_members().items():
         first = members[0]
         for t in members[1:]:
@@ -115,23 +115,9 @@ def _serving_key(t: TensorPlan) -> tuple:
     return (w.kind, w.element, w.block, w.scale_dtype, t.precision.activation)
 
 
-def _serving_keys():
-    """`_serving_key` memoised by Precision object, for one pass over a plan (which keeps them alive): a plan shares
-    a few among its tensors (DeepSeek-V3: 46k)."""
-    memo: dict[int, tuple] = {}
-
-    def serving_key(t: TensorPlan) -> tuple:
-        k = memo.get(id(t.precision))
-        if k is None:
-            k = memo[id(t.precision)] = _serving_key(t)
-        return k
-
-    return serving_key
-
-
 def _check_experts(plan: Plan) -> None:
     per_layer: dict[tuple, TensorPlan] = {}
-    serving_key = _serving_keys()
+    serving_key = per_precision(_serving_key)
     for t in plan.tensors:
         if not t.role.startswith("routed_experts."):
             continue
@@ -287,7 +273,7 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
     experts FusedMoE as one more expert, which then runs with the routed experts' quant method. That is exact only
     where shared and routed experts of the layer have one serving format; returns a shared-expert tensor where not."""
     routed: dict[tuple, tuple] = {}
-    serving_key = _serving_keys()
+    serving_key = per_precision(_serving_key)
     for t in plan.tensors:
         if t.role.startswith("routed_experts.") and (t.mtp, t.layer) not in routed:
             routed[t.mtp, t.layer] = serving_key(t) if is_quantized(t) else ("hp",)

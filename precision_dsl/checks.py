@@ -34,7 +34,7 @@ from typing import Optional
 
 from .arch.base import Architecture
 from .diagnostics import Diagnostic
-from .plan import ParallelLayout, ParallelSide, Plan, TensorPlan
+from .plan import ParallelLayout, ParallelSide, Plan, TensorPlan, per_precision
 from .precision import BLACKWELL_ONLY_KINDS, FormatKind, TensorFormat
 
 COLUMN_PARALLEL = frozenset({
@@ -185,7 +185,7 @@ def check_fused_siblings(plan: Plan) -> list[Diagnostic]:
     The weight's second-level scale scope may differ only by share_scale ('group' vs per tensor) handled in
     check_share_scale, so it is ignored here."""
     agg = _Aggregator()
-    fusion_key = _fusion_keys()
+    fusion_key = per_precision(_fusion_key)
     for (g, _mtp, _layer, _expert), members in plan.fused_members().items():
         w = members[0].weight
         if len(members) > 1 and w.is_quantized and all(m.weight.global_scale in ("tensor", "expert") for m in members):
@@ -216,20 +216,6 @@ def _fusion_key(t: TensorPlan):
     p = t.precision
     w = p.weight
     return (w.kind, w.element, w.block, w.scale_dtype, p.activation, p.grad, p.backward)
-
-
-def _fusion_keys():
-    """`_fusion_key` memoised by Precision object for one pass over a plan (which keeps them alive): hashing the
-    nested formats of 46k tensors by value is most of check_fused_siblings otherwise."""
-    memo: dict[int, tuple] = {}
-
-    def fusion_key(t: TensorPlan) -> tuple:
-        k = memo.get(id(t.precision))
-        if k is None:
-            k = memo[id(t.precision)] = _fusion_key(t)
-        return k
-
-    return fusion_key
 
 
 def check_share_scale(plan: Plan) -> list[Diagnostic]:

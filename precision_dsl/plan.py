@@ -13,7 +13,7 @@ import json
 import re
 from enum import Enum
 from functools import lru_cache
-from typing import Iterator, Optional
+from typing import Callable, Hashable, Iterator, Optional
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -239,6 +239,21 @@ class Plan(BaseModel):
         if expected is not None and expected != plan.content_hash():
             raise ValueError(f"plan content hash mismatch: file says {expected}, content is {plan.content_hash()}")
         return plan
+
+
+def per_precision(key: Callable[["TensorPlan"], Hashable]) -> Callable[["TensorPlan"], Hashable]:
+    """`key(t)` - a function of t.precision alone - memoised by the identity of that Precision object, for one pass
+    over a plan (which keeps the objects alive): a plan shares a few of them among all its tensors (DeepSeek-V3:
+    46k), and hashing the nested formats by value per tensor was most of the checks that compare them."""
+    memo: dict[int, Hashable] = {}
+
+    def keyed(t: "TensorPlan") -> Hashable:
+        k = memo.get(id(t.precision))
+        if k is None:
+            k = memo[id(t.precision)] = key(t)
+        return k
+
+    return keyed
 
 
 def _update_joined(h, lines: Iterator[str], per_piece: int = 1024) -> None:
