@@ -114,27 +114,33 @@ def test_tensor_core_paths_equal_the_fp32_gemm(monkeypatch):
         assert float((got.double() - ref).abs().max() / ref.abs().max()) < 1e-6, path
 
 
-@pytest.mark.parametrize("policy", ["mxfp8-e2e", "mxfp8-dequant-backward", "nvfp4-pertoken-dequant-backward",
-                                    "nvfp4-pertoken-hp-backward", "fp8-blockwise-hopper", "bf16"])
-def test_fast_executor_matches_reference_on_cpu(policy):
-    """Same plan, same weights, same batch: the fast path's forward and gradients equal the reference emulation's
-    (bitwise where the operands need no epilogue scale; NVFP4 moves S_dec to the epilogue: one rounding apart). On
-    CPU nothing runs natively: fp8_block is emulated (counted as fp32 GEMMs, never as native-fp8)."""
+def _reference_and_fast(policy):
+    """tiny-moe, one batch, forward + backward under the reference emulation and under the fast path: per mode
+    (logits, {param: grad}, executor)."""
     from precision_dsl.arch import load_architecture
     from precision_dsl.engine.model import load_model, resolve_model_dir
     from precision_dsl.engine.plans import load_plan
 
     plan = load_plan(policy, load_architecture("tiny-moe"))
     ids = torch.randint(3, 32, (4, 12), generator=torch.Generator().manual_seed(0))
-    out = {}
+    out = []
     for mode in ("reference", "fast"):
         model = load_model(resolve_model_dir("tiny-moe"))
         ex = TrainerExecutor(plan, model, gemm=mode).install()
         logits = model(ids)
         logits.float().pow(2).mean().backward()
-        out[mode] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-                     ex)
-    (lr, gr, exr), (lf, gf, exf) = out["reference"], out["fast"]
+        out.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                    ex))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["mxfp8-e2e", "mxfp8-dequant-backward", "nvfp4-pertoken-dequant-backward",
+                                    "nvfp4-pertoken-hp-backward", "fp8-blockwise-hopper", "bf16"])
+def test_fast_executor_matches_reference_on_cpu(policy):
+    """Same plan, same weights, same batch: the fast path's forward and gradients equal the reference emulation's
+    (bitwise where the operands need no epilogue scale; NVFP4 moves S_dec to the epilogue: one rounding apart). On
+    CPU nothing runs natively: fp8_block is emulated (counted as fp32 GEMMs, never as native-fp8)."""
+    (lr, gr, exr), (lf, gf, exf) = _reference_and_fast(policy)
     assert not exf.native and "native-fp8" not in exf.gemm_report()
     assert set(exf.gemm_report()) == {"fp32"}
     exact = not policy.startswith("nvfp4")
@@ -193,25 +199,11 @@ def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
     the token dim) with torch._scaled_mm replaced by its contract spelled out (_fake_scaled_mm): forward and
     gradients equal the reference emulation's up to fp32 accumulation, and every GEMM is reported native - also
     the experts' GEMMs over token counts that are not a multiple of 4 (padded with zero rows)."""
-    from precision_dsl.arch import load_architecture
-    from precision_dsl.engine.model import load_model, resolve_model_dir
-    from precision_dsl.engine.plans import load_plan
-
     monkeypatch.setattr(fastgemm, "native_fp8_available", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm, raising=False)
     fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear(), fastgemm._VERIFIED.clear()
-    plan = load_plan(policy, load_architecture("tiny-moe"))
-    ids = torch.randint(3, 32, (4, 12), generator=torch.Generator().manual_seed(0))
-    out = {}
-    for mode in ("reference", "fast"):
-        model = load_model(resolve_model_dir("tiny-moe"))
-        ex = TrainerExecutor(plan, model, gemm=mode).install()
-        logits = model(ids)
-        logits.float().pow(2).mean().backward()
-        out[mode] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                       if p.grad is not None}, ex)
+    (lr, gr, _), (lf, gf, exf) = _reference_and_fast(policy)
     fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear(), fastgemm._VERIFIED.clear()
-    (lr, gr, _), (lf, gf, exf) = out["reference"], out["fast"]
     paths = exf.gemm_report()
     assert exf.native and paths.get("native-fp8", 0) > 0, paths
     # tiny-moe's k_proj/v_proj have N = 64 outputs: their dgrad contracts over 64 < 128 (not a whole FP8 block
