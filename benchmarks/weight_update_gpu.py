@@ -74,6 +74,16 @@ def grouped_weights(arch, dev, seed=0):
     return out
 
 
+def summarize_vs_bf16(label: str, rows: dict, limit: str) -> None:
+    """Goal 1's two ratios per quantized policy (rows by policy): its update over BF16's (stored in the row) and
+    over the link limit measured beside it (`limit`: "bare copy" / "bare broadcast")."""
+    for p in ("nvfp4", "mxfp8"):
+        r = rows[p]
+        r["vs_bf16_update"] = r["update_s"] / rows["bf16"]["update_s"]
+        print(f"[{label}] {p}: {r['vs_bf16_update']:.2f}x the BF16 update, {r['update_over_bare']:.2f}x {limit} of its "
+              f"bytes", flush=True)
+
+
 class _Null:
     def open(self, h):
         pass
@@ -248,11 +258,7 @@ def bench_model(label, cfg, reps, per_unit, bucket_mb, results, persistent=True,
               + (f"  per-unit {row['per_unit_s'] * 1e3:8.1f} ms" if per_unit else ""), flush=True)
         del sender, prep, qprog, s2
         torch.cuda.empty_cache()
-    for p in ("nvfp4", "mxfp8"):
-        r = rows[p]
-        r["vs_bf16_update"] = r["update_s"] / rows["bf16"]["update_s"]
-        print(f"[{label}] {p}: {r['vs_bf16_update']:.2f}x the BF16 update, {r['update_over_bare']:.2f}x bare copy of "
-              f"its bytes", flush=True)
+    summarize_vs_bf16(label, rows, "bare copy")
     del weights
     torch.cuda.empty_cache()
 

@@ -50,7 +50,7 @@ def bench_model(rank, label, cfg, reps, bucket_mb, results, min_buckets=8):
     import torch
     import torch.distributed as dist
 
-    from weight_update_gpu import grouped_weights
+    from weight_update_gpu import grouped_weights, summarize_vs_bf16
 
     from precision_dsl.arch import load_architecture
     from precision_dsl.backends.weight_update import TorchDistributedTransport, WeightReceiver, WeightSender
@@ -142,12 +142,7 @@ def bench_model(rank, label, cfg, reps, bucket_mb, results, min_buckets=8):
             del sender, prep
         torch.cuda.empty_cache()
     if rank == 0:
-        rows = {r["policy"]: r for r in results if r["model"] == label}
-        for p in ("nvfp4", "mxfp8"):
-            r = rows[p]
-            r["vs_bf16_update"] = r["update_s"] / rows["bf16"]["update_s"]
-            print(f"[{label}] {p}: {r['vs_bf16_update']:.2f}x the BF16 update, {r['update_over_bare']:.2f}x a bare "
-                  f"broadcast of its bytes", flush=True)
+        summarize_vs_bf16(label, {r["policy"]: r for r in results if r["model"] == label}, "a bare broadcast")
     del weights
     torch.cuda.empty_cache()
 
