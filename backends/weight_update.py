@@ -412,6 +412,8 @@ class TorchDistributedTransport:
         # gpu_program: CUDA senders use the GPU update program (layout once, async NCCL broadcasts of
         # double-buffered buckets). Off by default until it has run on a two-GPU machine (issue 12).
         self.group, self.src, self.device, self.gpu_program = group, src, device, gpu_program
+        self._sent_layout: Optional[list] = None  # sender: the program layout last broadcast whole
+        self._layout: Optional[list] = None  # receiver: the layout last received whole
 
     def _dist(self):
         import torch.distributed as dist
@@ -446,7 +448,7 @@ class TorchDistributedTransport:
         """GPU update program: every bucket's layout in one object broadcast, then buffers only. The layout is sent
         whole once per transport; later updates with the same program send only a reference to it (pickling ~75k
         tensor names on one end and unpickling them on the other cost tens of ms per update at 30B)."""
-        if metas is getattr(self, "_sent_layout", None):
+        if metas is self._sent_layout:
             self._bcast_obj(("layout", None))
             return
         self._bcast_obj(("layout", metas))
@@ -477,7 +479,7 @@ class TorchDistributedTransport:
         kind, meta = self._bcast_obj(None)
         if kind == "layout":
             if meta is None:  # "the same layout as last time" (see send_layout)
-                meta = getattr(self, "_layout", None)
+                meta = self._layout
                 if meta is None:
                     raise WeightUpdateMismatch("the sender referred to a bucket layout this receiver never got",
                                                "keep one TorchDistributedTransport per end for the whole run")
