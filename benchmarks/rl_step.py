@@ -44,15 +44,12 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     ms = res.steps[warmup:]
     med = lambda k: statistics.median(getattr(m, k) for m in ms)  # noqa: E731
     flops_per_step = res.train_gemm_flops / len(res.steps)  # same batch shape every step (+- sequence length)
-    from precision_dsl.engine import fastgemm
-
-    errors = {str(k): v for k, v in fastgemm.ERRORS.items()}  # native FP8 refusals (torch's messages), if any
-    fastgemm.ERRORS.clear()
+    errors = res.native_fp8_errors  # native FP8 refusals (torch's messages), if any
     if errors:
         print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
         "policy": policy, "model": model, "prompts": prompts, "digits": digits,
-        "gemm_paths": res.gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "gemm_paths": res.gemm_paths, "rollout_gemm_paths": res.rollout_gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
         "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),
@@ -67,16 +64,22 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
 GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul")  # cuBLAS / cuBLASLt / CUTLASS kernel names
 
 
-def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int) -> dict:
+def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int,
+                 top: int = 0) -> dict:
     """GPU kernel time of ONE RL step (after one warm-up step) by kind: GEMM kernels (cuBLAS/cuBLASLt, incl. the
-    FP8 block-scaled ones) vs everything else, against the step's wall time - the evidence for 'GEMM-bound' or not."""
+    FP8 block-scaled ones) vs everything else, against the step's wall time - the evidence for 'GEMM-bound' or not.
+    `top` > 0 also lists the `top` most expensive kernels and the host-side CUDA runtime calls that stall (syncs,
+    copies), which say where a policy's extra time goes."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from precision_dsl.engine.loop import RunConfig, run
 
     cuda = device == "cuda"
-    prof = profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU])
+    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    if cuda and top:
+        acts.append(ProfilerActivity.CPU)
+    prof = profile(activities=acts)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def on_step(m):
@@ -90,6 +93,7 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
                         samples_per_prompt=samples), on_step=on_step)
     gemm = other = 0.0
+    kernels, runtime = [], []
     for e in prof.key_averages():
         t = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
         t = getattr(e, "self_cuda_time_total", 0) if t is None else t
@@ -97,11 +101,32 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
             gemm += t
         else:
             other += t
+        if t > 0:
+            kernels.append((t / 1e3, e.count, e.key[:90]))
+        elif cuda and e.key.startswith("cuda") and e.key != "cudaLaunchKernel":
+            runtime.append((e.self_cpu_time_total / 1e3, e.count, e.key))
     m = res.steps[1]
     wall = (m.time_rollout_s + m.time_train_s + m.time_reference_s + m.time_weight_update_s) * 1e3
-    return {"policy": policy, "gemm_kernel_ms": gemm / 1e3, "other_kernel_ms": other / 1e3, "step_wall_ms": wall,
-            "gemm_share_of_kernel_time": gemm / max(gemm + other, 1e-9),
-            "gemm_share_of_wall": gemm / 1e3 / max(wall, 1e-9)}
+    out = {"policy": policy, "gemm_kernel_ms": gemm / 1e3, "other_kernel_ms": other / 1e3, "step_wall_ms": wall,
+           "gemm_share_of_kernel_time": gemm / max(gemm + other, 1e-9),
+           "gemm_share_of_wall": gemm / 1e3 / max(wall, 1e-9),
+           "phases_ms": {k: 1e3 * getattr(m, f"time_{k}_s") for k in ("rollout", "train", "reference",
+                                                                       "weight_update")}}
+    if top:
+        out["top_kernels"] = [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(kernels, reverse=True)[:top]]
+        out["runtime_calls"] = [{"cpu_ms": ms, "calls": n, "name": k} for ms, n, k in sorted(runtime, reverse=True)[:8]]
+    return out
+
+
+def print_profile(name: str, pr: dict) -> None:
+    print(f"{pr['policy']} step on {name}, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other "
+          f"kernels {pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
+          f"{100 * pr['gemm_share_of_kernel_time']:.0f}% of kernel time, {100 * pr['gemm_share_of_wall']:.0f}% of "
+          f"wall); phases ms " + " ".join(f"{k} {v:.0f}" for k, v in pr["phases_ms"].items()), flush=True)
+    for k in pr.get("top_kernels", []):
+        print(f"    {k['ms']:8.2f} ms {k['calls']:6d}x  {k['name']}")
+    for k in pr.get("runtime_calls", []):
+        print(f"    host {k['cpu_ms']:8.2f} ms {k['calls']:6d}x  {k['name']}")
 
 
 def model_info(model: str) -> dict:
@@ -155,6 +180,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
     ap.add_argument("--profile-bf16", action="store_true", help="also profile one BF16 step per model (kernel time "
                     "in GEMMs vs the rest)")
+    ap.add_argument("--profile", nargs="*", default=[], help="also profile one step of these policies per model "
+                    "(kernel time by kind, top kernels, host-side syncs)")
+    ap.add_argument("--profile-top", type=int, default=0, help="with --profile/--profile-bf16: list this many of the "
+                    "most expensive kernels")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rl_step_models"), help="random-init checkpoints go here")
     ap.add_argument("--curves-steps", type=int, default=0)
     ap.add_argument("--curves-seeds", type=int, default=2)
@@ -213,18 +242,14 @@ def main() -> None:
                   f"{r['weights_identical']!s:7s} {r['gemm_paths']}"
                   + ("" if r["weight_update_path"] in ("device", "host") else f" update: {r['weight_update_path']}"),
                   flush=True)
-        if a.profile_bf16:
+        for pol in (["bf16"] if a.profile_bf16 else []) + [p for p in a.profile if p != "bf16" or not a.profile_bf16]:
             try:
-                pr = profile_step("bf16", a.device, prompts, a.samples, name, digits)
+                pr = profile_step(pol, a.device, prompts, a.samples, name, digits, top=a.profile_top)
             except Exception as e:  # noqa: BLE001 - the profile is an extra; the table above stands without it
-                print(f"BF16 profile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                pr = None
-        if a.profile_bf16 and pr:
-            env.setdefault("profile", {})[name] = pr
-            print(f"BF16 step, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other kernels "
-                  f"{pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
-                  f"{100 * pr['gemm_share_of_kernel_time']:.0f}% of kernel time, "
-                  f"{100 * pr['gemm_share_of_wall']:.0f}% of wall)", flush=True)
+                print(f"{pol} profile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            env.setdefault("profile", {}).setdefault(name, {})[pol] = pr
+            print_profile(name, pr)
         a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")  # after each model: partial runs
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")

@@ -201,9 +201,7 @@ def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
     the experts' GEMMs over token counts that are not a multiple of 4 (padded with zero rows)."""
     monkeypatch.setattr(fastgemm, "native_fp8_available", lambda device: True)
     monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm, raising=False)
-    fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear(), fastgemm._VERIFIED.clear()
-    (lr, gr, _), (lf, gf, exf) = _reference_and_fast(policy)
-    fastgemm._RECIPE.clear(), fastgemm._REFUSED.clear(), fastgemm._VERIFIED.clear()
+    (lr, gr, _), (lf, gf, exf) = _reference_and_fast(policy)  # a fresh executor: its own NativeFp8Gemm state
     paths = exf.gemm_report()
     assert exf.native and paths.get("native-fp8", 0) > 0, paths
     # tiny-moe's k_proj/v_proj have N = 64 outputs: their dgrad contracts over 64 < 128 (not a whole FP8 block
@@ -261,7 +259,7 @@ def test_native_fp8_gemms_use_reference_bytes_and_match_fp32_of_dequantized():
     """Forward (1x128 x 128x128), dgrad (1x128 x W columnwise 128x128) and wgrad (1x128 x 1x128 along tokens):
     operands byte-identical to the reference quantizers (formats/fp8_block.py), result within the accumulation
     tolerance of the fp32 GEMM of the dequantized operands. Shapes with K/128 and N/128 multiples of 4 (what the
-    benchmark models have); other block counts are emulated when torch refuses them (reported, fastgemm.ERRORS)."""
+    benchmark models have); other block counts are emulated when torch refuses them (reported in `errors`)."""
     _need_sm90()
     dev = "cuda"
     m, k, n = 300, 1024, 512
@@ -274,16 +272,17 @@ def test_native_fp8_gemms_use_reference_bytes_and_match_fp32_of_dequantized():
         ref = formats.quantize(src.cpu(), q.fmt)
         assert torch.equal(q.data.cpu(), ref.data) and torch.equal(q.scale.cpu(), ref.scale)
     stats = fastgemm.GemmStats()
-    y = fastgemm.scaled_mm_fp8_block(qx.data, qx.scale, (1, 128), qw.data, qw.scale, (128, 128), stats=stats)
+    fp8 = fastgemm.NativeFp8Gemm()
+    y = fp8(qx.data, qx.scale, (1, 128), qw.data, qw.scale, (128, 128), stats=stats)
     want = formats.dequantize(qx) @ formats.dequantize(qw).t()
-    assert y is not None and _rel(y, want) < 5e-3, fastgemm.ERRORS
+    assert y is not None and _rel(y, want) < 5e-3, fp8.errors
     # dgrad: g rowwise (1x128 along N) x W's columnwise copy ([K, N] bytes, 128x128 tiles)
     qg = numerics.quantize(g, FB_A)
     wc = numerics.quantize(w.float(), FB_W, axis="col")
     ref = formats.quantize(w.float().cpu(), FB_W, axis="col")
     assert torch.equal(wc.data.cpu(), ref.data) and torch.equal(wc.scale.cpu(), ref.scale)
-    dx = fastgemm.scaled_mm_fp8_block(qg.data, qg.scale, (1, 128), wc.data, wc.scale, (128, 128), stats=stats)
-    assert dx is not None and _rel(dx, formats.dequantize(qg) @ formats.dequantize(wc)) < 5e-3, fastgemm.ERRORS
+    dx = fp8(qg.data, qg.scale, (1, 128), wc.data, wc.scale, (128, 128), stats=stats)
+    assert dx is not None and _rel(dx, formats.dequantize(qg) @ formats.dequantize(wc)) < 5e-3, fp8.errors
     # wgrad: columnwise copies of g and x along the (zero-padded) token dim
     gp, _ = numerics._pad_rows(g, 128)
     xp, _ = numerics._pad_rows(x, 128)
@@ -291,10 +290,10 @@ def test_native_fp8_gemms_use_reference_bytes_and_match_fp32_of_dequantized():
     for q, src in ((qgc, gp), (qxc, xp)):
         ref = formats.quantize(src.cpu(), FB_A, axis="col")
         assert torch.equal(q.data.cpu(), ref.data) and torch.equal(q.scale.cpu(), ref.scale)
-    dw = fastgemm.scaled_mm_fp8_block(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), stats=stats)
-    assert dw is not None and _rel(dw, formats.dequantize(qgc).t() @ formats.dequantize(qxc)) < 5e-3, fastgemm.ERRORS
+    dw = fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), stats=stats)
+    assert dw is not None and _rel(dw, formats.dequantize(qgc).t() @ formats.dequantize(qxc)) < 5e-3, fp8.errors
     assert stats.counts == {"native-fp8": 3}
-    print("native FP8 recipes:", fastgemm._RECIPE)
+    print("native FP8 recipes:", fp8.recipes)
 
 
 FB_G = TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype="fp32")
@@ -304,7 +303,7 @@ class _OneLinear:
     """What FastQLinearFunction asks of its executor, for one linear outside a model."""
 
     def __init__(self):
-        self.stats, self.native = fastgemm.GemmStats(), True
+        self.stats, self.native, self.fp8 = fastgemm.GemmStats(), True, fastgemm.NativeFp8Gemm()
 
     def weight_col_op(self, spec, fw):
         return _fake_op(fw.w16, spec.weight, axis="col")
@@ -357,9 +356,9 @@ def test_fast_linear_on_cuda_matches_reference_linear(spec):
         out[mode] = (y.detach(), xi.grad, wi.grad)
     tol = 1e-2 if spec.weight.kind == FormatKind.FP8_BLOCK else 1e-5
     for a, b, what in zip(out["fast"], out["reference"], ("y", "dx", "dw")):
-        assert _rel(a, b) < tol, (what, _rel(a, b), fastgemm.ERRORS)
+        assert _rel(a, b) < tol, (what, _rel(a, b), ex.fp8.errors)
     if spec.weight.kind == FormatKind.FP8_BLOCK:
-        assert ex.stats.counts == {"native-fp8": 3}, (ex.stats.counts, fastgemm.ERRORS)
+        assert ex.stats.counts == {"native-fp8": 3}, (ex.stats.counts, ex.fp8.errors)
 
 
 @pytest.mark.gpu

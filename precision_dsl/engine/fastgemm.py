@@ -23,7 +23,7 @@ that is an FP32 (SIMT) GEMM, ~10x slower than the BF16 tensor cores. This module
   exact-product GEMMs summed in fp32 equal the fp32 GEMM up to accumulation order ("bf16x3"). A per-row scale
   along the CONTRACTION dim (a transposed per-token operand) cannot go to the epilogue: `Op.t()` materialises it.
   On CPU the same operands run as fp32 GEMMs (a bf16-valued fp32 GEMM IS a bf16-input / fp32-accumulate GEMM).
-* `scaled_mm_fp8_block`: NATIVE FP8 GEMMs on Hopper (torch._scaled_mm, cuBLASLt block scaling, sm_90 only) for
+* `NativeFp8Gemm`: NATIVE FP8 GEMMs on Hopper (torch._scaled_mm, cuBLASLt block scaling, sm_90 only) for
   fp8_block operands: 1x128 activations/gradients x 128x128 weights (forward, dgrad) and 1x128 x 1x128 (wgrad),
   operands = our own quantizers' bytes, scales in the layouts cuBLASLt wants (benchmarks/fp8_gemm_probe.py: 1x128
   scales outer-dim-major [rows, K/128]; 128x128 grids [N/128, L] padded to L4 = roundup(L, 4) and given as the
@@ -38,6 +38,7 @@ operands are. Every call is counted in a `GemmStats` so runs report which GEMMs 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -104,21 +105,27 @@ def _split3(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([hi, mid, lo], 0)
 
 
-_OUT_DTYPE_MM = [True]  # torch.mm(bf16, bf16, out_dtype=float32) exists in this torch (cleared on first refusal)
+@functools.lru_cache(maxsize=None)
+def has_out_dtype_mm(device_type: str = "cuda") -> bool:
+    """This torch build has an fp32-output bf16 GEMM (`torch.mm(bf16, bf16, out_dtype=torch.float32)`): a fact about
+    the build, probed once on a tiny GEMM."""
+    try:
+        a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
 
 
 def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]:
     """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y); None
     when this torch has no fp32-output bf16 GEMM (the caller then runs the fp32 GEMM: same contract, slower)."""
-    if _OUT_DTYPE_MM[0]:
-        try:
-            return torch.mm(a16, b16.t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            try:  # a layout this build refuses (transposed views): the same GEMM on contiguous copies
-                return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32)
-            except (TypeError, RuntimeError, NotImplementedError):
-                _OUT_DTYPE_MM[0] = False
-    return None
+    if not has_out_dtype_mm(a16.device.type):
+        return None
+    try:
+        return torch.mm(a16, b16.t(), out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        # a layout this build refuses (transposed views): the same GEMM on contiguous copies
+        return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32)
 
 
 def _mm_tc(a: Op, b: Op) -> tuple[Optional[torch.Tensor], str]:
@@ -144,7 +151,7 @@ def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
     if not a.v.is_cuda:  # CPU: fp32 GEMM over the same fp32 values (bit-reproducible, the reference's GEMM)
         y = a.v.float() @ b.v.float().t()
         path = FP32
-    elif (a.exact or b.exact) and _OUT_DTYPE_MM[0]:
+    elif (a.exact or b.exact) and has_out_dtype_mm(a.v.device.type):
         y, path = _mm_tc(a, b)
     else:
         y, path = None, FP32
@@ -229,12 +236,6 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
 # ---------------------------------------------------------------------------------------------------------------
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------
-_RECIPE: dict = {}  # (a_block, b_block, ea, eb) -> (scale layout, out dtype) that passed the check, or False
-_REFUSED: dict = {}  # shape class -> True: refused in every layout (emulated from then on)
-_VERIFIED: dict = {}  # shape class -> (layout, out dtype) checked against the block-scaled math in that class
-ERRORS: dict = {}  # recipe -> the last refusal / mismatch, for the run report (torch's message names the layout)
-
-
 def native_fp8_available(device) -> bool:
     """torch._scaled_mm with 1x128 / 128x128 block scales: cuBLASLt implements it on sm_90 only."""
     if not (isinstance(device, torch.device) and device.type == "cuda") or not hasattr(torch, "_scaled_mm"):
@@ -303,66 +304,83 @@ def _msg(e: BaseException) -> str:
     return t if len(t) <= 500 else f"{t[:120]} ... {t[-380:]}"
 
 
-def scaled_mm_fp8_block(a_data, a_scale, a_block, b_data, b_scale, b_block, ea="e4m3", eb="e4m3",
-                        stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
-    """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
-    [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]), both
-    row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
+class NativeFp8Gemm:
+    """Native FP8 block-scaled GEMMs (torch._scaled_mm) with the layout state they learn on first use: one per
+    executor (the trainer's and the rollout's each own one), never module-global, so two models in one process (or a
+    test) never see each other's choices.
 
-    The scale layout and output dtype are chosen per (recipe, C, N) on first use, by checking candidates (the
-    recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then reused
-    for every M; a shape refused in every layout is remembered and emulated; refusals are kept in ERRORS."""
-    m, c = a_data.shape
-    pad = (-m) % 16
-    if pad and a_block == (1, 128):
-        # torch 2.11 on the H200 refused every scale layout tried for M % 4 != 0 (e.g. 3033 tokens x 2048 x 3072,
-        # the token counts of single experts) and accepted M % 4 == 0. A's rows are independent under 1x128 scales:
-        # zero rows (fp8 +0, scale 1) appended and their outputs dropped leave every real output unchanged.
-        a_pad = torch.cat([a_data, a_data.new_zeros(pad, c)])
-        s_pad = torch.cat([a_scale.float(), a_scale.new_ones(pad, a_scale.shape[1], dtype=torch.float32)])
-        y = scaled_mm_fp8_block(a_pad, s_pad, a_block, b_data, b_scale, b_block, ea, eb, stats)
-        return None if y is None else y[:m]
-    n = b_data.shape[0]
-    key = (a_block, b_block, ea, eb)
-    if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
-            or (ea, eb) == ("e5m2", "e5m2"):
-        return None
-    cls = (key, c if b_block == (128, 128) else (c // 128) % 4, n)
-    if _REFUSED.get(cls):
-        return None
-    a8 = a_data.contiguous().view(_F8[ea])
-    b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
-    layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
-    # a layout torch accepts could be read differently at other block counts: each shape class is checked once
-    # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
-    state = _VERIFIED.get(cls)
-    if state is not None:
-        name, dt = state
-        sa, sb = layouts[name]
-        try:
-            y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
-            if stats is not None:
-                stats.add(NATIVE_FP8)
-            return y if dt == torch.float32 else y.float()
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            ERRORS[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
-    want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
-    prev = _RECIPE.get(key) or None
-    order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
-    for name in order:
-        sa, sb = layouts[name]
-        for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
+    `recipes`: (a_block, b_block, ea, eb) -> the (scale layout, out dtype) that last passed the check (the first guess
+    at a new shape class); `verified`: shape class -> the layout checked against the block-scaled math in that class;
+    `refused`: shape classes refused in every layout (emulated from then on); `errors`: recipe -> the last refusal or
+    mismatch (torch's message names the layout), for the run report."""
+
+    def __init__(self):
+        self.recipes: dict = {}
+        self.verified: dict = {}
+        self.refused: dict = {}
+        self.errors: dict = {}
+
+    def __call__(self, a_data, a_scale, a_block, b_data, b_scale, b_block, ea="e4m3", eb="e4m3",
+                 stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
+        """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
+        [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]),
+        both row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
+
+        The scale layout and output dtype are chosen per (recipe, C, N) on first use, by checking candidates (the
+        recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then
+        reused for every M; a shape refused in every layout is remembered and emulated."""
+        m, c = a_data.shape
+        pad = (-m) % 16
+        if pad and a_block == (1, 128):
+            # torch 2.11 on the H200 refused every scale layout tried for M % 4 != 0 (e.g. 3033 tokens x 2048 x
+            # 3072, the token counts of single experts) and accepted M % 4 == 0. A's rows are independent under 1x128
+            # scales: zero rows (fp8 +0, scale 1) appended and their outputs dropped leave every real output
+            # unchanged. (H200 run 2026-12-01: 1260 of 1260 fp8 trainer GEMMs native with this, 720 refused before.)
+            a_pad = torch.cat([a_data, a_data.new_zeros(pad, c)])
+            s_pad = torch.cat([a_scale.float(), a_scale.new_ones(pad, a_scale.shape[1], dtype=torch.float32)])
+            y = self(a_pad, s_pad, a_block, b_data, b_scale, b_block, ea, eb, stats)
+            return None if y is None else y[:m]
+        n = b_data.shape[0]
+        key = (a_block, b_block, ea, eb)
+        if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
+                or (ea, eb) == ("e5m2", "e5m2"):
+            return None
+        cls = (key, c if b_block == (128, 128) else (c // 128) % 4, n)
+        if self.refused.get(cls):
+            return None
+        a8 = a_data.contiguous().view(_F8[ea])
+        b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
+        layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
+        # a layout torch accepts could be read differently at other block counts: each shape class is checked once
+        # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
+        state = self.verified.get(cls)
+        if state is not None:
+            name, dt = state
+            sa, sb = layouts[name]
             try:
-                y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
-            except (RuntimeError, ValueError, NotImplementedError) as e:
-                ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {_msg(e)}"
-                continue
-            rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
-            if rel < 1e-2:
-                _RECIPE[key] = _VERIFIED[cls] = (name, dt)  # the recipe's: the first guess at new shapes
+                y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
                 if stats is not None:
                     stats.add(NATIVE_FP8)
-                return y
-            ERRORS[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
-    _REFUSED[cls] = True
-    return None
+                return y if dt == torch.float32 else y.float()
+            except (RuntimeError, ValueError, NotImplementedError) as e:
+                self.errors[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
+        want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
+        prev = self.recipes.get(key) or None
+        order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
+        for name in order:
+            sa, sb = layouts[name]
+            for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
+                try:
+                    y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
+                except (RuntimeError, ValueError, NotImplementedError) as e:
+                    self.errors[key] = f"[{m}x{c}x{n} {name} {dt}] {type(e).__name__}: {_msg(e)}"
+                    continue
+                rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
+                if rel < 1e-2:
+                    self.recipes[key] = self.verified[cls] = (name, dt)  # the recipe's first guess at new shapes
+                    if stats is not None:
+                        stats.add(NATIVE_FP8)
+                    return y
+                self.errors[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
+        self.refused[cls] = True
+        return None

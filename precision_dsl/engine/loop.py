@@ -101,6 +101,8 @@ class RunResult(BaseModel):
     wall_s: float = 0.0
     emulated: bool = True
     gemm_paths: dict[str, int] = Field(default_factory=dict)  # trainer GEMM calls per path (fastgemm.PATH_NOTES)
+    rollout_gemm_paths: dict[str, int] = Field(default_factory=dict)  # in-process rollout's GEMM calls per path
+    native_fp8_errors: dict[str, str] = Field(default_factory=dict)  # cuBLASLt refusals of native FP8 GEMMs, if any
     train_gemm_flops: int = 0  # trainer linears' GEMM FLOPs over the whole run (forward + backward)
     weight_update_path: str = ""  # "device" | "host" | "host (device path failed: ...)" (weight_path.LiveUpdateChannel)
 
@@ -273,6 +275,8 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             on_step(m)
     rollout.close()
     result.gemm_paths = executor.gemm_report()
+    result.native_fp8_errors = {str(k): v for k, v in executor.fp8.errors.items()}
+    result.rollout_gemm_paths = rollout.gemm_report()
     result.train_gemm_flops = executor.stats.flops
     ch = rollout.channel
     err = getattr(ch, "device_path_error", None)

@@ -196,7 +196,7 @@ class FastQLinearFunction(torch.autograd.Function):
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
             qx = numerics.quantize(x16, spec.activation, what=spec.hf_name)  # the BF16 tensor, as the reference
-            y = fastgemm.scaled_mm_fp8_block(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128),
+            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128),
                                              spec.activation.element, spec.weight.element, stats)
             if y is None:
                 y = fastgemm.mm(fastgemm.decode_op(qx), fw.op)
@@ -231,7 +231,7 @@ class FastQLinearFunction(torch.autograd.Function):
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
-                return (*_native_fp8_backward(g16, x16, fw, spec, stats), None, None, None)
+                return (*_native_fp8_backward(g16, x16, fw, spec, ex), None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
             g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
             dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
@@ -245,16 +245,17 @@ class FastQLinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spec: LinearSpec, stats):
+def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
     """backward=quantized for fp8_block on Hopper: dgrad = Q_g(g)[1x128 along N] x W's columnwise 128x128 copy,
     wgrad = Q_g^col(g)[1x128 along M] x Q_a^col(x)[1x128 along M] (TE Float8BlockScaling), both native FP8 GEMMs;
     a call cuBLASLt refuses is emulated with the same bytes (fp32 GEMM of the dequantized operands)."""
     ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
+    stats = ex.stats
     m = g.shape[0]
     qg = numerics.quantize(g, spec.grad, what=spec.hf_name + " dgrad")
     if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
         fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
-    dx = fastgemm.scaled_mm_fp8_block(qg.data, qg.scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128),
+    dx = ex.fp8(qg.data, qg.scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128),
                                       eg, ew, stats)
     if dx is None:
         dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
@@ -263,7 +264,7 @@ def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spe
     xp, _ = numerics._pad_rows(x16, 128)
     qgc = numerics.quantize(gp, spec.grad, axis="col", what=spec.hf_name + " wgrad")  # data [N, Mp]
     qxc = numerics.quantize(xp, spec.activation, axis="col", what=spec.hf_name)  # data [K, Mp]
-    dw = fastgemm.scaled_mm_fp8_block(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
+    dw = ex.fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
     if dw is None:
         dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())
         stats.add(fastgemm.FP8_FALLBACK)
@@ -295,6 +296,7 @@ class TrainerExecutor:
         self.quantized: dict[str, object] = {}  # hf_name -> QuantizedTensor of the current step (for checks)
         self._fwd: dict[str, object] = {}  # hf_name -> fp32 dequantized weight (reference) | FastWeight (fast)
         self.stats = fastgemm.GemmStats()
+        self.fp8 = fastgemm.NativeFp8Gemm()  # native FP8 GEMMs and the scale layouts they learn (this executor's)
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "

@@ -215,6 +215,9 @@ class RemoteRollout:
                            response_mask=batch.response_mask.to(dev), logprobs=batch.logprobs.to(dev),
                            prompt_len=batch.prompt_len, routing=batch.routing)
 
+    def gemm_report(self) -> dict[str, int]:
+        return {}  # counted in the rollout's own process, not reported back
+
     def close(self) -> None:
         if getattr(self, "proc", None) is None:
             return

@@ -40,6 +40,10 @@ class Rollout(Protocol):
 
     def close(self) -> None: ...
 
+    def gemm_report(self) -> dict[str, int]:
+        """GEMM calls per path so far ({} where the engine does not count them, e.g. in another process)."""
+        ...
+
 
 class RolloutExecutor:
     """GEMM with the received (already dequantized) weight and plan-quantized activations. No autograd."""
@@ -49,6 +53,7 @@ class RolloutExecutor:
         self.act = {n: by[n].precision.activation for n in model.linear_names()}
         # expert-TP emulation of activation scales (see qlinear.linear_specs): row-parallel expert down_proj
         self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in model.linear_names()}
+        self.paths: dict[str, int] = {}  # fp32 GEMMs of the mirror numerics: not counted by path
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xq = numerics.fake_quantize_partitioned(x.to(torch.bfloat16), self.act[hf_name], self.parts[hf_name],
@@ -80,6 +85,9 @@ class RolloutEngine:
         self.received: dict[str, object] = {}
         self.version = 0
         self.device = device
+
+    def gemm_report(self) -> dict[str, int]:
+        return dict(sorted(self.model.linear_executor.paths.items()))
 
     @torch.no_grad()
     def update_weights(self, payload: Payload) -> None:

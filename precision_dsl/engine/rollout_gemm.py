@@ -190,49 +190,36 @@ def _fp8_blocked_cpu(a: Operand, b: Operand) -> torch.Tensor:
     return out
 
 
-def _fp8_scaled_mm(a: Operand, b: Operand, paths: dict) -> torch.Tensor:
-    """torch._scaled_mm (cuBLASLt FP8 tensor cores). Per-tensor scales, or 1x128 x 128x128 blocks (SM90 only).
-    The block-scale layouts cuBLASLt wants (M x K/128 outer-dim-major for A; the 128x128 grid of B = W^T) are found
-    once per process by checking candidates against the spelled-out math (`_fp8_blocked_cpu`), then reused."""
+_ELEMENT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def _fp8_native(a: Operand, b: Operand, fp8) -> Optional[torch.Tensor]:
+    """torch._scaled_mm (cuBLASLt FP8 tensor cores): per-tensor scales directly; 1x128 x 128x128 blocks (SM90 only)
+    through the executor's `fastgemm.NativeFp8Gemm` - the trainer's implementation, with its first-use check of the
+    scale layout against the spelled-out math and its zero-row padding of token counts cuBLASLt refuses. None:
+    cuBLASLt cannot run this call (the caller spells the math out)."""
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
         return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
-    from .fastgemm import outer_major_m4
-
-    sa, sb = a.scale_inv, b.scale_inv  # [M, K/128], [N/128, K/128]
-    # first: A's scale columns padded to M4 = roundup(M, 4) (the H200's torch 2.11 refused M % 4 != 0 otherwise,
-    # and every such decode call fell back to the spelled-out math)
-    cands = {"a_om4/b_t": (outer_major_m4(sa), sb.t()),
-             "a_om/b_t": (sa.t().contiguous().t(), sb.t()), "a_om/b_tc": (sa.t().contiguous().t(),
-                                                                         sb.t().contiguous()),
-             "a_c/b_t": (sa.contiguous(), sb.t()), "a_om/b": (sa.t().contiguous().t(), sb)}
-    chosen = paths.get("_fp8_block_layout")
-    if chosen is None:
-        want = _fp8_blocked_cpu(a, b)
-        for name, (xa, xb) in cands.items():
-            try:
-                y = torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
-            except RuntimeError:
-                continue
-            if ((y - want).norm() / want.norm().clamp(min=1e-30)) < 1e-2:
-                paths["_fp8_block_layout"] = chosen = name
-                break
-        else:
-            raise RuntimeError("no torch._scaled_mm block-scale layout reproduces the block-scaled math here")
-    xa, xb = cands[chosen]
-    return torch._scaled_mm(a.values, b.values.t(), scale_a=xa, scale_b=xb, out_dtype=torch.bfloat16).float()
+    if fp8 is None or a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
+        return None
+    return fp8(a.values.view(torch.uint8), a.scale_inv, a.block, b.values.view(torch.uint8), b.scale_inv, b.block,
+               _ELEMENT[a.values.dtype], _ELEMENT[b.values.dtype])
 
 
-def gemm(a: Operand, b: Operand, paths: Optional[dict] = None) -> torch.Tensor:
-    """fp32 [M, N] = a @ b^T with the epilogue (second-level scales) applied."""
+def gemm(a: Operand, b: Operand, paths: Optional[dict] = None, fp8=None) -> torch.Tensor:
+    """fp32 [M, N] = a @ b^T with the epilogue (second-level scales) applied. `fp8`: a fastgemm.NativeFp8Gemm for
+    block-scaled FP8 on CUDA (None: per-tensor FP8 only, blocks spelled out)."""
     if a.kind == "fp8" and b.kind == "fp8":
-        path = "fp8-blocked-cpu"
+        y, path = None, "fp8-blocked-emulated"
         if a.values.is_cuda:
             try:
-                y, path = _fp8_scaled_mm(a, b, paths if paths is not None else {}), "fp8-scaled_mm"
-            except RuntimeError:
-                y = _fp8_blocked_cpu(a, b)  # shapes/arch cuBLASLt refuses: same math, spelled out
-        else:
+                y = _fp8_native(a, b, fp8)
+            except RuntimeError:  # shapes/arch cuBLASLt refuses: same math, spelled out
+                y = None
+            if y is not None:
+                path = "fp8-scaled_mm"
+        if y is None:
             y = _fp8_blocked_cpu(a, b)
     else:
         a16, b16 = _as_bf16(a), _as_bf16(b)
@@ -258,6 +245,9 @@ class IndependentRolloutExecutor:
         self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in linear_names}
         self.weights: dict[str, Operand] = {}
         self.paths: dict[str, int] = {}
+        from .fastgemm import NativeFp8Gemm
+
+        self.fp8 = NativeFp8Gemm()  # this engine's native FP8 GEMMs (own layout state, the trainer's code)
 
     def load(self, name: str, received, device) -> None:
         self.weights[name] = weight_operand(received, device)
@@ -268,7 +258,7 @@ class IndependentRolloutExecutor:
         x2 = x.reshape(-1, shape[-1])
         parts = self.parts[hf_name]
         if parts == 1:
-            y = gemm(activation_operand(x2, self.act[hf_name], hf_name), wop, self.paths)
+            y = gemm(activation_operand(x2, self.act[hf_name], hf_name), wop, self.paths, self.fp8)
         else:
             k = x2.shape[1]
             if k % parts:
@@ -280,6 +270,6 @@ class IndependentRolloutExecutor:
                 part_w = Operand(wop.kind, wop.values[:, sl], wop.gscale)
                 if wop.kind != "bf16":
                     raise EngineFormatError(f"{hf_name}: expert-TP emulation needs a bf16/MXFP8/NVFP4 weight")
-                yi = gemm(activation_operand(x2[:, sl], self.act[hf_name], hf_name), part_w, self.paths)
+                yi = gemm(activation_operand(x2[:, sl], self.act[hf_name], hf_name), part_w, self.paths, self.fp8)
                 y = yi if y is None else y + yi
         return y.to(torch.bfloat16).reshape(*shape[:-1], y.shape[-1])
