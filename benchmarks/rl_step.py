@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,11 +37,12 @@ from precision_dsl.engine.plans import SEED_POLICIES  # noqa: E402
 
 
 def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int, model: str = "tiny-moe",
-          digits: int = 2) -> dict:
+          digits: int = 2, micro_batch: Optional[int] = None) -> dict:
     from precision_dsl.engine.loop import RunConfig, run
 
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=warmup + steps, device=device,
-                        prompts_per_step=prompts, samples_per_prompt=samples, check_weight_bytes=True))
+                        prompts_per_step=prompts, samples_per_prompt=samples, check_weight_bytes=True,
+                        train_micro_batch=micro_batch))
     ms = res.steps[warmup:]
     med = lambda k: statistics.median(getattr(m, k) for m in ms)  # noqa: E731
     flops_per_step = res.train_gemm_flops / len(res.steps)  # same batch shape every step (+- sequence length)
@@ -48,7 +50,7 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     if errors:
         print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
-        "policy": policy, "model": model, "prompts": prompts, "digits": digits,
+        "policy": policy, "model": model, "prompts": prompts, "digits": digits, "micro_batch": micro_batch,
         "gemm_paths": res.gemm_paths, "rollout_gemm_paths": res.rollout_gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
         "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
@@ -65,7 +67,7 @@ GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul")  # cuBLAS / c
 
 
 def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int,
-                 top: int = 0) -> dict:
+                 top: int = 0, micro_batch: Optional[int] = None) -> dict:
     """GPU kernel time of ONE RL step (after one warm-up step) by kind: GEMM kernels (cuBLAS/cuBLASLt, incl. the
     FP8 block-scaled ones) vs everything else, against the step's wall time - the evidence for 'GEMM-bound' or not.
     `top` > 0 also lists the `top` most expensive kernels and the host-side CUDA runtime calls that stall (syncs,
@@ -91,7 +93,7 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
             prof.stop()
 
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
-                        samples_per_prompt=samples), on_step=on_step)
+                        samples_per_prompt=samples, train_micro_batch=micro_batch), on_step=on_step)
     gemm = other = 0.0
     kernels, runtime = [], []
     for e in prof.key_averages():
@@ -176,7 +178,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--policies", nargs="*", default=list(SEED_POLICIES) + ["fp8-blockwise-hopper"])
-    ap.add_argument("--model", action="append", default=None, help="NAME[:PROMPTS[:DIGITS]] (repeatable)")
+    ap.add_argument("--model", action="append", default=None, help="NAME[:PROMPTS[:DIGITS[:MICRO]]] (repeatable; "
+                    "MICRO = sequences per trainer micro-batch, default the whole batch)")
     ap.add_argument("--out", type=Path, default=Path("rl_step.json"))
     ap.add_argument("--profile-bf16", action="store_true", help="also profile one BF16 step per model (kernel time "
                     "in GEMMs vs the rest)")
@@ -203,15 +206,15 @@ def main() -> None:
     for spec in a.model or [f"tiny-moe:{a.prompts}:2"]:
         name, *rest = spec.split(":")
         models.append((materialize(name, a.work), int(rest[0]) if rest else a.prompts,
-                       int(rest[1]) if len(rest) > 1 else 2))
+                       int(rest[1]) if len(rest) > 1 else 2, int(rest[2]) if len(rest) > 2 else None))
     rows = []
     t0 = time.time()
-    for name, prompts, digits in models:
+    for name, prompts, digits, micro in models:
         mrows = []
         failed = []
         for p in a.policies:
             try:
-                mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits))
+                mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits, micro))
             except Exception as e:  # noqa: BLE001 - one failing policy must not lose the others' numbers
                 import traceback
 
@@ -232,7 +235,8 @@ def main() -> None:
         info = model_info(name)
         env.setdefault("models", {})[name] = info
         print(f"{env['device']} · {name} ({info['summary']}) · {prompts} prompts x {a.samples} samples, digits "
-              f"{digits} · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
+              f"{digits}" + (f", trainer micro-batches of {micro} sequences" if micro else "")
+              + f" · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
         print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
               f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
         for r in mrows:
@@ -244,7 +248,8 @@ def main() -> None:
                   flush=True)
         for pol in (["bf16"] if a.profile_bf16 else []) + [p for p in a.profile if p != "bf16" or not a.profile_bf16]:
             try:
-                pr = profile_step(pol, a.device, prompts, a.samples, name, digits, top=a.profile_top)
+                pr = profile_step(pol, a.device, prompts, a.samples, name, digits, top=a.profile_top,
+                                  micro_batch=micro)
             except Exception as e:  # noqa: BLE001 - the profile is an extra; the table above stands without it
                 print(f"{pol} profile failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 continue

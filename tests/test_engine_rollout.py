@@ -127,3 +127,20 @@ def test_independent_rollout_mismatch_is_measured_not_built_in(policy):
     res, mis = _mismatch(policy, steps=1, numerics="independent")
     assert all(m.quantized_weights_identical is not False for m in res.steps)
     assert 1e-4 < mis < BOUNDS["independent"], mis
+
+
+def test_differing_names_the_pairs_whose_bytes_differ():
+    """weight_path.differing: many byte comparisons at once (one read-back on a GPU): dtype views and scalar-vs-[1]
+    shapes do not count as differences; a flipped byte or a different size does."""
+    import torch
+
+    from precision_dsl.engine.weight_path import differing
+
+    a = torch.arange(64, dtype=torch.uint8)
+    flipped = a.clone()
+    flipped[17] ^= 1
+    pairs = [(a, a.clone()), (a.view(torch.float8_e4m3fn), a), (a, flipped), (a, a[:32]),
+             (torch.tensor(2.0), torch.tensor([2.0]))]
+    assert differing(pairs) == [2, 3]
+    if torch.cuda.is_available():
+        assert differing([(x.cuda(), y.cuda()) for x, y in pairs]) == [2, 3]

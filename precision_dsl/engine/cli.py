@@ -27,7 +27,8 @@ def _run_config(cls, **values):
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(x) for x in first["loc"])
-        option = {"prompts_per_step": "prompts", "samples_per_prompt": "samples"}.get(field, field)
+        option = {"prompts_per_step": "prompts", "samples_per_prompt": "samples",
+                  "train_micro_batch": "micro-batch"}.get(field, field)
         raise UserError(f"invalid --{option.replace('_', '-')}: {first['msg']} (got {first.get('input')!r})") from None
 
 
@@ -112,6 +113,9 @@ def register(app: typer.Typer) -> None:
                                                       help="per_tensor | unshared: make the rollout disagree"),
         prompts: int = typer.Option(16, "--prompts", help="prompts per step"),
         samples: int = typer.Option(8, "--samples", help="samples per prompt (GRPO group size)"),
+        micro_batch: Optional[int] = typer.Option(None, "--micro-batch", help="sequences per trainer micro-batch "
+                                                  "(gradients accumulated; bounds activation memory; default: the "
+                                                  "whole batch)"),
         lr: float = typer.Option(3e-4, "--lr"),
         kl_coef: float = typer.Option(0.0, "--kl-coef"),
         digits: int = typer.Option(2, "--digits", help="arithmetic: digits per operand"),
@@ -158,7 +162,8 @@ def register(app: typer.Typer) -> None:
                               kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
                               rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
                               force_layout=force_layout, rollout_numerics=rollout_numerics,
-                              routing_replay=routing_replay, max_new_tokens=max_new_tokens)
+                              routing_replay=routing_replay, max_new_tokens=max_new_tokens,
+                              train_micro_batch=micro_batch)
             name = policy_path(policy).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)

@@ -31,7 +31,7 @@ from .remote import RemoteRollout
 from .rollout import LocalRollout, Rollout
 from .sampling import sequence_logprobs
 from .task import load_tokenizer, make_task
-from .weight_path import same_bytes
+from .weight_path import differing
 from ..errors import PolicycError
 
 
@@ -60,6 +60,9 @@ class RunConfig(BaseModel):
     rollout_etp: int = Field(1, ge=1, le=1024)
     force_layout: bool = False
     prompts_per_step: int = Field(16, ge=1, le=65_536)
+    # sequences per trainer micro-batch (forward + backward each, gradients accumulated, one optimizer step per RL
+    # step): bounds the trainer's activation memory for large rollout batches. None: the whole batch at once.
+    train_micro_batch: Optional[int] = Field(None, ge=1, le=1_000_000)
     # GRPO normalises rewards within a group: one sample has no group to compare with (advantage 0, no signal)
     samples_per_prompt: int = Field(8, ge=2, le=4096)
     lr: float = Field(1e-3, gt=0, le=10, allow_inf_nan=False)
@@ -115,16 +118,16 @@ def _bf16_plan(plan):
 
 def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
     """Number of quantized tensors whose stored bytes differ between trainer and rollout."""
-    differing = 0
+    bad, pairs, owner = set(), [], []
     for name, q in trainer_q.items():
         r = rollout_q.get(name)
-        if r is None:
-            differing += 1
+        a, b = (q.tensors(), r.tensors()) if r is not None else ({}, None)
+        if r is None or a.keys() != b.keys():
+            bad.add(name)
             continue
-        a, b = q.tensors(), r.tensors()
-        if a.keys() != b.keys() or any(not same_bytes(a[k], b[k]) for k in a):
-            differing += 1
-    return differing
+        pairs += [(a[k], b[k]) for k in a]
+        owner += [name] * len(a)
+    return len(bad | {owner[i] for i in differing(pairs)})
 
 
 def _check_layout(cfg: RunConfig, plan, arch) -> None:
@@ -221,35 +224,46 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1)
         adv = adv.to(device)[:, None]
 
-        # 5. trainer log-probs of the sampled tokens (plan-quantized forward, autograd through QLinearFunction)
+        # 5.-7. per micro-batch of sequences (gradient accumulation, as Megatron's micro-batches): trainer log-probs
+        # of the sampled tokens (plan-quantized forward, autograd through the executor), the BF16 reference's, and
+        # the clipped policy loss (token mean over the WHOLE batch, so the summed micro-batch gradients are the
+        # full batch's), backward; then one optimizer step
         t0 = time.perf_counter()
         mask = batch.response_mask.float()
-        routing = None
-        if batch.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
-            from .routing import RoutingReplay
-
-            routing = RoutingReplay(batch.routing, batch.attention_mask[:, :-1], replay=cfg.routing_replay)
-        trainer.routing = routing
-        try:
-            logp = sequence_logprobs(trainer, batch)
-        finally:
-            trainer.routing = None
-        old = logp.detach()  # single update per batch: old policy = current trainer
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            ref_logp = sequence_logprobs(reference, batch)
-        t_ref = time.perf_counter() - t1
-
-        # 6. clipped policy loss (token mean), optional KL(train || ref) penalty
-        ratio = torch.exp(logp - old)
-        pg = -torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
-        loss = (pg * mask).sum() / mask.sum()
-        if cfg.kl_coef:
-            loss = loss + cfg.kl_coef * (k3(logp, ref_logp) * mask).sum() / mask.sum()
-
-        # 7. optimizer step
+        tokens_total = mask.sum()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        micro = cfg.train_micro_batch or len(prompts)
+        chunks, routing_differ, routing_total, t_ref, loss_sum = [], 0, 0, 0.0, 0.0
+        for lo in range(0, len(prompts), micro):
+            mb = batch.rows(slice(lo, lo + micro))
+            mb_mask, mb_adv = mask[lo:lo + micro], adv[lo:lo + micro]
+            routing = None
+            if mb.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
+                from .routing import RoutingReplay
+
+                routing = RoutingReplay(mb.routing, mb.attention_mask[:, :-1], replay=cfg.routing_replay)
+            trainer.routing = routing
+            try:
+                logp = sequence_logprobs(trainer, mb)
+            finally:
+                trainer.routing = None
+            if routing is not None:
+                routing_differ, routing_total = routing_differ + routing.differ, routing_total + routing.total
+            old = logp.detach()  # single update per batch: old policy = current trainer
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                ref_logp = sequence_logprobs(reference, mb)
+            t_ref += time.perf_counter() - t1
+
+            ratio = torch.exp(logp - old)
+            pg = -torch.minimum(ratio * mb_adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * mb_adv)
+            loss = (pg * mb_mask).sum() / tokens_total
+            if cfg.kl_coef:
+                loss = loss + cfg.kl_coef * (k3(logp, ref_logp) * mb_mask).sum() / tokens_total
+            loss.backward()
+            loss_sum += float(loss.detach())
+            chunks.append((old, ref_logp, ratio.detach()))
+        old, ref_logp, ratio = (torch.cat(parts) for parts in zip(*chunks))
         gnorm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.max_grad_norm))
         opt.step()
         executor.invalidate()
@@ -263,13 +277,13 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             mismatch_abs_logp=masked_mean((old - batch.logprobs.to(device)).abs(), mask),
             mismatch_k3=masked_mean(k3(batch.logprobs.to(device), old), mask),
             kl_ref_k3=masked_mean(k3(old, ref_logp), mask),
-            loss=float(loss.detach()), grad_norm=gnorm, grad_spike=spikes(gnorm),
+            loss=loss_sum, grad_norm=gnorm, grad_spike=spikes(gnorm),
             clip_frac=masked_mean(((ratio - 1).abs() > cfg.clip_eps).float(), mask),
             response_tokens=batch.num_response_tokens, time_rollout_s=t_rollout, time_train_s=t_train,
             time_reference_s=t_ref, time_weight_update_s=t_update,
             rollout_tokens_per_s=batch.num_response_tokens / max(t_rollout, 1e-9), weight_update_bytes=nbytes,
             quantized_weights_identical=identical, quantized_weights_differing=differing,
-            routing_disagreement=routing.disagreement() if routing else None)
+            routing_disagreement=routing_differ / routing_total if routing_total else None)
         result.steps.append(m)
         if on_step:
             on_step(m)

@@ -21,6 +21,15 @@ class SampleBatch:
     prompt_len: int
     routing: Optional[dict] = None  # MoE prefix -> [B, P + R - 1, k] rollout top-k experts (routing.py)
 
+    def rows(self, sl: slice) -> "SampleBatch":
+        """The sequences `sl` of this batch (a trainer micro-batch); the whole batch when `sl` covers it."""
+        if sl.start in (0, None) and (sl.stop is None or sl.stop >= self.tokens.shape[0]):
+            return self
+        return SampleBatch(tokens=self.tokens[sl], attention_mask=self.attention_mask[sl],
+                           response_mask=self.response_mask[sl], logprobs=self.logprobs[sl],
+                           prompt_len=self.prompt_len,
+                           routing=None if self.routing is None else {k: v[sl] for k, v in self.routing.items()})
+
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
