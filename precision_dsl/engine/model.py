@@ -228,10 +228,20 @@ class SparseMoeBlock(nn.Module):
         if self.norm_topk:
             topw = topw / topw.sum(-1, keepdim=True)
         out = torch.zeros_like(flat, dtype=torch.float32)  # combine in fp32 (a bf16 rollout casts back below)
-        for e, expert in enumerate(self.experts):  # token-dropless dispatch, one GEMM group per expert
-            rows, slot = (topi == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
+        # token-dropless dispatch, one GEMM group per expert. The (token, slot) pairs are sorted by expert once and
+        # the per-expert counts read back in ONE host sync per layer (a nonzero() per expert was one sync each).
+        # The stable sort keeps each expert's pairs in ascending (token, slot) order: the same rows in the same
+        # order as (topi == e).nonzero(), so every expert GEMM and the fp32 combine are unchanged bit for bit.
+        pairs = topi.reshape(-1)
+        order = pairs.argsort(stable=True)
+        counts = torch.bincount(pairs, minlength=len(self.experts)).tolist()
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n == 0:
                 continue
+            sel = order[start:start + n]
+            start += n
+            rows, slot = sel // self.top_k, sel % self.top_k
             y = expert(flat[rows]) * topw[rows, slot, None]
             out.index_add_(0, rows, y.float())  # in place: one copy of the [tokens, hidden] sum, not one per expert
         return out.to(x.dtype).view(b, t, h)
