@@ -69,3 +69,21 @@ def test_run_on_cuda_independent_rollout_bytes_identical():
                         routing_replay=True))
     assert all(m.quantized_weights_identical for m in res.steps)
     assert all(0 < m.mismatch_abs_logp < 0.2 for m in res.steps)
+
+
+def test_weight_operands_from_decode_kernels_equal_eager_decode():
+    """Received MXFP8 / NVFP4 weights are decoded on a GPU by the one-pass kernels: values and epilogue scales are
+    bitwise those of the eager decode (run here on CPU)."""
+    from precision_dsl import formats
+
+    w = (torch.randn(384, 512, generator=torch.Generator().manual_seed(4)) * 0.05).bfloat16()
+    w[5, :32] = 0.0
+    w[6, :16] = -0.0
+    fmts = [TensorFormat(kind=FormatKind.MXFP8, element=e, block=(1, 32), scale_dtype="e8m0") for e in ("e4m3", "e5m2")]
+    fmts += [TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3",
+                          global_scale="tensor")]
+    for fmt in fmts:
+        q = formats.quantize(w, fmt)
+        cpu, gpu = rg.weight_operand(q, "cpu"), rg.weight_operand(q, "cuda")
+        assert torch.equal(cpu.values.view(torch.int16), gpu.values.cpu().view(torch.int16)), fmt.short()
+        assert (cpu.gscale is None and gpu.gscale is None) or torch.equal(cpu.gscale, gpu.gscale.cpu()), fmt.short()

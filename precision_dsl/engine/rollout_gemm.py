@@ -61,6 +61,9 @@ def weight_operand(q, device) -> Operand:
     fmt: TensorFormat = q.fmt
     data = q.data.to(device)
     n, k = q.shape[0], q.shape[-1]
+    fused = _fused_weight_operand(q, data, device)
+    if fused is not None:
+        return fused
     if fmt.kind == FormatKind.MXFP8:
         if tuple(fmt.block or (1, 32)) != (1, 32) or q.axis != "row":
             raise EngineFormatError(f"MXFP8 weight {fmt.block} {q.axis}: unsupported by the independent rollout GEMM")
@@ -76,6 +79,27 @@ def weight_operand(q, device) -> Operand:
         block = tuple(fmt.block or (128, 128)) if fmt.kind == FormatKind.FP8_BLOCK else (n, k)
         return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=q.scale.to(device).float(), block=block)
     raise EngineFormatError(f"{fmt.short()} weights: unsupported by the independent rollout GEMM")
+
+
+def _fused_weight_operand(q, data: torch.Tensor, device) -> Optional[Operand]:
+    """The same weight operand from the one-pass decode kernels (kernels/triton_decode.py, bitwise the eager decode
+    below: both are the exact element x block scale rounded once to bf16, tests/test_rollout_gpu.py) on a GPU: one
+    launch per weight instead of ~5 eager passes, ~100 weights per update. None: not a CUDA tensor / not a layout
+    the kernels take."""
+    from .. import kernels
+
+    fmt = q.fmt
+    if not data.is_cuda or not kernels.available() or q.axis != "row":
+        return None
+    from ..kernels.triton_decode import mxfp8_decode_bf16, nvfp4_decode_bf16
+
+    n = q.shape[0]
+    if fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32):
+        return Operand("bf16", mxfp8_decode_bf16(data, q.scale.to(device), fmt.element, "row").view(q.shape))
+    if fmt.kind == FormatKind.NVFP4 and q.scale.shape[0] == n:  # 1x16 blocks (16x16 tiles: the eager path)
+        return Operand("bf16", nvfp4_decode_bf16(data, q.scale.to(device)).view(q.shape),
+                       gscale=q.global_scale.to(device).float())
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
