@@ -88,8 +88,18 @@ def test_decode_kernels_interpreted():
 def test_split3_is_exact_and_mm_matches_fp32_gemm():
     g = torch.Generator().manual_seed(1)
     v = torch.randn(64, 96, generator=g) * torch.exp2(torch.randint(-30, 30, (64, 96), generator=g).float())
-    parts = fastgemm._split3(v).float().view(3, 64, 96)
+    parts = [t.float() for t in fastgemm._split3(v)]
     assert torch.equal((parts[0] + parts[1]) + parts[2], v)
+    # the terms keep the operand's layout, and stacking along the contraction keeps a column-major operand
+    # column-major (its leading dimension stays aligned for cuBLAS whatever the token count)
+    vt = v[:63].t()  # [96, 63] column-major, 63 "tokens"
+    terms = fastgemm._split3(vt)
+    assert all(t.stride() == vt.stride() for t in terms)
+    stacked = fastgemm._cat_k(terms)
+    assert stacked.shape == (96, 189) and stacked.stride() == (1, 96)
+    assert torch.equal(stacked.float().view(96, 3, 63).sum(1), vt)  # hi + mid + lo per element (exact in fp32)
+    row = fastgemm._cat_k([v, v])
+    assert row.shape == (64, 192) and row.stride() == (192, 1)
     # transposed per-row scaled operand: the scale runs along the contraction -> folded into an fp32 operand
     a = fastgemm.Op(_x(32, 64).to(torch.bfloat16), torch.rand(32) + 0.5)
     assert not a.t().exact and torch.equal(a.t().v, a.dense().t())

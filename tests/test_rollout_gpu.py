@@ -54,10 +54,13 @@ def test_fp8_block_gemm_native_scaled_mm_matches_cpu_math():
     wfmt = formats.fp8_block.make_format("e4m3", (128, 128), False)
     wq = formats.quantize(w, wfmt)
     cpu = rg.gemm(rg.activation_operand(x, act), rg.weight_operand(wq, "cpu"))
+    from precision_dsl.engine.fastgemm import NativeFp8Gemm
+
     paths: dict = {}
-    gpu = rg.gemm(rg.activation_operand(x.cuda(), act), rg.weight_operand(wq, "cuda"), paths).cpu()
+    fp8 = NativeFp8Gemm()
+    gpu = rg.gemm(rg.activation_operand(x.cuda(), act), rg.weight_operand(wq, "cuda"), paths, fp8).cpu()
     print("fp8 block GEMM paths:", paths)
-    assert paths.get("fp8-scaled_mm"), paths
+    assert paths.get("fp8-scaled_mm"), (paths, fp8.errors)
     rel = (gpu - cpu).norm() / cpu.norm()
     assert rel < 1e-2, rel
 

@@ -95,14 +95,34 @@ class Op:
         return Op(self.dense().t(), None, False)
 
 
-def _split3(v: torch.Tensor) -> torch.Tensor:
-    """fp32 [R, C] -> bf16 [3R, C] with hi + mid + lo == v exactly (RN splitting: each remainder is exact in fp32 and
-    has <= 16 resp. <= 8 significant bits)."""
+def _split3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 -> three bf16 terms hi + mid + lo == v exactly, in v's memory layout (RN splitting: each remainder is
+    exact in fp32 and has <= 16 resp. <= 8 significant bits)."""
     hi = v.to(torch.bfloat16)
     r = v - hi.float()
     mid = r.to(torch.bfloat16)
     lo = (r - mid.float()).to(torch.bfloat16)
-    return torch.cat([hi, mid, lo], 0)
+    return hi, mid, lo
+
+
+def _cat_k(parts) -> torch.Tensor:
+    """[R, C] operands -> [R, n*C] concatenated along the contraction dim C, in the parts' memory layout: a
+    column-major operand (stride (1, R), e.g. a transposed per-token tensor in wgrad) stays column-major, so its
+    leading dimension stays R's allocation and cuBLAS keeps its aligned sm_90 kernels (a row-major copy of a
+    [K, tokens] operand has ld = tokens, odd for most expert batches, and cuBLAS then falls back to align-1
+    CUTLASS kernels: seen on the H200, ~3x slower)."""
+    if parts[0].stride(-1) == 1:
+        return torch.cat(parts, dim=1)
+    return torch.cat([p.t() for p in parts], dim=0).t()
+
+
+def _bf16x3(exact16: torch.Tensor, inexact: torch.Tensor, exact_first: bool, gemm) -> Optional[torch.Tensor]:
+    """fp32 GEMM of a bf16-exact operand and an fp32 one as ONE bf16 GEMM over a 3x longer contraction:
+    [e, e, e] @ [hi, mid, lo]^T = e @ (hi + mid + lo)^T = e @ inexact^T, every product exact, all accumulated in
+    fp32 by the GEMM (no [M, 3N] partial outputs to sum afterwards)."""
+    terms = _cat_k(_split3(inexact.float()))
+    rep = _cat_k([exact16] * 3)
+    return gemm(rep, terms) if exact_first else gemm(terms, rep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -129,21 +149,13 @@ def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]
 
 
 def _mm_tc(a: Op, b: Op) -> tuple[Optional[torch.Tensor], str]:
-    """Tensor-core GEMM of two ops of which at least one is bf16-exact (an fp32 one is split into 3 bf16 terms,
-    all terms in ONE GEMM over the stacked operand, summed hi + mid + lo in fp32)."""
+    """Tensor-core GEMM of two ops of which at least one is bf16-exact (an fp32 one is split into 3 bf16 terms
+    along the contraction dim: `_bf16x3`)."""
     if a.exact and b.exact:
         return _mm_bf16_f32(a.v.to(torch.bfloat16), b.v.to(torch.bfloat16)), BF16_TC
     if b.exact:
-        y3 = _mm_bf16_f32(_split3(a.v.float()), b.v.to(torch.bfloat16))
-        if y3 is None:
-            return None, FP32
-        m = a.v.shape[0]
-        return (y3[:m] + y3[m:2 * m]) + y3[2 * m:], BF16X3
-    y3 = _mm_bf16_f32(a.v.to(torch.bfloat16), _split3(b.v.float()))
-    if y3 is None:
-        return None, FP32
-    n = b.v.shape[0]
-    return (y3[:, :n] + y3[:, n:2 * n]) + y3[:, 2 * n:], BF16X3
+        return _bf16x3(b.v.to(torch.bfloat16), a.v, False, _mm_bf16_f32), BF16X3
+    return _bf16x3(a.v.to(torch.bfloat16), b.v, True, _mm_bf16_f32), BF16X3
 
 
 def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
