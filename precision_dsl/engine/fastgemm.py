@@ -280,23 +280,24 @@ def outer_major_m4(s: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_layouts(a_scale, b_scale, b_block) -> dict:
-    """Candidate (scale_a, scale_b) layouts, the documented one first. A: 1x128 outer-dim-major [M, C/128].
-    B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N] (torch's test_scaled_mm_vs_
-    emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch checks as [N/128, L] with
-    row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
-    sa = a_scale.t().contiguous().t()
+    """Candidate (scale_a, scale_b) layouts, the documented one first, as thunks (a verified shape class builds only
+    its own: each candidate is a few small copies, and the hot path runs one GEMM per call). A: 1x128
+    outer-dim-major [M, C/128]. B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N]
+    (torch's test_scaled_mm_vs_emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch
+    checks as [N/128, L] with row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes
+    had L % 4 == 0)."""
     if b_block == (1, 128):
-        bs = {"b1x128:m4": outer_major_m4(b_scale).t(), "b1x128:t-contig": b_scale.t().contiguous(),
-              "b1x128:t-view": b_scale.contiguous().t()}
+        bs = {"b1x128:m4": lambda: outer_major_m4(b_scale).t(), "b1x128:t-contig": lambda: b_scale.t().contiguous(),
+              "b1x128:t-view": lambda: b_scale.contiguous().t()}
     else:
-        bs = {"b128:l4-view": _grid_l4_view(b_scale).t(), "b128:contig": b_scale.contiguous().t()}
+        bs = {"b128:l4-view": lambda: _grid_l4_view(b_scale).t(), "b128:contig": lambda: b_scale.contiguous().t()}
         pad = (-b_scale.shape[1]) % 4
         if pad:
-            bs["b128:l4-padded"] = F.pad(b_scale, (0, pad)).t()
-    out = {"a-m4/" + name: (outer_major_m4(a_scale), sb) for name, sb in bs.items()}  # first: 16-byte columns
-    out.update({name: (sa, sb) for name, sb in bs.items()})
-    out.update({"a-contig/" + name: (a_scale.contiguous(), sb) for name, sb in bs.items()})  # other torch builds
-    return out
+            bs["b128:l4-padded"] = lambda: F.pad(b_scale, (0, pad)).t()
+    a_forms = {"a-m4/": lambda: outer_major_m4(a_scale), "": lambda: a_scale.t().contiguous().t(),
+               "a-contig/": lambda: a_scale.contiguous()}  # first: 16-byte columns; the last for other torch builds
+    return {prefix + name: (lambda fa=fa, fb=fb: (fa(), fb())) for prefix, fa in a_forms.items()
+            for name, fb in bs.items()}
 
 
 def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> torch.Tensor:
@@ -368,7 +369,7 @@ class NativeFp8Gemm:
         state = self.verified.get(cls)
         if state is not None:
             name, dt = state
-            sa, sb = layouts[name]
+            sa, sb = layouts[name]()
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
                 if stats is not None:
@@ -380,7 +381,7 @@ class NativeFp8Gemm:
         prev = self.recipes.get(key) or None
         order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
         for name in order:
-            sa, sb = layouts[name]
+            sa, sb = layouts[name]()
             for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
                 try:
                     y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()

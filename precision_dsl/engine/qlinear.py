@@ -149,17 +149,26 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearS
 # ---------------------------------------------------------------------------------------------------------------
 # the fast path (CUDA): the same contract on tensor cores, native FP8 for fp8_block (fastgemm.py)
 # ---------------------------------------------------------------------------------------------------------------
-@dataclass
 class FastWeight:
     """One GEMM weight of the current optimizer step as the fast path consumes it, built once per step (weights only
     change at the update): BF16(master), the forward operand (bf16 elements + epilogue scale), the stored bytes, and
-    the columnwise copy for a quantized backward (built on first use, then cached for the step)."""
+    the columnwise copy for a quantized backward (built on first use, then cached for the step). The forward
+    operand of a quantized weight is decoded on first use: a native FP8 GEMM reads the bytes and never needs it."""
 
-    w16: torch.Tensor
-    op: fastgemm.Op
-    q: Optional[object] = None  # formats.QuantizedTensor of the forward weight (None: BF16 weight)
-    col_q: Optional[object] = None
-    col_op: Optional[fastgemm.Op] = None
+    def __init__(self, w16: torch.Tensor, op: Optional[fastgemm.Op] = None, q: Optional[object] = None):
+        if op is None and q is None:
+            raise ValueError("FastWeight needs its operand or its quantized bytes")
+        self.w16 = w16
+        self._op = op
+        self.q = q  # formats.QuantizedTensor of the forward weight (None: BF16 weight)
+        self.col_q: Optional[object] = None
+        self.col_op: Optional[fastgemm.Op] = None
+
+    @property
+    def op(self) -> fastgemm.Op:
+        if self._op is None:
+            self._op = fastgemm.decode_op(self.q)
+        return self._op
 
 
 def _native_fp8(spec: LinearSpec, native: bool) -> bool:
@@ -336,7 +345,7 @@ class TrainerExecutor:
                 self.quantized[n] = v
                 if fast:
                     w16 = linear[n].detach().to(torch.bfloat16)
-                    self._fwd[n] = FastWeight(w16, fastgemm.decode_op(v), q=v)
+                    self._fwd[n] = FastWeight(w16, q=v)
                 else:
                     self._fwd[n] = numerics.dequantize(v, torch.float32)
 
