@@ -193,6 +193,29 @@ def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int
     return fastgemm.decode_op(numerics.quantize(xp, fmt, axis=axis, what=what), rows=m)
 
 
+def _rowcol_ok(fmt: TensorFormat, x16: torch.Tensor, parts: int = 1) -> bool:
+    """MXFP8 1x32 on a GPU the kernels run on: the rowwise and columnwise copies can come from ONE read of x."""
+    if fmt.kind != FormatKind.MXFP8 or tuple(fmt.block or (1, 32)) != (1, 32) or parts != 1 or not x16.is_cuda \
+            or x16.shape[-1] % 32:
+        return False
+    from .. import kernels
+
+    return kernels.available()
+
+
+def _fake_ops_rowcol(x16: torch.Tensor, fmt: TensorFormat) -> tuple[fastgemm.Op, fastgemm.Op]:
+    """(_fake_op(x16, fmt, "row"), _fake_op(x16, fmt, "col")) for MXFP8 from one kernel launch over one read of x
+    (kernels.mxfp8_quantize_rowcol: the same bytes as the two separate quantizations, tests/test_kernels.py). The
+    token dim is zero-padded to whole 32-row blocks as for the columnwise copy alone; rowwise blocks run along K, so
+    the padding never touches the real rows' bytes."""
+    from .. import kernels
+
+    x2 = x16.reshape(-1, x16.shape[-1])
+    xp, m = numerics._pad_rows(x2, 32)
+    q_row, q_col = kernels.mxfp8_quantize_rowcol(xp, fmt.element, kernel="triton")
+    return fastgemm.decode_op(q_row, rows=m), fastgemm.decode_op(q_col, rows=m)
+
+
 class FastQLinearFunction(torch.autograd.Function):
     """QLinearFunction's contract (same operands bit for bit, fp32 accumulation) with tensor-core GEMMs; fp8_block
     operands run as native FP8 GEMMs where cuBLASLt takes them. Saves bf16 / quantized operands, not fp32 copies."""
@@ -201,16 +224,23 @@ class FastQLinearFunction(torch.autograd.Function):
     def forward(ctx, x2: torch.Tensor, w: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
         stats = ex.stats
         x16 = x2.to(torch.bfloat16)  # the original BF16 operand
-        ctx.spec, ctx.fw, ctx.ex = spec, fw, ex
+        ctx.spec, ctx.fw, ctx.ex, ctx.x_col = spec, fw, ex, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
             qx = numerics.quantize(x16, spec.activation, what=spec.hf_name)  # the BF16 tensor, as the reference
-            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128),
-                                             spec.activation.element, spec.weight.element, stats)
+            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), spec.activation.element,
+                       spec.weight.element, stats)
             if y is None:
                 y = fastgemm.mm(fastgemm.decode_op(qx), fw.op)
                 stats.add(fastgemm.FP8_FALLBACK)
             xa = None
+        elif spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized \
+                and _rowcol_ok(spec.activation, x16, spec.act_partitions):
+            # quantized backward needs x's columnwise copy: made now, with the rowwise one, from one read of x (TE
+            # quantizes both directions in the forward too); the backward then needs nothing else of x
+            xa, ctx.x_col = _fake_ops_rowcol(x16, spec.activation)
+            y = fastgemm.mm(xa, fw.op, stats)
+            return y
         else:
             xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
                 if spec.activation.is_quantized else fastgemm.Op(x16)
@@ -236,17 +266,25 @@ class FastQLinearFunction(torch.autograd.Function):
             dx = fastgemm.mm(fastgemm.Op(g16), fw.op.t(), stats)
             dw = fastgemm.mm(fastgemm.Op(g16.t()), xa.t(), stats)
             return dx, dw, None, None, None
-        (x16,) = ctx.saved_tensors
+        x_col, ctx.x_col = ctx.x_col, None  # made in the forward (MXFP8 row + col from one read), else below
+        if x_col is not None:
+            x16 = None
+        else:
+            (x16,) = ctx.saved_tensors
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
                 return (*_native_fp8_backward(g16, x16, fw, spec, ex), None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
-            g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
+            if _rowcol_ok(spec.grad, g16):
+                g_row, g_col = _fake_ops_rowcol(g16, spec.grad)
+            else:
+                g_row = _fake_op(g16, spec.grad, what=spec.hf_name + " dgrad")
+                g_col = _fake_op(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
             dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
-            g_col = _fake_op(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
-            x_col = _fake_op(x16, spec.activation, axis="col", what=spec.hf_name) \
-                if spec.activation.is_quantized else fastgemm.Op(x16)
+            if x_col is None:
+                x_col = _fake_op(x16, spec.activation, axis="col", what=spec.hf_name) \
+                    if spec.activation.is_quantized else fastgemm.Op(x16)
             dw = fastgemm.mm(g_col.t(), x_col.t(), stats)
             return dx, dw, None, None, None
         dx = fastgemm.mm(fastgemm.Op(g16), fastgemm.Op(fw.w16.t()), stats)
