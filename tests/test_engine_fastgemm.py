@@ -406,3 +406,20 @@ def test_fast_executor_on_cuda_matches_reference_emulation(policy):
         assert paths.get("native-fp8", 0) > 0, paths
     else:
         assert "native-fp8" not in paths and paths.get("bf16-tc", 0) > 0, paths
+
+
+@pytest.mark.gpu
+def test_mxfp8_rowcol_operands_equal_separate_quantizations():
+    """The quantized-backward MXFP8 operands made from one read (row + col copies in one launch) are bitwise the
+    separately quantized ones, for token counts that are and are not whole 32-row blocks."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from precision_dsl.engine.qlinear import _fake_ops_rowcol
+
+    for m in (1000, 1, 64):
+        x = _x(m, 512).cuda().to(torch.bfloat16)
+        for fmt in (MX, MX5):
+            row, col = _fake_ops_rowcol(x, fmt)
+            for got, axis in ((row, "row"), (col, "col")):
+                want = _fake_op(x, fmt, axis=axis)
+                assert torch.equal(got.v.view(torch.int16), want.v.view(torch.int16)), (m, fmt.short(), axis)
