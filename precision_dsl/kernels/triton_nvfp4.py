@@ -9,6 +9,9 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
     e.g. for a share-scale group).
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
     (no host synchronisation): S_enc/S_dec are derived in every program, identically.
+  * `_nvfp4_row_decoded_kernel` / `_nvfp4_tensor_decoded_kernel` (row_scaled_decoded / per_tensor_decoded): the
+    1x16 kernels above writing the DECODED bf16 values e2m1 x E4M3 scale (the GEMM operand, bitwise triton_decode's
+    decode of these bytes; S_dec kept apart) in the same launch, the bytes optional.
 
 Numerics (see the reference's module docstring for the formulas and _common for the exactness rules):
     S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
@@ -22,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLT_MAX, e2m1_code, f32_const, unpack_pair
+from .triton_decode import _fp8_byte_value, e2m1_value
 
 RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
 
@@ -350,3 +354,166 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantize AND decode in one launch (activations: the GEMM operand in bf16 straight from x, S_dec kept apart)
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _bf16_bits(v):
+    """fp32 -> bf16 (RN, the decode kernels' cast) -> its 16 bits in the low half of an int32."""
+    return v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def _codes_and_values(lo, hi, enc, sf):
+    """Two fp32 elements (2j, 2j+1) -> (packed E2M1 byte exactly as _pack_codes, the two DECODED bf16 values
+    bf16(e2m1(code) * f32(E4M3 scale byte)) packed in one int32 word, element 2j in bits 0-15). The value is what
+    triton_decode._nvfp4_decode_kernel computes from the byte and scale just produced (same jit helpers)."""
+    c_lo = e2m1_code(lo * enc)
+    c_hi = e2m1_code(hi * enc)
+    sf_f = _fp8_byte_value(sf.to(tl.int32), False)
+    word = _bf16_bits(e2m1_value(c_lo) * sf_f) | (_bf16_bits(e2m1_value(c_hi) * sf_f) << 16)
+    return (c_lo | (c_hi << 4)).to(tl.uint8), word
+
+
+@triton.jit
+def _nvfp4_row_decoded_kernel(xp_ptr, valp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp,
+                              stride_vp, stride_d, stride_s, IN_DTYPE: tl.constexpr, WRITE_BYTES: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """_nvfp4_row_scaled_kernel (per-row NVFP4, whole rows per program) writing the decoded bf16 values (as int32
+    pair words, valp [M, K/2]) and S_dec / G per row; WRITE_BYTES: also the packed codes and E4M3 scales."""
+    pid = tl.program_id(0)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_vp = tl.multiple_of(stride_vp, 8)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = tl.arange(0, BLOCK_NB)
+    pr = tl.arange(0, 8)
+    rmask = rows < M
+    mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
+    r64 = rows.to(tl.int64)
+    offs = tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
+    u = tl.load(xp_ptr + offs, mask=mask3, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), 0.0)  # [BM, BNB]
+    g = tl.max(amax_b, axis=1)  # [BM]
+    s_enc, s_dec = _global_scales(g)
+    sf, enc = _block_scale(amax_b, s_enc[:, None], s_dec[:, None])
+    packed, word = _codes_and_values(lo, hi, enc[:, :, None], sf[:, :, None])
+    v_offs = tl.multiple_of(r64 * stride_vp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
+    tl.store(valp_ptr + v_offs, word, mask=mask3)
+    if WRITE_BYTES:
+        stride_d = tl.multiple_of(stride_d, 8)
+        d_offs = tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
+        tl.store(data_ptr + d_offs, packed, mask=mask3)
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & (nb < NB)[None, :])
+    tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+    tl.store(amax_ptr + rows, g, mask=rmask)
+
+
+@triton.jit
+def _nvfp4_tensor_decoded_kernel(xp_ptr, valp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp,
+                                 stride_vp, stride_d, stride_s, IN_DTYPE: tl.constexpr, WRITE_BYTES: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
+    """_nvfp4_tensor_kernel (per-tensor 1x16 NVFP4, G read from g_ptr) writing the decoded bf16 values as int32 pair
+    words (valp [M, K/2]) and S_dec [1]; WRITE_BYTES: also the packed codes and E4M3 scales."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_vp = tl.multiple_of(stride_vp, 8)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    pr = tl.arange(0, 8)
+    rmask = rows < M
+    bmask = nb < NB
+    mask3 = rmask[:, None, None] & bmask[None, :, None]
+    r64 = rows.to(tl.int64)
+    u = tl.load(xp_ptr + tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
+                mask=mask3, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    g = tl.load(g_ptr)
+    s_enc, s_dec = _global_scales(g)
+    if (pid_m == 0) & (pid_b == 0):
+        tl.store(sdec_ptr, s_dec)
+    amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, BNB]
+    sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc, s_dec)
+    packed, word = _codes_and_values(lo, hi, enc[:, :, None], sf[:, :, None])
+    tl.store(valp_ptr + tl.multiple_of(r64 * stride_vp, 8)[:, None, None] + nb[None, :, None] * 8
+             + pr[None, None, :], word, mask=mask3)
+    if WRITE_BYTES:
+        stride_d = tl.multiple_of(stride_d, 8)
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+        tl.store(data_ptr + tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8
+                 + pr[None, None, :], packed, mask=mask3)
+
+
+def _decoded_buffers(m, k, write_bytes, dev):
+    import torch
+
+    vals = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
+    data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev) if write_bytes else None
+    scale = torch.empty((m, k // 16), dtype=torch.uint8, device=dev) if write_bytes else None
+    return vals, data, scale
+
+
+# rows whose whole-row tile exceeds this many pair words are not taken (row_scaled switches to its two-pass loop
+# kernel there); the caller falls back to row_scaled + the decode kernel
+ROW_DECODED_MAX_PAIRS = 16384
+
+
+def row_scaled_decoded(x2, *, write_bytes=False, config=None):
+    """Per-row NVFP4 of a contiguous [M, K] bf16/fp16/fp32 tensor (K % 16 == 0, next_pow2(K/16) * 8 <=
+    ROW_DECODED_MAX_PAIRS) in ONE launch, returned decoded: (values bf16 [M, K] = e2m1 x E4M3 block scale, S_dec
+    fp32 [M], G fp32 [M], data uint8 [M, K/2] or None, scale uint8 [M, K/16] or None). values are bitwise
+    triton_decode.nvfp4_decode_bf16(data, scale) of row_scaled(x2)'s bytes, which write_bytes=True also returns."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    nb = k // 16
+    dev = x2.device
+    vals, data, scale = _decoded_buffers(m, k, write_bytes, dev)
+    sdec = torch.empty((m,), dtype=torch.float32, device=dev)
+    amax = torch.empty((m,), dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        sdec.fill_(1.0)
+        amax.zero_()
+        return vals, sdec, amax, data, scale
+    bm, bnb, warps = config or _launch_cfg_rows(nb)
+    xp = pair_view(x2)
+    vp = vals.view(torch.int32)
+    d_, s_ = (data, scale) if write_bytes else (vp, vp)
+    _nvfp4_row_decoded_kernel[(triton.cdiv(m, bm),)](xp, vp, d_, s_, sdec, amax, m, nb, xp.stride(0), vp.stride(0),
+                                                      d_.stride(0), s_.stride(0), IN_DTYPE=in_dtype_code(x2.dtype),
+                                                      WRITE_BYTES=write_bytes, BLOCK_M=bm, BLOCK_NB=bnb,
+                                                      num_warps=warps, **LAUNCH_OPTS)
+    return vals, sdec, amax, data, scale
+
+
+def per_tensor_decoded(x2, *, write_bytes=False, config=None):
+    """Per-tensor 1x16 NVFP4 of a contiguous [M, K] tensor (K % 16 == 0): the amax pass (tensor_amax), then ONE
+    launch that quantizes and writes the decoded values. Returns (values bf16 [M, K], S_dec fp32 [1], G fp32 [1],
+    data or None, scale or None); values are bitwise nvfp4_decode_bf16 of per_tensor(x2)'s bytes."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    m, k = x2.shape
+    nb = k // 16
+    dev = x2.device
+    g = tensor_amax(x2)
+    vals, data, scale = _decoded_buffers(m, k, write_bytes, dev)
+    sdec = torch.empty((1,), dtype=torch.float32, device=dev)
+    if m == 0 or k == 0:
+        sdec.fill_(1.0)
+        return vals, sdec, g, data, scale
+    bm, bnb, warps = config or (4, min(64, max(1, 1 << (nb - 1).bit_length())), 2)  # per_tensor's 1x16 defaults
+    xp = pair_view(x2)
+    vp = vals.view(torch.int32)
+    d_, s_ = (data, scale) if write_bytes else (vp, vp)
+    grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
+    _nvfp4_tensor_decoded_kernel[grid](xp, vp, d_, s_, g, sdec, m, nb, xp.stride(0), vp.stride(0), d_.stride(0),
+                                       s_.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), WRITE_BYTES=write_bytes,
+                                       BLOCK_M=bm, BLOCK_NB=bnb, num_warps=warps, **LAUNCH_OPTS)
+    return vals, sdec, g, data, scale
