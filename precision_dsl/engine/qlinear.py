@@ -24,7 +24,6 @@ from typing import Optional
 
 import torch
 
-from .. import kernels
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
 from . import fastgemm, numerics
@@ -182,9 +181,7 @@ def _native_fp8(spec: LinearSpec, native: bool) -> bool:
 def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
     """Op whose dense() is bitwise numerics.fake_quantize(_partitioned)(x16) for a bf16 operand: the fused quantize
     kernel, then the elements decoded straight to bf16 (one-pass decode kernels on a GPU, kernels/triton_decode.py),
-    with the second-level scale kept for the epilogue (NVFP4). Rowwise MXFP8 / NVFP4 on a GPU (the forward
-    activation, the dgrad gradient): ONE launch that quantizes and writes the decoded values (the bytes are not
-    needed here; kernels.quantize_decoded, bitwise the same values)."""
+    with the second-level scale kept for the epilogue (NVFP4)."""
     if not fmt.is_quantized:
         return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
             else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
@@ -192,10 +189,6 @@ def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int
     if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
         return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
     x2 = x.reshape(-1, x.shape[-1])
-    if axis == "row" and parts == 1 and x2.is_cuda:
-        fused = kernels.quantize_decoded(x2, fmt)  # None: not a format/shape it takes -> quantize + decode below
-        if fused is not None:
-            return fastgemm.Op(fused[0], fused[1])
     xp, m = numerics._pad_rows(x2, numerics._block_rows(fmt, axis))
     return fastgemm.decode_op(numerics.quantize(xp, fmt, axis=axis, what=what), rows=m)
 

@@ -106,21 +106,14 @@ def _fused_weight_operand(q, data: torch.Tensor, device) -> Optional[Operand]:
 # activations: this engine's own quantizers (rollout_quant)
 # ---------------------------------------------------------------------------------------------------------------
 def _fused_operand(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
-    """The same operand from the fused Triton kernels (CUDA): one launch per MXFP8 / per-token NVFP4 activation
-    (kernels.quantize_decoded: quantize and decode to bf16 in one kernel; per-tensor NVFP4 adds its amax pass)
-    instead of the ~25-40 eager ops of rollout_quant, which make a decode step launch-bound. Same bytes: both
-    implementations are checked byte for byte against the golden vectors (tests/test_rollout_numerics.py,
-    tests/test_kernels.py) and against each other here (tests/test_rollout_gpu.py); the one-launch values are
-    bitwise the quantize + decode kernels' (tests/test_kernels_decoded.py). None: a format/shape the kernels do not
-    take (rollout_quant runs)."""
+    """The same operand from the fused Triton kernels (CUDA): one or two launches per activation instead of the ~25-40
+    eager ops of rollout_quant, which make a decode step launch-bound. Same bytes: both implementations are checked
+    byte for byte against the golden vectors (tests/test_rollout_numerics.py, tests/test_kernels.py) and against
+    each other here (tests/test_rollout_gpu.py). None: a format/shape the kernels do not take (rollout_quant runs)."""
     from .. import kernels
 
     m, k = x16.shape
     block = tuple(fmt.block or ())
-    if fmt.kind in (FormatKind.MXFP8, FormatKind.NVFP4):
-        fused = kernels.quantize_decoded(x16, fmt)  # None: not taken here -> quantize + decode below
-        if fused is not None:
-            return Operand("bf16", fused[0], gscale=fused[1])
     if fmt.kind == FormatKind.MXFP8 and block in ((), (1, 32)) and k % 32 == 0:
         from ..kernels.triton_decode import mxfp8_decode_bf16
 

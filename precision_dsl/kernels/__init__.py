@@ -19,11 +19,6 @@ The per-format entry points take the reference modules' own arguments (benchmark
     mxfp8_quantize_rowcol(x, element="e4m3", kernel="auto") -> (rowwise, columnwise)   # one read of x for both
     fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None, kernel="auto")
 
-GEMM operands in one launch (rowwise MXFP8 1x32 / NVFP4 1x16, the decoded bf16 values straight from x, bitwise
-`engine.fastgemm.decode_op(quantize(x, fmt))`; None for a call they do not take -> quantize + decode as before):
-    quantize_decoded(x, fmt) -> (values_bf16, s_dec_or_None) | None
-    quantize_with_decoded(x, fmt) -> (q, values_bf16, s_dec_or_None) | None        # also the bytes + scales
-
 Triton is imported only when a kernel launches (the package itself needs formats/, i.e. torch).
 """
 
@@ -38,8 +33,8 @@ from typing import Callable, Optional
 from ..formats import FormatInputError, check_format, fp8_block_args, mxfp8_layout, nvfp4_args
 from ..precision import FormatKind
 
-__all__ = ["KERNELS", "KernelUnavailable", "available", "quantize", "quantize_decoded", "quantize_with_decoded",
-           "nvfp4_quantize", "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize"]
+__all__ = ["KERNELS", "KernelUnavailable", "available", "quantize", "nvfp4_quantize",
+           "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize"]
 
 KERNELS = ("auto", "triton", "reference")
 
@@ -302,112 +297,3 @@ def quantize(x, fmt, *, axis: str = "row", global_amax=None, kernel: str = "auto
         return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt, kernel=kernel)
     _choose(kernel, x, lambda: f"no Triton kernel for {fmt.short()}", fmt.short())
     return _ran(formats.quantize(x, fmt, axis=axis, global_amax=global_amax), "reference")
-
-
-# ---- quantize AND decode in one launch (activation GEMM operands) -------------------------------------------------
-_DECODED_SPEC: dict = {}  # id(fmt) -> (fmt, spec): the per-format dispatch, decided once per TensorFormat object
-_DECODED_DEV: dict = {}  # CUDA device index -> the fused kernels can run there (available() and sm_89+)
-_DECODED_DTYPES: tuple = ()
-
-
-def _decoded_spec(fmt):
-    """("mx", element) | ("nv", per_row) | None for a TensorFormat (None: not a format quantize_decoded takes)."""
-    hit = _DECODED_SPEC.get(id(fmt))
-    if hit is not None and hit[0] is fmt:
-        return hit[1]
-    spec = None
-    kind = getattr(fmt, "kind", None)
-    block = tuple(fmt.block or ()) if kind is not None else None
-    if kind == FormatKind.MXFP8 and block in ((), (1, 32)) and fmt.element in ("e4m3", "e5m2"):
-        spec = ("mx", fmt.element)
-    elif kind == FormatKind.NVFP4 and block in ((), (1, 16)) and fmt.global_scale in (None, "tensor", "row",
-                                                                                     "expert"):
-        spec = ("nv", fmt.global_scale == "row")  # "expert" without a given amax: per tensor (as quantize)
-    if kind is not None:
-        _DECODED_SPEC[id(fmt)] = (fmt, spec)  # holds fmt: its id cannot be reused while cached
-    return spec
-
-
-def _decoded_device_ok(x) -> bool:
-    """The fused kernels can take tensor x (device, dtype) - the hot-path form of _why_not_device."""
-    global _DECODED_DTYPES
-    if not _DECODED_DTYPES:
-        import torch
-
-        _DECODED_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
-    if x.dtype not in _DECODED_DTYPES or x.numel() == 0 or x.dim() < 1:
-        return False
-    if x.is_cuda:
-        idx = x.device.index
-        ok = _DECODED_DEV.get(idx)
-        if ok is None:
-            ok = _DECODED_DEV[idx] = not interpreting() and _why_not_device(x) is None
-        return ok
-    return interpreting() and _why_not_device(x) is None
-
-
-_DECODED_KERN: list = []  # [triton_mxfp8, triton_nvfp4], imported on first use (Triton only when a kernel launches)
-
-
-def _quantize_decoded(x, fmt, write_bytes: bool):
-    spec = _decoded_spec(fmt)
-    if spec is None or not _decoded_device_ok(x):
-        return None
-    k = x.shape[-1]
-    if k % (32 if spec[0] == "mx" else 16):
-        return None
-    if spec[0] == "nv" and spec[1] and _nv_row_blocks(k) * 8 > _ROW_DECODED_MAX_PAIRS:
-        return None
-    if not _DECODED_KERN:
-        from . import triton_mxfp8, triton_nvfp4
-
-        assert triton_nvfp4.ROW_DECODED_MAX_PAIRS == _ROW_DECODED_MAX_PAIRS
-        _DECODED_KERN[:] = [triton_mxfp8, triton_nvfp4]
-    x2 = x if x.dim() == 2 else x.reshape(-1, k)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    with _on_device(x2):
-        if spec[0] == "mx":
-            vals, data, scale = _DECODED_KERN[0].quantize_row_decoded(x2, spec[1], write_bytes=write_bytes)
-            sdec = g = None
-        elif spec[1]:
-            vals, sdec, g, data, scale = _DECODED_KERN[1].row_scaled_decoded(x2, write_bytes=write_bytes)
-        else:
-            vals, sdec, g, data, scale = _DECODED_KERN[1].per_tensor_decoded(x2, write_bytes=write_bytes)
-    if x.dim() != 2:
-        vals = vals.view(x.shape)
-    if not write_bytes:
-        return vals, sdec
-    from ..formats.base import QuantizedTensor
-
-    q = QuantizedTensor(fmt=fmt, shape=tuple(x.shape), data=data, scale=scale, global_scale=sdec, global_amax=g,
-                        axis="row", orig_dtype=x.dtype, kernel="triton")
-    return q, vals, sdec
-
-
-_ROW_DECODED_MAX_PAIRS = 16384  # = triton_nvfp4.ROW_DECODED_MAX_PAIRS (checked on first launch)
-
-
-def _nv_row_blocks(k: int) -> int:
-    """next_pow2(K / 16): the 16-element blocks a whole-row NVFP4 program spans."""
-    return 1 << max(0, (k // 16 - 1).bit_length())
-
-
-def quantize_decoded(x, fmt):
-    """ONE-launch quantize-and-decode of an activation / gradient GEMM operand, rowwise (1x32 MXFP8 e4m3/e5m2;
-    1x16 NVFP4 per row, or per tensor after its amax pass) -> (values, s_dec), or None when the fused kernels do
-    not take this call (another format / block / scope, K not a multiple of the block, a device or dtype they
-    cannot run on): the caller then runs quantize + decode as before.
-
-      values: bf16, x's shape = the decoded elements, bitwise `fastgemm.decode_op(quantize(x, fmt)).v`
-              (MXFP8: fp8 element x 2^(E-127); NVFP4: E2M1 element x E4M3 block scale);
-      s_dec:  None (MXFP8), or NVFP4's fp32 second-level decode scale, [M] per row / [1] per tensor, for the GEMM
-              epilogue (dense value = values * s_dec, bitwise formats.dequantize).
-    The bytes are not written. Runs on a CUDA device the kernels take, or on CPU under TRITON_INTERPRET=1."""
-    return _quantize_decoded(x, fmt, False)
-
-
-def quantize_with_decoded(x, fmt):
-    """quantize_decoded that also writes the bytes: (q, values, s_dec), q the QuantizedTensor that
-    `quantize(x, fmt, kernel="triton")` returns (same bytes), from the same single launch; None as quantize_decoded."""
-    return _quantize_decoded(x, fmt, True)

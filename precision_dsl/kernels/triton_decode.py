@@ -44,27 +44,6 @@ def _fp8_byte_value(q, E5M2: tl.constexpr):
 
 
 @triton.jit
-def e8m0_value(e):
-    """2^(E - 127) as fp32 for an E8M0 byte E (int32 0..255): E = 0 -> 2^-127 (the subnormal 0x00400000), 255 -> NaN.
-    Shared by the decode kernels and the fused quantize-and-decode kernels (triton_mxfp8), so both compute the
-    same product."""
-    dec = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)
-    return tl.where(e == 255, float("nan"), dec)
-
-
-@triton.jit
-def e2m1_value(code):
-    """fp32 value of an E2M1 code (int32 0..15): magnitude {0, .5, 1, 1.5, 2, 3, 4, 6}[code & 7], sign = bit 3, set as
-    a bit (code 8 = -0.0, as the reference LUT). Shared by the NVFP4 decode and quantize-and-decode kernels."""
-    mag = code & 7
-    e = mag >> 1
-    m = mag & 1
-    v = tl.where(e == 0, m.to(tl.float32) * 0.5,
-                 (m + 2).to(tl.float32) * ((e - 2 + 127) << 23).to(tl.float32, bitcast=True))
-    return (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # sign bit (-0.0 kept)
-
-
-@triton.jit
 def _mxfp8_decode_kernel(d_ptr, s_ptr, o_ptr, R, C, stride_d, stride_s, stride_o, E5M2: tl.constexpr,
                          COL: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """out[r, c] = f32(fp8 byte d[r, c]) * 2^(E - 127), E = scale[r, c // 32] (rowwise) or scale[r // 32, c]."""
@@ -77,7 +56,9 @@ def _mxfp8_decode_kernel(d_ptr, s_ptr, o_ptr, R, C, stride_d, stride_s, stride_o
         e = tl.load(s_ptr + (rows64 // 32) * stride_s + cols, mask=mask, other=127).to(tl.int32)
     else:
         e = tl.load(s_ptr + rows64 * stride_s + cols // 32, mask=mask, other=127).to(tl.int32)
-    v = _fp8_byte_value(q, E5M2) * e8m0_value(e)
+    dec = tl.where(e == 0, 0x00400000, e << 23).to(tl.float32, bitcast=True)  # 2^(E-127); E = 0 -> 2^-127
+    dec = tl.where(e == 255, float("nan"), dec)
+    v = _fp8_byte_value(q, E5M2) * dec
     tl.store(o_ptr + rows64 * stride_o + cols, v.to(tl.bfloat16), mask=mask)
 
 
@@ -109,8 +90,14 @@ def _nvfp4_decode_kernel(d_ptr, s_ptr, o_ptr, R, C, stride_d, stride_s, stride_o
     rows64 = rows.to(tl.int64)
     byte = tl.load(d_ptr + rows64 * stride_d + cols // 2, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((cols % 2) * 4)) & 15
+    mag = code & 7
+    e = mag >> 1
+    m = mag & 1
+    v = tl.where(e == 0, m.to(tl.float32) * 0.5,
+                 (m + 2).to(tl.float32) * ((e - 2 + 127) << 23).to(tl.float32, bitcast=True))
+    v = (v.to(tl.int32, bitcast=True) | ((code & 8) << 28)).to(tl.float32, bitcast=True)  # sign bit (-0.0 kept)
     sf = _fp8_byte_value(tl.load(s_ptr + rows64 * stride_s + cols // 16, mask=mask, other=0).to(tl.int32), False)
-    tl.store(o_ptr + rows64 * stride_o + cols, (e2m1_value(code) * sf).to(tl.bfloat16), mask=mask)
+    tl.store(o_ptr + rows64 * stride_o + cols, (v * sf).to(tl.bfloat16), mask=mask)
 
 
 def nvfp4_decode_bf16(data, scale, br: int = 16, bc: int = 256, num_warps: int = 4):

@@ -7,13 +7,9 @@ reductions are plain axis reductions of the same registers, no reshape) and writ
 E4M3 or E5M2 elements. Per block (see the reference docstring):
     a = NaN-ignoring max|x|;  d = RN(a * RN(1/Fmax));  E = e8m0_round_up_satfinite(d);  s = 2^(127-E)
     q = cvt.rn.satfinite(RN(x * s))   (x * s is exact; NaN -> 0x7F)
-`_mxfp8_row_decoded_kernel` (quantize_row_decoded): the rowwise copy written as its DECODED bf16 values (the GEMM
-operand, bitwise triton_decode's decode of these bytes) in the same launch, the bytes optional.
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import triton
@@ -21,7 +17,6 @@ import triton.language as tl
 
 from ..precision import FP8_MAX as FMAX
 from ._common import e8m0_from_amax
-from .triton_decode import _fp8_byte_value, e8m0_value
 
 # RN(1/Fmax) as exact fp32 values (numpy fp32 division is IEEE RN); 1/448 -> 0x3B124925.
 FMAX_RCP = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
@@ -180,74 +175,3 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
             grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
             _mxfp8_rowcol_kernel[grid](*args, G=group, **common)
     return rd, rs, cd, cs
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# quantize AND decode in one launch (activations: the GEMM operand in bf16 straight from x)
-# ---------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _mxfp8_row_decoded_kernel(x_ptr, val_ptr, data_ptr, scale_ptr, M, K, stride_x, stride_v, stride_d, stride_s,
-                              FMAX_RCP: tl.constexpr, E5M2: tl.constexpr, WRITE_BYTES: tl.constexpr,
-                              BM: tl.constexpr, NKB: tl.constexpr):
-    """Rowwise (1x32) MXFP8 of a [BM rows, 32*NKB cols] tile, written as the DECODED bf16 values
-    val = bf16(f32(fp8 byte) * 2^(E-127)) - the byte and E computed exactly as _mxfp8_rowcol(_split)_kernel does,
-    the value exactly as triton_decode._mxfp8_decode_kernel computes it from them (the same jit helpers), so the
-    values are bitwise decode(quantize(x)) with one read of x and no bytes round trip. WRITE_BYTES: also store the
-    fp8 bytes [M, K] and the E8M0 scales [M, K/32]."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    stride_x = tl.multiple_of(stride_x, 32)
-    stride_v = tl.multiple_of(stride_v, 32)
-    r = pid_m * BM + tl.arange(0, BM)
-    kblk = pid_k * NKB + tl.arange(0, NKB)
-    c = tl.arange(0, 32)
-    rows64 = r.to(tl.int64)[:, None, None]  # [BM, 1, 1]
-    cols = kblk[None, :, None] * 32 + c[None, None, :]  # [1, NKB, 32]
-    mask = (r[:, None, None] < M) & (cols < K)
-    x = tl.load(x_ptr + rows64 * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), 0.0)  # [BM, NKB]
-    e, s = e8m0_from_amax(amax, FMAX_RCP)
-    q = _to_fp8_bytes(x * s[:, :, None], E5M2)
-    e_i = e.to(tl.int32)
-    v = _fp8_byte_value(q.to(tl.int32), E5M2) * e8m0_value(e_i)[:, :, None]
-    tl.store(val_ptr + rows64 * stride_v + cols, v.to(tl.bfloat16), mask=mask)
-    if WRITE_BYTES:
-        stride_d = tl.multiple_of(stride_d, 32)
-        tl.store(data_ptr + rows64 * stride_d + cols, q, mask=mask)
-        smask = (r[:, None] < M) & (kblk[None, :] * 32 < K)
-        tl.store(scale_ptr + r.to(tl.int64)[:, None] * stride_s + kblk[None, :], e_i.to(tl.uint8), mask=smask)
-
-
-@functools.lru_cache(maxsize=4096)
-def row_decoded_config(m: int, k: int) -> tuple[int, int, int]:
-    """(BM, NKB, num_warps) of _mxfp8_row_decoded_kernel: up to 8 x 32 columns per program, rows filling ~2048
-    elements (1 row for a single decode token: no masked lanes), 4 warps."""
-    from ._common import next_pow2
-
-    nkb = min(8, next_pow2(k // 32))
-    bm = min(next_pow2(m), max(1, 2048 // (nkb * 32)))
-    return bm, nkb, 4
-
-
-def quantize_row_decoded(x2, element="e4m3", *, write_bytes=False, config=None):
-    """Rowwise 1x32 MXFP8 of a contiguous [M, K] bf16/fp16/fp32 tensor (K % 32 == 0) in ONE launch, returned
-    decoded: (values bf16 [M, K], data uint8 [M, K] or None, scale uint8 [M, K/32] or None). values are bitwise
-    triton_decode.mxfp8_decode_bf16(*quantize_rowcol(x2, element, True, False)[:2]); the bytes (write_bytes=True)
-    are quantize_rowcol's."""
-    import torch
-
-    from ._common import LAUNCH_OPTS
-
-    m, k = x2.shape
-    dev = x2.device
-    vals = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
-    data = torch.empty((m, k), dtype=torch.uint8, device=dev) if write_bytes else None
-    scale = torch.empty((m, k // 32), dtype=torch.uint8, device=dev) if write_bytes else None
-    if m and k:
-        bm, nkb, warps = config or row_decoded_config(m, k)
-        d_, s_ = (data, scale) if write_bytes else (vals, vals)
-        grid = (triton.cdiv(m, bm), triton.cdiv(k // 32, nkb))
-        _mxfp8_row_decoded_kernel[grid](x2, vals, d_, s_, m, k, x2.stride(0), vals.stride(0), d_.stride(0),
-                                        s_.stride(0), FMAX_RCP=FMAX_RCP[element], E5M2=element == "e5m2",
-                                        WRITE_BYTES=write_bytes, BM=bm, NKB=nkb, num_warps=warps, **LAUNCH_OPTS)
-    return vals, data, scale
