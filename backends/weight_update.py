@@ -750,7 +750,10 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
 
 class WeightSender:
     def __init__(self, plan: Plan, transport, bucket_bytes: int = 512 << 20, check_equal: bool = False,
-                 arch_config: Optional[dict] = None, min_buckets: int = 8):
+                 arch_config: Optional[dict] = None, min_buckets: int = 8, gpu_program: Optional[bool] = None):
+        # gpu_program: None = the GPU update program whenever the transport takes GPU buffers (its `gpu_program`)
+        # and the weights are CUDA tensors; False = always the per-unit path (a caller whose weights are fresh
+        # tensors each update: the program binds the sender's tensors once and expects them updated in place)
         # min_buckets (GPU update program only): shrink the buckets until the update has at least this many, so
         # quantization overlaps the transfer even for a small model (bucket_bytes stays the upper bound). 8: the
         # 1.34B NVFP4 update over NCCL went 2.11x -> 1.96x a bare broadcast with it (16: 2.24x; same H200-x2 run,
@@ -758,6 +761,7 @@ class WeightSender:
         self.plan, self.transport, self.bucket_bytes = plan, transport, int(bucket_bytes)
         self.min_buckets = max(1, int(min_buckets))
         self.check_equal = check_equal
+        self.gpu_program = gpu_program
         self.names = _NameMap(plan, arch_config)
         self._groups = {m: g for g in plan.share_scale_groups for m in g.members}
         self._order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
@@ -851,7 +855,7 @@ class WeightSender:
 
     def _fast_ok(self, items: list) -> bool:
         """CUDA weights, a transport that takes GPU buffers, Triton available: the GPU update program."""
-        if not getattr(self.transport, "gpu_program", False):
+        if self.gpu_program is False or not getattr(self.transport, "gpu_program", False):
             return False
         if not items or not all(getattr(x, "is_cuda", False) for _, x in items):
             return False

@@ -451,3 +451,31 @@ def test_min_buckets_deepens_the_gpu_program_pipeline_for_a_small_model(tmp_path
     assert max(b.nbytes for b in deep.buckets) <= -(-one.bytes // 8) and deep.bytes == one.bytes
     names = lambda p: [n for m in p.metas for n in m["names"]]  # noqa: E731
     assert sorted(names(one)) == sorted(names(deep)) and len(names(deep)) == len(set(names(deep)))
+
+
+def test_sender_takes_the_gpu_program_only_where_the_caller_allows_it(monkeypatch):
+    """WeightSender(gpu_program=False) keeps CUDA weights on the per-unit path whatever the transport offers (the
+    engine's live update: fresh weight tensors every step); None follows the transport."""
+    from types import SimpleNamespace
+
+    from precision_dsl import kernels
+
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    plan = resolve(REPO / "policies" / "mxfp8-e2e.policy", load_architecture("tiny-moe"))
+    items = [("w", SimpleNamespace(is_cuda=True))]
+    assert WeightSender(plan, InProcessTransport())._fast_ok(items)
+    assert not WeightSender(plan, InProcessTransport(), gpu_program=False)._fast_ok(items)
+
+
+def test_live_update_falls_back_to_the_host_only_for_device_failures():
+    """The engine's device weight-update path retries on the host for CUDA/Triton/kernel failures only; a
+    programming error is not among them (it must surface, not hide behind the host path)."""
+    from precision_dsl.engine.weight_path import _device_path_errors
+    from precision_dsl.kernels import KernelUnavailable
+
+    caught = _device_path_errors()
+    for e in (RuntimeError("CUDA error"), torch.cuda.OutOfMemoryError("oom"), KernelUnavailable("no sm_89"),
+              OSError("io")):
+        assert isinstance(e, caught), e
+    for e in (NameError("x"), AttributeError("y"), TypeError("z"), KeyError("k"), NonFiniteWeight("w", 3)):
+        assert not isinstance(e, caught), e

@@ -42,7 +42,7 @@ class LiveUpdateChannel:
         if self.device_path and any(w.is_cuda for w in weights.values()):
             try:
                 return self._send(weights, on_gpu=True)
-            except Exception as e:  # noqa: BLE001 - retried on the host path below, which decides
+            except _device_path_errors() as e:  # retried on the host path below, which decides
                 # The host path (the reference, checked by the whole test suite) either sends the same update, so
                 # the device path was at fault: say so and keep using the host path; or it fails too: its error
                 # (a real contract violation such as non-finite weights) is the one raised.
@@ -65,14 +65,27 @@ class LiveUpdateChannel:
         # once and expects them updated in place, while the trainer's BF16 weights are fresh copies of the fp32
         # masters each step. No per-tensor sha256 on the host either: the loop compares every quantized weight of
         # trainer and rollout byte for byte after each update (check_weight_bytes), which checks the same thing.
-        if on_gpu:
-            transport.gpu_program = False
-        sender = WeightSender(self.plan, transport, bucket_bytes=self.bucket_bytes, check_equal=not on_gpu)
+        sender = WeightSender(self.plan, transport, bucket_bytes=self.bucket_bytes, check_equal=not on_gpu,
+                              gpu_program=False)
         items = ((n, w.detach().to(torch.bfloat16) if on_gpu else w.detach().to(torch.bfloat16).cpu())
                  for n, w in weights.items())
         report = sender.send(items, weight_version=f"v{self.version}")
         return Payload(transport=transport, plan_hash=report.plan_hash, version=self.version, nbytes=report.bytes,
                        buckets=report.buckets)
+
+
+def _device_path_errors() -> tuple[type[BaseException], ...]:
+    """What the device path may fail with that the host path can still answer: CUDA / torch runtime errors (OOM
+    included), I/O, a kernel that cannot run here, Triton's compile and resource errors. Programming errors
+    (NameError, AttributeError, TypeError, ...) are not in it: they surface instead of hiding behind the host path."""
+    from ..kernels import KernelUnavailable
+
+    errors: tuple[type[BaseException], ...] = (RuntimeError, OSError, ImportError, KernelUnavailable)
+    try:
+        from triton.errors import TritonError
+    except ImportError:
+        return errors
+    return errors + (TritonError,)
 
 
 def receive(payload: Payload, plan: Plan) -> dict[str, object]:
