@@ -51,7 +51,8 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
         print(f"  {policy}: native FP8 refusals: {errors}", file=sys.stderr, flush=True)
     return {
         "policy": policy, "model": model, "prompts": prompts, "digits": digits, "micro_batch": micro_batch,
-        "gemm_paths": res.gemm_paths, "rollout_gemm_paths": res.rollout_gemm_paths, "native_fp8_errors": errors, "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
+        "gemm_paths": res.gemm_paths, "rollout_gemm_paths": res.rollout_gemm_paths, "native_fp8_errors": errors,
+        "weight_update_path": res.weight_update_path, "train_gemm_tflop_per_step": flops_per_step / 1e12,
         "train_gemm_tflops": flops_per_step / med("time_train_s") / 1e12,
         "rollout_s": med("time_rollout_s"), "train_s": med("time_train_s"),
         "reference_s": med("time_reference_s"), "weight_update_s": med("time_weight_update_s"),
@@ -63,7 +64,8 @@ def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, sampl
     }
 
 
-GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "aten::mm", "aten::bmm", "aten::addmm")  # cuBLAS / cuBLASLt / CUTLASS kernels; CPU ops
+# cuBLAS / cuBLASLt / CUTLASS kernel names; the aten GEMM ops for a CPU profile
+GEMM_KERNEL_MARKS = ("gemm", "nvjet", "xmma", "cutlass", "matmul", "aten::mm", "aten::bmm", "aten::addmm")
 
 
 def profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int,

@@ -394,6 +394,7 @@ class NativeFp8Gemm:
                     if stats is not None:
                         stats.add(NATIVE_FP8)
                     return y
-                self.errors[key] = f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math (rel {rel:.2e})"
+                self.errors[key] = (f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math "
+                                    f"(rel {rel:.2e})")
         self.refused[cls] = True
         return None
