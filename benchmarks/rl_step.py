@@ -1,12 +1,14 @@
 """RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
-    # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE and the tiny model side by side
-    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 2 \
-        --model benchmarks/models/moe-h3072:256:6 --model tiny-moe:64:2 --profile-bf16
+    # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE (1024 prompts x 8, trainer micro-batches of 2048 sequences)
+    # and the tiny model side by side (benchmarks/device_rl.sh)
+    python benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
+        --model benchmarks/models/moe-h3072:1024:6:2048 --model tiny-moe:64:2 --profile-bf16
     python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
-`--model NAME[:PROMPTS[:DIGITS]]` (repeatable): a bundled model or HF config directory, prompts per step (x
-`--samples`) and the arithmetic task's digits (longer numbers = longer sequences = more tokens per step). Each
+`--model NAME[:PROMPTS[:DIGITS[:MICRO]]]` (repeatable): a bundled model or HF config directory, prompts per step (x
+`--samples`), the arithmetic task's digits (longer numbers = longer sequences = more tokens per step) and the
+sequences per trainer micro-batch (gradient accumulation; default the whole batch). Each
 (model, policy) runs `--steps` GRPO steps of the embedded engine after `--warmup` steps; the median per-phase time
 is reported. On CUDA the trainer's GEMMs run on tensor cores (engine/fastgemm.py): BF16 operands and bf16-exact
 dequantized MXFP8/NVFP4 operands on BF16 tensor cores (the formats stay EMULATED: quantize -> dequantize -> GEMM,
