@@ -33,6 +33,7 @@ def test_run_writes_metrics_summary_and_plot(tmp_path):
     (["run", "--task", "nope"], "unknown task"),
     (["run", "mxfp8-e2e", "--broken-contract", "per_tensor", "--steps", "1"], "no per-token NVFP4"),
     (["run", "--model", "/nonexistent/dir"], "neither a directory nor a bundled model"),
+    (["run", "--micro-batch", "0"], "--micro-batch"),
 ])
 def test_errors_are_messages_not_tracebacks(tmp_path, args, needle):
     r = runner.invoke(app, args + ["--out", str(tmp_path / "o")])
