@@ -171,3 +171,14 @@ def test_moe_dispatch_is_bitwise_the_per_expert_nonzero_dispatch():
     dx_got, = torch.autograd.grad(got, x, gg)
     dx_want, = torch.autograd.grad(want, x, gg)
     assert torch.equal(dx_got, dx_want)
+
+
+def test_sample_batch_responses_are_the_masked_tokens_of_each_row():
+    tokens = torch.tensor([[0, 5, 6, 7, 9], [4, 5, 8, 2, 0]])
+    resp = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]])
+    from precision_dsl.engine.sampling import SampleBatch
+
+    b = SampleBatch(tokens=tokens, attention_mask=torch.ones_like(tokens), response_mask=resp,
+                    logprobs=torch.zeros(tokens.shape), prompt_len=2)
+    assert b.responses() == [[6, 7], [8, 2, 0]]
+    assert b.rows(slice(1, 2)).responses() == [[8, 2, 0]] and b.rows(slice(0, 9)) is b

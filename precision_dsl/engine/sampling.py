@@ -35,10 +35,10 @@ class SampleBatch:
         return int(self.response_mask.sum())
 
     def responses(self) -> list[list[int]]:
-        out = []
-        for row, m in zip(self.tokens, self.response_mask):
-            out.append(row[m.bool()].tolist())
-        return out
+        # one device -> host copy of the batch, then plain lists (per-row indexing of a GPU tensor was one host sync
+        # per sequence: 8192 per step at 1024 prompts x 8)
+        tokens, mask = self.tokens.tolist(), self.response_mask.tolist()
+        return [[t for t, m in zip(row, keep) if m] for row, keep in zip(tokens, mask)]
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
