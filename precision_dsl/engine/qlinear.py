@@ -234,22 +234,21 @@ class FastQLinearFunction(torch.autograd.Function):
                 y = fastgemm.mm(fastgemm.decode_op(qx), fw.op)
                 stats.add(fastgemm.FP8_FALLBACK)
             xa = None
-        elif spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized \
-                and _rowcol_ok(spec.activation, x16, spec.act_partitions):
-            # quantized backward needs x's columnwise copy: made now, with the rowwise one, from one read of x (TE
-            # quantizes both directions in the forward too); the backward then needs nothing else of x
-            xa, ctx.x_col = _fake_ops_rowcol(x16, spec.activation)
-            y = fastgemm.mm(xa, fw.op, stats)
-            return y
         else:
-            xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
-                if spec.activation.is_quantized else fastgemm.Op(x16)
+            if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized \
+                    and _rowcol_ok(spec.activation, x16, spec.act_partitions):
+                # quantized backward needs x's columnwise copy: made now, with the rowwise one, from one read of x
+                # (TE quantizes both directions in the forward too); the backward then needs nothing else of x
+                xa, ctx.x_col = _fake_ops_rowcol(x16, spec.activation)
+            else:
+                xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
+                    if spec.activation.is_quantized else fastgemm.Op(x16)
             y = fastgemm.mm(xa, fw.op, stats)
         if spec.backward == BackwardMode.DEQUANTIZED:
             if xa is None:
                 xa = fastgemm.decode_op(qx)
             ctx.xa = xa
-        else:
+        elif ctx.x_col is None:
             ctx.save_for_backward(x16)
         return y
 
