@@ -121,8 +121,8 @@ def _compare_weights(trainer_q: dict, rollout_q: dict) -> int:
     bad, pairs, owner = set(), [], []
     for name, q in trainer_q.items():
         r = rollout_q.get(name)
-        a, b = (q.tensors(), r.tensors()) if r is not None else ({}, None)
-        if r is None or a.keys() != b.keys():
+        a, b = q.tensors(), (r.tensors() if r is not None else None)
+        if b is None or a.keys() != b.keys():
             bad.add(name)
             continue
         pairs += [(a[k], b[k]) for k in a]

@@ -93,14 +93,17 @@ def receive(payload: Payload, plan: Plan) -> dict[str, object]:
     return WeightReceiver(plan, payload.transport, check_equal=True).receive(timeout=60)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's stored bytes as a flat uint8 view (dtype views and scalar-vs-[1] shapes compare equal)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte equality regardless of dtype views (uint8 vs float8) and scalar-vs-[1] shapes."""
-    a, b = a.detach(), b.detach()
     if a.device != b.device:  # compare where both live: no host copy of two GPU models per step
         a, b = a.cpu(), b.cpu()
-    a, b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
-    return a.numel() * a.element_size() == b.numel() * b.element_size() and torch.equal(a.view(torch.uint8),
-                                                                                        b.view(torch.uint8))
+    a, b = _bytes(a), _bytes(b)
+    return a.numel() == b.numel() and torch.equal(a, b)
 
 
 def differing(pairs) -> list[int]:
@@ -109,12 +112,11 @@ def differing(pairs) -> list[int]:
     update of a small MoE)."""
     out, pending = [], []
     for i, (a, b) in enumerate(pairs):
-        a, b = a.detach(), b.detach()
         if a.device != b.device or not a.is_cuda:
             if not same_bytes(a, b):
                 out.append(i)
             continue
-        a, b = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        a, b = _bytes(a), _bytes(b)
         if a.numel() != b.numel():
             out.append(i)
         else:
