@@ -26,6 +26,7 @@ is therefore a measured property, as between Megatron/TE and SGLang.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -82,24 +83,22 @@ def weight_operand(q, device) -> Operand:
 
 
 def _fused_weight_operand(q, data: torch.Tensor, device) -> Optional[Operand]:
-    """The same weight operand from the one-pass decode kernels (kernels/triton_decode.py, bitwise the eager decode
-    below: both are the exact element x block scale rounded once to bf16, tests/test_rollout_gpu.py) on a GPU: one
-    launch per weight instead of ~5 eager passes, ~100 weights per update. None: not a CUDA tensor / not a layout
-    the kernels take."""
+    """The same weight operand from fastgemm.decode_op, i.e. the trainer's one-pass decode kernels on a GPU (bitwise
+    the eager decode below: both are the exact element x block scale rounded once to bf16, tests/test_rollout_gpu.py):
+    one launch per weight instead of ~5 eager passes, ~100 weights per update. None: not a CUDA tensor / not a layout
+    the kernels take (16x16 NVFP4 tiles, columnwise copies)."""
     from .. import kernels
+    from .fastgemm import decode_op
 
     fmt = q.fmt
-    if not data.is_cuda or not kernels.available() or q.axis != "row":
+    rowwise_1d = (fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32)) \
+        or (fmt.kind == FormatKind.NVFP4 and tuple(fmt.block or (1, 16)) == (1, 16))
+    if not rowwise_1d or q.axis != "row" or not data.is_cuda or not kernels.available():
         return None
-    from ..kernels.triton_decode import mxfp8_decode_bf16, nvfp4_decode_bf16
-
-    n = q.shape[0]
-    if fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32):
-        return Operand("bf16", mxfp8_decode_bf16(data, q.scale.to(device), fmt.element, "row").view(q.shape))
-    if fmt.kind == FormatKind.NVFP4 and q.scale.shape[0] == n:  # 1x16 blocks (16x16 tiles: the eager path)
-        return Operand("bf16", nvfp4_decode_bf16(data, q.scale.to(device)).view(q.shape),
-                       gscale=q.global_scale.to(device).float())
-    return None
+    on_device = dataclasses.replace(q, data=data, scale=q.scale.to(device), global_scale=None
+                                    if q.global_scale is None else q.global_scale.to(device))
+    op = decode_op(on_device)
+    return Operand("bf16", op.v, gscale=op.s)
 
 
 # ---------------------------------------------------------------------------------------------------------------
