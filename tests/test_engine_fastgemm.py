@@ -45,6 +45,22 @@ def test_fake_op_dense_is_bitwise_the_reference_fake_quant(fmt, axis):
         assert op.s.shape == (40,)  # the per-token S_dec goes to the epilogue, not into the bf16 operand
 
 
+@pytest.mark.parametrize("fmt", [MX, NV_ROW, NV_T, FB_A])
+def test_bf16_dequantized_is_te_dequantize_to_bf16(fmt):
+    """A dequantized backward's operand = the fp32 dequantized value rounded once to bf16 (TE 2.20.2
+    `dequantize(dtype=bf16)`), bitwise; a bf16-exact operand without a second-level scale (MXFP8) comes back as is."""
+    x = _x()
+    op = _fake_op(x, fmt)
+    b = fastgemm.bf16_dequantized(op)
+    ref = numerics.fake_quantize(x, fmt).to(torch.bfloat16)
+    assert b.s is None and b.exact and b.v.dtype == torch.bfloat16
+    assert torch.equal(b.v.view(torch.int16), ref.view(torch.int16))
+    if fmt == MX:
+        assert b is op
+    else:  # fp32 second-level scales: the rounding is real
+        assert not torch.equal(b.v.float(), op.dense())
+
+
 @pytest.mark.parametrize("fmt", [MX, MX5, NV_ROW, NV_T])
 def test_mxfp8_nvfp4_bytes_do_not_depend_on_the_input_dtype(fmt):
     """The fast path quantizes the bf16 operand itself (no fp32 copy): the MXFP8/NVFP4 references compute on the
@@ -168,6 +184,37 @@ def test_fast_executor_matches_reference_on_cpu(policy):
     for n, q in exr.current_quantized().items():  # the weight bytes the rollout must match: unchanged
         qf = exf.current_quantized()[n]
         assert all(torch.equal(a, b) for a, b in zip(q.tensors().values(), qf.tensors().values())), n
+
+
+@pytest.mark.parametrize("policy", ["fp8-blockwise-hopper", "mxfp8-e2e", "nvfp4-pertoken-dequant-backward"])
+def test_linears_reading_one_input_quantize_it_once(monkeypatch, policy):
+    """q/k/v read one tensor, an expert's gate/up read one tensor: its BF16 cast and quantizations are made once for
+    all of them (qlinear.SharedInput), with the same forward and gradients, bit for bit, as one per linear."""
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine import qlinear
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    plan = load_plan(policy, load_architecture("tiny-moe"))
+    ids = torch.randint(3, 32, (4, 24), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = numerics.quantize
+    monkeypatch.setattr(numerics, "quantize", lambda x, fmt, **kw: calls.append(fmt) or real(x, fmt, **kw))
+    out = {}
+    for shared in (False, True):
+        model = load_model(resolve_model_dir("tiny-moe"))
+        ex = TrainerExecutor(plan, model, gemm="fast").install()
+        ex.current_quantized()  # the weights' quantizations, not counted below
+        if not shared:
+            monkeypatch.setattr(ex, "_shared_input", lambda x, x2: qlinear.SharedInput(x2))
+        calls.clear()
+        logits = model(ids)
+        logits.float().pow(2).mean().backward()
+        out[shared] = (logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                       len(calls))
+    (l0, g0, n0), (l1, g1, n1) = out[False], out[True]
+    assert torch.equal(l0, l1) and all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert 0 < n1 < n0, (n1, n0)  # fewer quantizer calls (activations) with the input shared
 
 
 def _size_stride(t, dim, size, stride) -> bool:

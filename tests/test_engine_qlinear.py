@@ -60,13 +60,23 @@ def test_high_precision_backward_uses_original_bf16_operands(operands, wf, af):
 
 
 @pytest.mark.parametrize("wf,af", [(NV_T, NV_ROW), (MX, MX)])
-def test_dequantized_backward_uses_dequantized_forward_operands(operands, wf, af):
+def test_dequantized_backward_uses_bf16_dequantized_forward_operands(operands, wf, af):
+    """TE 2.20.2 (NVTE_BACKWARD_OVERRIDE=dequantized) multiplies `dequantize(dtype=bf16)` of the saved quantized
+    input and weight: the fp32 dequantized values rounded once to bf16."""
     x, w, gy = operands
     _, dx, dw, w_fwd = _run(LinearSpec("t", wf, af, BF16, BackwardMode.DEQUANTIZED), x, w, gy)
-    xq = formats.fake_quantize(bf(x), af, out_dtype=torch.float32).requires_grad_(True)
-    wq = w_fwd.clone().requires_grad_(True)
+    xq32 = formats.fake_quantize(bf(x), af, out_dtype=torch.float32)
+    xq = bf(xq32).requires_grad_(True)
+    wq = bf(w_fwd).requires_grad_(True)
     (xq @ wq.t()).backward(bf(gy))
     assert torch.allclose(dx, xq.grad, rtol=0, atol=1e-6) and torch.allclose(dw, wq.grad, rtol=0, atol=1e-6)
+    if af.kind == FormatKind.NVFP4:  # the fp32 second-level scales make the bf16 rounding real ...
+        assert not torch.equal(bf(xq32), xq32)  # (the per-tensor S_dec of this weight may happen to be exact)
+        x32, w32 = xq32.clone().requires_grad_(True), w_fwd.clone().requires_grad_(True)
+        (x32 @ w32.t()).backward(bf(gy))  # the fp32-operand backward this engine ran before TE's rule was adopted
+        assert not torch.equal(dw, w32.grad)
+    else:  # ... while MXFP8's dequantized values are bf16 already (E4M3 x 2^k)
+        assert torch.equal(bf(xq32), xq32) and torch.equal(bf(w_fwd), w_fwd)
     _, dx_hp, dw_hp, _ = _run(LinearSpec("t", wf, af, BF16, BackwardMode.HIGH_PRECISION), x, w, gy)
     assert not torch.equal(dw, dw_hp)  # the two modes really differ
 

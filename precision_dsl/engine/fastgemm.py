@@ -95,6 +95,15 @@ class Op:
         return Op(self.dense().t(), None, False)
 
 
+def bf16_dequantized(op: Op) -> Op:
+    """The operand's BF16 dequantization, bitwise `dense().to(bfloat16)` (one RNE rounding of the fp32 dequantized
+    value): what a dequantized backward multiplies (TE `dequantize(dtype=bf16)`). A bf16-exact operand without a
+    second-level scale is returned as it is (MXFP8, BF16: the rounding is a no-op)."""
+    if op.s is None and op.exact:
+        return op
+    return Op(op.dense().to(torch.bfloat16))
+
+
 def _split3(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 -> three bf16 terms hi + mid + lo == v exactly, in v's memory layout (RN splitting: each remainder is
     exact in fp32 and has <= 16 resp. <= 8 significant bits)."""

@@ -6,7 +6,11 @@ backward mode. `QLinearFunction` implements the forward and the three backward r
 
   forward          y  = Q_a(x) @ Q_w(W)^T                   (Q = fake quantization in the plan's format)
   high_precision   dx = g @ W_bf16,         dW = g^T @ x_bf16         (backward on the ORIGINAL BF16 operands)
-  dequantized      dx = g @ Q_w(W),         dW = g^T @ Q_a(x)         (backward on the forward's dequantized operands)
+  dequantized      dx = g @ B(Q_w(W)),      dW = g^T @ B(Q_a(x))      (backward on the BF16 dequantization B of the
+                   forward's operands: TE 2.20.2 module/linear.py and grouped_linear.py call
+                   `dequantize(dtype=activation_dtype)` on the saved input and weight; B rounds the fp32 dequantized
+                   value once to bf16, RNE - a no-op for MXFP8 (<= 4 significant bits x 2^k), a real rounding for
+                   NVFP4's and FP8's fp32 second-level scales)
   quantized        dx = Q_g(g) @ Q_w^col(W), dW = Q_g^col(g)^T @ Q_a^col(x)
                    (fp8 / mxfp8 grads; columnwise copies are quantized independently from the BF16 operand, as TE
                    does, with blocks along the contraction dim of each backward GEMM)
@@ -112,7 +116,7 @@ class QLinearFunction(torch.autograd.Function):
         y = x_q @ w_fwd.t()
         ctx.spec = spec
         if spec.backward == BackwardMode.DEQUANTIZED:
-            ctx.save_for_backward(x_q, w_fwd)
+            ctx.save_for_backward(_bf16(x_q), _bf16(w_fwd))  # TE's dequantize(dtype=bf16), see the docstring
         else:  # high_precision and quantized both start from the BF16 operands
             ctx.save_for_backward(x_hp, _bf16(w.detach()))
         return y
@@ -163,6 +167,14 @@ class FastWeight:
         self.q = q  # formats.QuantizedTensor of the forward weight (None: BF16 weight)
         self.col_q: Optional[object] = None
         self.col_op: Optional[fastgemm.Op] = None
+        self._dequant_op: Optional[fastgemm.Op] = None
+
+    @property
+    def dequant_op(self) -> fastgemm.Op:
+        """The weight's BF16 dequantization for a dequantized dgrad (TE: `dequantize(dtype=bf16)`), once per step."""
+        if self._dequant_op is None:
+            self._dequant_op = fastgemm.bf16_dequantized(self.op)
+        return self._dequant_op
 
     @property
     def op(self) -> fastgemm.Op:
@@ -216,40 +228,68 @@ def _fake_ops_rowcol(x16: torch.Tensor, fmt: TensorFormat) -> tuple[fastgemm.Op,
     return fastgemm.decode_op(q_row, rows=m), fastgemm.decode_op(q_col, rows=m)
 
 
+class SharedInput:
+    """One GEMM input as every linear that reads it consumes it: its BF16 copy and each operand derived from it
+    (quantized / decoded / columnwise copies) are made ONCE, on first use, however many linears read the input.
+    q/k/v read one x and an expert's gate/up read one x: Megatron runs those as one fused GEMM each (linear_qkv,
+    linear_fc1) with one input quantization, and so does this (same bytes: the quantizers are deterministic, and a
+    quantization depends only on the input and the format). The linears' autograd contexts hold this object, so the
+    backward's columnwise copies are shared too, and freed with the graph."""
+
+    def __init__(self, x2: torch.Tensor):
+        # the original BF16 operand (activations are BF16 in the trainer); detached: this object lives outside the
+        # autograd graph (each linear's Function returns its own dx)
+        self.x16 = x2.detach().to(torch.bfloat16)
+        self._derived: dict = {}
+
+    def get(self, key: tuple, make):
+        v = self._derived.get(key)
+        if v is None:
+            v = self._derived[key] = make()
+        return v
+
+
 class FastQLinearFunction(torch.autograd.Function):
     """QLinearFunction's contract (same operands bit for bit, fp32 accumulation) with tensor-core GEMMs; fp8_block
     operands run as native FP8 GEMMs where cuBLASLt takes them. Saves bf16 / quantized operands, not fp32 copies."""
 
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor",
+                xs: Optional[SharedInput] = None):
         stats = ex.stats
-        x16 = x2.to(torch.bfloat16)  # the original BF16 operand
-        ctx.spec, ctx.fw, ctx.ex, ctx.x_col = spec, fw, ex, None
+        xs = xs if xs is not None else SharedInput(x2)
+        x16 = xs.x16
+        act = spec.activation
+        ctx.spec, ctx.fw, ctx.ex, ctx.xs, ctx.x_col = spec, fw, ex, xs, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx = numerics.quantize(x16, spec.activation, what=spec.hf_name)  # the BF16 tensor, as the reference
-            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), spec.activation.element,
+            qx = xs.get(("q", act), lambda: numerics.quantize(x16, act, what=spec.hf_name))  # the BF16 tensor
+            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
                        spec.weight.element, stats)
             if y is None:
-                y = fastgemm.mm(fastgemm.decode_op(qx), fw.op)
+                y = fastgemm.mm(xs.get(("op", act, 1), lambda: fastgemm.decode_op(qx)), fw.op)
                 stats.add(fastgemm.FP8_FALLBACK)
             xa = None
         else:
             if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized \
-                    and _rowcol_ok(spec.activation, x16, spec.act_partitions):
+                    and _rowcol_ok(act, x16, spec.act_partitions):
                 # quantized backward needs x's columnwise copy: made now, with the rowwise one, from one read of x
                 # (TE quantizes both directions in the forward too); the backward then needs nothing else of x
-                xa, ctx.x_col = _fake_ops_rowcol(x16, spec.activation)
+                xa, ctx.x_col = xs.get(("rowcol", act), lambda: _fake_ops_rowcol(x16, act))
             else:
-                xa = _fake_op(x16, spec.activation, parts=spec.act_partitions, what=spec.hf_name) \
-                    if spec.activation.is_quantized else fastgemm.Op(x16)
+                xa = xs.get(("op", act, spec.act_partitions),
+                            lambda: _fake_op(x16, act, parts=spec.act_partitions, what=spec.hf_name)) \
+                    if act.is_quantized else fastgemm.Op(x16)
             y = fastgemm.mm(xa, fw.op, stats)
         if spec.backward == BackwardMode.DEQUANTIZED:
             if xa is None:
-                xa = fastgemm.decode_op(qx)
-            ctx.xa = xa
-        elif ctx.x_col is None:
-            ctx.save_for_backward(x16)
+                xa = xs.get(("op", act, 1), lambda: fastgemm.decode_op(qx))
+            op = xa
+            # TE's dequantize(dtype=bf16) of the saved input
+            ctx.xa = xs.get(("bf16-dequantized", act, spec.act_partitions), lambda: fastgemm.bf16_dequantized(op))
+            ctx.xs = None
+        elif ctx.x_col is not None:
+            ctx.xs = None  # the backward needs nothing else of x
         return y
 
     @staticmethod
@@ -262,18 +302,16 @@ class FastQLinearFunction(torch.autograd.Function):
         if spec.backward == BackwardMode.DEQUANTIZED:
             xa = ctx.xa
             del ctx.xa
-            dx = fastgemm.mm(fastgemm.Op(g16), fw.op.t(), stats)
+            dx = fastgemm.mm(fastgemm.Op(g16), fw.dequant_op.t(), stats)
             dw = fastgemm.mm(fastgemm.Op(g16.t()), xa.t(), stats)
-            return dx, dw, None, None, None
+            return dx, dw, None, None, None, None
         x_col, ctx.x_col = ctx.x_col, None  # made in the forward (MXFP8 row + col from one read), else below
-        if x_col is not None:
-            x16 = None
-        else:
-            (x16,) = ctx.saved_tensors
+        xs, ctx.xs = ctx.xs, None
+        x16 = None if xs is None else xs.x16
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
-                return (*_native_fp8_backward(g16, x16, fw, spec, ex), None, None, None)
+                return (*_native_fp8_backward(g16, xs, fw, spec, ex), None, None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
             if _rowcol_ok(spec.grad, g16):
                 g_row, g_col = _fake_ops_rowcol(g16, spec.grad)
@@ -282,16 +320,17 @@ class FastQLinearFunction(torch.autograd.Function):
                 g_col = _fake_op(g16, spec.grad, axis="col", what=spec.hf_name + " wgrad")
             dx = fastgemm.mm(g_row, ex.weight_col_op(spec, fw).t(), stats)
             if x_col is None:
-                x_col = _fake_op(x16, spec.activation, axis="col", what=spec.hf_name) \
+                x_col = xs.get(("col", spec.activation), lambda: _fake_op(x16, spec.activation, axis="col",
+                                                                         what=spec.hf_name)) \
                     if spec.activation.is_quantized else fastgemm.Op(x16)
             dw = fastgemm.mm(g_col.t(), x_col.t(), stats)
-            return dx, dw, None, None, None
+            return dx, dw, None, None, None, None
         dx = fastgemm.mm(fastgemm.Op(g16), fastgemm.Op(fw.w16.t()), stats)
         dw = fastgemm.mm(fastgemm.Op(g16.t()), fastgemm.Op(x16.t()), stats)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
-def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
+def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec: LinearSpec, ex: "TrainerExecutor"):
     """backward=quantized for fp8_block on Hopper: dgrad = Q_g(g)[1x128 along N] x W's columnwise 128x128 copy,
     wgrad = Q_g^col(g)[1x128 along M] x Q_a^col(x)[1x128 along M] (TE Float8BlockScaling), both native FP8 GEMMs;
     a call cuBLASLt refuses is emulated with the same bytes (fp32 GEMM of the dequantized operands)."""
@@ -307,9 +346,10 @@ def _native_fp8_backward(g: torch.Tensor, x16: torch.Tensor, fw: FastWeight, spe
         dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
         stats.add(fastgemm.FP8_FALLBACK)
     gp, _ = numerics._pad_rows(g, 128)  # zero rows never raise a block amax and add nothing to the sum over M
-    xp, _ = numerics._pad_rows(x16, 128)
     qgc = numerics.quantize(gp, spec.grad, axis="col", what=spec.hf_name + " wgrad")  # data [N, Mp]
-    qxc = numerics.quantize(xp, spec.activation, axis="col", what=spec.hf_name)  # data [K, Mp]
+    # data [K, Mp]: x's columnwise copy, once for every linear that reads x
+    qxc = xs.get(("col128", spec.activation), lambda: numerics.quantize(
+        numerics._pad_rows(xs.x16, 128)[0], spec.activation, axis="col", what=spec.hf_name))
     dw = ex.fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
     if dw is None:
         dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())
@@ -343,6 +383,9 @@ class TrainerExecutor:
         self._fwd: dict[str, object] = {}  # hf_name -> fp32 dequantized weight (reference) | FastWeight (fast)
         self.stats = fastgemm.GemmStats()
         self.fp8 = fastgemm.NativeFp8Gemm()  # native FP8 GEMMs and the scale layouts they learn (this executor's)
+        # the last GEMM input seen (tensor, its version, its SharedInput): consecutive linears reading the same
+        # tensor (q/k/v, an expert's gate/up) share its casts and quantizations
+        self._last_input: Optional[tuple] = None
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "
@@ -370,6 +413,15 @@ class TrainerExecutor:
     def invalidate(self) -> None:
         self.quantized.clear()
         self._fwd.clear()
+        self._last_input = None
+
+    def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
+        last = self._last_input
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        xs = SharedInput(x2)
+        self._last_input = (x, x._version, xs)
+        return xs
 
     def _refresh(self) -> None:
         linear = {n: self._params[n] for n in self.specs}
@@ -422,5 +474,6 @@ class TrainerExecutor:
             self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() and w.requires_grad else 1)
             return qlinear(x, w, fw, spec)
         shape = x.shape
-        y = FastQLinearFunction.apply(x.reshape(-1, shape[-1]), w, fw, spec, self)
+        x2 = x.reshape(-1, shape[-1])
+        y = FastQLinearFunction.apply(x2, w, fw, spec, self, self._shared_input(x, x2))
         return y.reshape(*shape[:-1], w.shape[0])

@@ -271,9 +271,22 @@ class IndependentRolloutExecutor:
         from .fastgemm import NativeFp8Gemm
 
         self.fp8 = NativeFp8Gemm()  # this engine's native FP8 GEMMs (own layout state, the trainer's code)
+        # the last GEMM input (tensor, version, {format: operand}): q/k/v and an expert's gate/up read one tensor,
+        # whose activation is quantized once for all of them (as an inference server's fused qkv / gate_up GEMMs)
+        self._last: Optional[tuple] = None
+
+    def _activation(self, x: torch.Tensor, x2: torch.Tensor, fmt: TensorFormat, what: str) -> Operand:
+        last = self._last
+        if last is None or last[0] is not x or last[1] != x._version:
+            last = self._last = (x, x._version, {})
+        op = last[2].get(fmt)
+        if op is None:
+            op = last[2][fmt] = activation_operand(x2, fmt, what)
+        return op
 
     def load(self, name: str, received, device) -> None:
         self.weights[name] = weight_operand(received, device)
+        self._last = None
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
         wop = self.weights[hf_name]
@@ -281,7 +294,7 @@ class IndependentRolloutExecutor:
         x2 = x.reshape(-1, shape[-1])
         parts = self.parts[hf_name]
         if parts == 1:
-            y = gemm(activation_operand(x2, self.act[hf_name], hf_name), wop, self.paths, self.fp8)
+            y = gemm(self._activation(x, x2, self.act[hf_name], hf_name), wop, self.paths, self.fp8)
         else:
             k = x2.shape[1]
             if k % parts:
