@@ -82,9 +82,7 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
     from precision_dsl.engine.loop import RunConfig, run
 
     cuda = device == "cuda"
-    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    if cuda and top:
-        acts.append(ProfilerActivity.CPU)
+    acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU] if cuda else [ProfilerActivity.CPU]
     prof = profile(activities=acts)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -98,35 +96,62 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
 
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
                         samples_per_prompt=samples, train_micro_batch=micro_batch), on_step=on_step)
-    gemm = other = 0.0
-    kernels, runtime = [], []
     from torch.autograd import DeviceType
 
-    for e in prof.key_averages():
+    events = list(prof.events())
+    # the loop's phase ranges (record_function "policyc.<phase>", nested: reference inside train). A kernel belongs to
+    # the innermost range open on the host when it STARTED on the device; the loop synchronises at every phase's end
+    # (its timings need it), so device work never runs into the next phase by more than the launch queue's lag.
+    ranges = sorted(((e.time_range.start, e.time_range.end, e.name.split(".", 1)[1]) for e in events
+                     if e.device_type != DeviceType.CUDA and e.name.startswith("policyc.")), key=lambda r: r[0])
+
+    def phase_of(t0: float) -> str:
+        inner = "other"
+        for a, b, name in ranges:
+            if a > t0:
+                break
+            if t0 <= b:
+                inner = name
+        return inner
+
+    by_kernel: dict = {}
+    runtime: dict = {}
+    for e in events:
         if cuda and e.device_type != DeviceType.CUDA:
-            # a CPU op (with CPU activity also recorded, `top`): the device time of the kernels it launched is
-            # attributed to it as well, so counting it would count those kernels twice; its runtime calls are listed
-            if e.key.startswith("cuda") and e.key != "cudaLaunchKernel":
-                runtime.append((e.self_cpu_time_total / 1e3, e.count, e.key))
+            # a CPU op: its device time is the kernels it launched (counted once, below); host stalls are listed
+            if e.name.startswith("cuda") and e.name != "cudaLaunchKernel":
+                ms, n = runtime.get(e.name, (0.0, 0))
+                runtime[e.name] = (ms + e.self_cpu_time_total / 1e3, n + 1)
             continue
-        t = getattr(e, "self_device_time_total", None) if cuda else e.self_cpu_time_total
-        t = getattr(e, "self_cuda_time_total", 0) if t is None else t
-        if any(k in e.key.lower() for k in GEMM_KERNEL_MARKS):
-            gemm += t
-        else:
-            other += t
-        if t > 0:
-            kernels.append((t / 1e3, e.count, e.key[:90]))
+        if e.name.startswith("policyc.") or (not cuda and e.cpu_parent is not None
+                                               and not e.cpu_parent.name.startswith("policyc.")):
+            continue  # CPU profile: the ops directly under a phase range (their children's time is in theirs)
+        t = (e.time_range.end - e.time_range.start) / 1e3
+        key = (phase_of(e.time_range.start), e.name[:90])
+        ms, n = by_kernel.get(key, (0.0, 0))
+        by_kernel[key] = (ms + t, n + 1)
+    phases: dict = {}
+    for (ph, name), (ms, n) in by_kernel.items():
+        d = phases.setdefault(ph, {"gemm_ms": 0.0, "other_ms": 0.0, "kernels": []})
+        d["gemm_ms" if any(k in name.lower() for k in GEMM_KERNEL_MARKS) else "other_ms"] += ms
+        d["kernels"].append((ms, n, name))
+    gemm = sum(d["gemm_ms"] for d in phases.values())
+    other = sum(d["other_ms"] for d in phases.values())
     m = res.steps[1]
     wall = (m.time_rollout_s + m.time_train_s + m.time_reference_s + m.time_weight_update_s) * 1e3
-    out = {"policy": policy, "gemm_kernel_ms": gemm / 1e3, "other_kernel_ms": other / 1e3, "step_wall_ms": wall,
+    out = {"policy": policy, "gemm_kernel_ms": gemm, "other_kernel_ms": other, "step_wall_ms": wall,
            "gemm_share_of_kernel_time": gemm / max(gemm + other, 1e-9),
-           "gemm_share_of_wall": gemm / 1e3 / max(wall, 1e-9),
+           "gemm_share_of_wall": gemm / max(wall, 1e-9),
            "phases_ms": {k: 1e3 * getattr(m, f"time_{k}_s") for k in ("rollout", "train", "reference",
-                                                                       "weight_update")}}
+                                                                       "weight_update")},
+           "kernel_ms_by_phase": {ph: {"gemm_ms": d["gemm_ms"], "other_ms": d["other_ms"]}
+                                  for ph, d in sorted(phases.items())}}
     if top:
-        out["top_kernels"] = [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(kernels, reverse=True)[:top]]
-        out["runtime_calls"] = [{"cpu_ms": ms, "calls": n, "name": k} for ms, n, k in sorted(runtime, reverse=True)[:8]]
+        out["top_kernels_by_phase"] = {
+            ph: [{"ms": ms, "calls": n, "name": k} for ms, n, k in sorted(d["kernels"], reverse=True)[:top]]
+            for ph, d in sorted(phases.items())}
+        out["runtime_calls"] = [{"cpu_ms": ms, "calls": n, "name": k}
+                                for k, (ms, n) in sorted(runtime.items(), key=lambda kv: -kv[1][0])[:8]]
     return out
 
 
@@ -135,8 +160,10 @@ def print_profile(name: str, pr: dict) -> None:
           f"kernels {pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
           f"{100 * pr['gemm_share_of_kernel_time']:.0f}% of kernel time, {100 * pr['gemm_share_of_wall']:.0f}% of "
           f"wall); phases ms " + " ".join(f"{k} {v:.0f}" for k, v in pr["phases_ms"].items()), flush=True)
-    for k in pr.get("top_kernels", []):
-        print(f"    {k['ms']:8.2f} ms {k['calls']:6d}x  {k['name']}")
+    for ph, d in pr.get("kernel_ms_by_phase", {}).items():
+        print(f"  {ph}: GEMM kernels {d['gemm_ms']:.1f} ms, other kernels {d['other_ms']:.1f} ms")
+        for k in pr.get("top_kernels_by_phase", {}).get(ph, []):
+            print(f"    {k['ms']:8.2f} ms {k['calls']:6d}x  {k['name']}")
     for k in pr.get("runtime_calls", []):
         print(f"    host {k['cpu_ms']:8.2f} ms {k['calls']:6d}x  {k['name']}")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
+from torch.profiler import record_function  # phase ranges for benchmarks/rl_step.py --profile (no-op otherwise)
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..arch import load_architecture
@@ -192,15 +193,16 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
 
     def weight_update() -> tuple[float, int, Optional[bool], int]:
         t0 = time.perf_counter()
-        payload = rollout.channel.send(dict(trainer.named_parameters()))
-        rollout.update_weights(payload)
-        identical, differing = None, 0
-        if cfg.check_weight_bytes:
-            differing = _compare_weights(executor.current_quantized(), rollout.received)
-            identical = differing == 0
-            if not identical and cfg.broken_contract is None:
-                raise ContractViolation(f"{differing} quantized weight(s) differ between trainer and rollout after "
-                                        f"update {payload.version} under a consistent contract")
+        with record_function("policyc.weight_update"):
+            payload = rollout.channel.send(dict(trainer.named_parameters()))
+            rollout.update_weights(payload)
+            identical, differing = None, 0
+            if cfg.check_weight_bytes:
+                differing = _compare_weights(executor.current_quantized(), rollout.received)
+                identical = differing == 0
+                if not identical and cfg.broken_contract is None:
+                    raise ContractViolation(f"{differing} quantized weight(s) differ between trainer and rollout "
+                                            f"after update {payload.version} under a consistent contract")
         return time.perf_counter() - t0, payload.nbytes, identical, differing
 
     weight_update()  # version 1: the rollout engine's first weights
@@ -213,8 +215,9 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
 
         # 2. rollout: the separate engine samples with its KV cache and its own (received) weights
         t0 = time.perf_counter()
-        batch = rollout.generate(prompts, max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                                 generator=sampler_gen, temperature=cfg.temperature)
+        with record_function("policyc.rollout"):
+            batch = rollout.generate(prompts, max_new_tokens=task.max_new_tokens, eos_id=tok.eos_id,
+                                     pad_id=tok.pad_id, generator=sampler_gen, temperature=cfg.temperature)
         t_rollout = time.perf_counter() - t0
 
         # 3. reward (exact match / boxed answer) and 4. group-normalised advantages
@@ -229,44 +232,45 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
         # the clipped policy loss (token mean over the WHOLE batch, so the summed micro-batch gradients are the
         # full batch's), backward; then one optimizer step
         t0 = time.perf_counter()
-        mask = batch.response_mask.float()
-        tokens_total = mask.sum()
-        opt.zero_grad(set_to_none=True)
-        micro = cfg.train_micro_batch or len(prompts)
-        chunks, routing_differ, routing_total, t_ref, loss_sum = [], 0, 0, 0.0, 0.0
-        for lo in range(0, len(prompts), micro):
-            mb = batch.rows(slice(lo, lo + micro))
-            mb_mask, mb_adv = mask[lo:lo + micro], adv[lo:lo + micro]
-            routing = None
-            if mb.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
-                from .routing import RoutingReplay
+        with record_function("policyc.train"):
+            mask = batch.response_mask.float()
+            tokens_total = mask.sum()
+            opt.zero_grad(set_to_none=True)
+            micro = cfg.train_micro_batch or len(prompts)
+            chunks, routing_differ, routing_total, t_ref, loss_sum = [], 0, 0, 0.0, 0.0
+            for lo in range(0, len(prompts), micro):
+                mb = batch.rows(slice(lo, lo + micro))
+                mb_mask, mb_adv = mask[lo:lo + micro], adv[lo:lo + micro]
+                routing = None
+                if mb.routing:  # compare (and with --routing-replay, replay) the rollout's MoE expert choices
+                    from .routing import RoutingReplay
 
-                routing = RoutingReplay(mb.routing, mb.attention_mask[:, :-1], replay=cfg.routing_replay)
-            trainer.routing = routing
-            try:
-                logp = sequence_logprobs(trainer, mb)
-            finally:
-                trainer.routing = None
-            if routing is not None:
-                routing_differ, routing_total = routing_differ + routing.differ, routing_total + routing.total
-            old = logp.detach()  # single update per batch: old policy = current trainer
-            t1 = time.perf_counter()
-            with torch.no_grad():
-                ref_logp = sequence_logprobs(reference, mb)
-            t_ref += time.perf_counter() - t1
+                    routing = RoutingReplay(mb.routing, mb.attention_mask[:, :-1], replay=cfg.routing_replay)
+                trainer.routing = routing
+                try:
+                    logp = sequence_logprobs(trainer, mb)
+                finally:
+                    trainer.routing = None
+                if routing is not None:
+                    routing_differ, routing_total = routing_differ + routing.differ, routing_total + routing.total
+                old = logp.detach()  # single update per batch: old policy = current trainer
+                t1 = time.perf_counter()
+                with torch.no_grad(), record_function("policyc.reference"):
+                    ref_logp = sequence_logprobs(reference, mb)
+                t_ref += time.perf_counter() - t1
 
-            ratio = torch.exp(logp - old)
-            pg = -torch.minimum(ratio * mb_adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * mb_adv)
-            loss = (pg * mb_mask).sum() / tokens_total
-            if cfg.kl_coef:
-                loss = loss + cfg.kl_coef * (k3(logp, ref_logp) * mb_mask).sum() / tokens_total
-            loss.backward()
-            loss_sum += float(loss.detach())
-            chunks.append((old, ref_logp, ratio.detach()))
-        old, ref_logp, ratio = (torch.cat(parts) for parts in zip(*chunks))
-        gnorm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.max_grad_norm))
-        opt.step()
-        executor.invalidate()
+                ratio = torch.exp(logp - old)
+                pg = -torch.minimum(ratio * mb_adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * mb_adv)
+                loss = (pg * mb_mask).sum() / tokens_total
+                if cfg.kl_coef:
+                    loss = loss + cfg.kl_coef * (k3(logp, ref_logp) * mb_mask).sum() / tokens_total
+                loss.backward()
+                loss_sum += float(loss.detach())
+                chunks.append((old, ref_logp, ratio.detach()))
+            old, ref_logp, ratio = (torch.cat(parts) for parts in zip(*chunks))
+            gnorm = float(torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.max_grad_norm))
+            opt.step()
+            executor.invalidate()
         t_train = time.perf_counter() - t0 - t_ref
 
         # 8. live weight update trainer -> rollout (+ byte-identity check of every quantized weight)
