@@ -470,3 +470,22 @@ def test_mxfp8_rowcol_operands_equal_separate_quantizations():
             for got, axis in ((row, "row"), (col, "col")):
                 want = _fake_op(x, fmt, axis=axis)
                 assert torch.equal(got.v.view(torch.int16), want.v.view(torch.int16)), (m, fmt.short(), axis)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 100, 128, 1000])
+def test_fp8_rows16_pads_in_place_with_the_reference_bytes(m):
+    """The native-FP8 activation operand quantized straight into a buffer of roundup(M, 16) rows: its first M rows
+    are the quantizer's bytes, the rest zero bytes with scale 1 (what NativeFp8Gemm's own padding appends)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from precision_dsl.engine.qlinear import _fp8_rows16
+
+    x = _x(m=m, k=384).to(torch.bfloat16).cuda()
+    q, data, scale = _fp8_rows16(x, FB_A)
+    ref = formats.quantize(x.cpu(), FB_A)
+    assert torch.equal(q.data.cpu(), ref.data) and torch.equal(q.scale.cpu(), ref.scale)
+    m16 = -(-m // 16) * 16
+    assert data.shape == (m16, 384) and scale.shape == (m16, 3)
+    assert torch.equal(data[:m].cpu(), ref.data) and torch.equal(scale[:m].cpu(), ref.scale)
+    assert not data[m:].any() and bool((scale[m:] == 1).all())

@@ -228,6 +228,33 @@ def _fake_ops_rowcol(x16: torch.Tensor, fmt: TensorFormat) -> tuple[fastgemm.Op,
     return fastgemm.decode_op(q_row, rows=m), fastgemm.decode_op(q_col, rows=m)
 
 
+def _fp8_rows16(x16: torch.Tensor, fmt: TensorFormat, what: str = ""):
+    """1x128 FP8 quantization of x16 [M, K] as (q, a_data, a_scale): q = numerics.quantize(x16, fmt) (its bytes, for
+    fallbacks and checks); a_data / a_scale hold the same rows in buffers whose row count is a multiple of 16, the
+    extra rows zero bytes with scale 1 - NativeFp8Gemm's own padding of token counts cuBLASLt refuses, which then
+    needs no copy: the kernel writes straight into the padded buffers. Without the kernel (CPU), q's own tensors."""
+    from .. import kernels
+
+    m, k = x16.shape
+    pad = (-m) % 16
+    if not pad or k % 128 or not x16.is_cuda or not kernels.available():
+        q = numerics.quantize(x16, fmt, what=what)
+        return q, q.data, q.scale
+    from ..formats.base import QuantizedTensor
+    from ..kernels import triton_fp8_block as kern
+
+    data = torch.empty(m + pad, k, dtype=torch.uint8, device=x16.device)
+    sinv = torch.empty(m + pad, k // 128, dtype=torch.float32, device=x16.device)
+    data[m:].zero_()
+    sinv[m:].fill_(1.0)
+    with torch.cuda.device(x16.device):
+        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fmt.scale_dtype == "pow2",
+                      out=(data[:m], sinv[:m]))
+    q = QuantizedTensor(fmt=fmt, shape=(m, k), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=x16.dtype,
+                        kernel="triton")
+    return q, data, sinv
+
+
 class SharedInput:
     """One GEMM input as every linear that reads it consumes it: its BF16 copy and each operand derived from it
     (quantized / decoded / columnwise copies) are made ONCE, on first use, however many linears read the input.
@@ -263,10 +290,12 @@ class FastQLinearFunction(torch.autograd.Function):
         ctx.spec, ctx.fw, ctx.ex, ctx.xs, ctx.x_col = spec, fw, ex, xs, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx = xs.get(("q", act), lambda: numerics.quantize(x16, act, what=spec.hf_name))  # the BF16 tensor
-            y = ex.fp8(qx.data, qx.scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
+            qx, a_data, a_scale = xs.get(("q16", act), lambda: _fp8_rows16(x16, act, spec.hf_name))
+            y = ex.fp8(a_data, a_scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
                        spec.weight.element, stats)
-            if y is None:
+            if y is not None:
+                y = y[:x16.shape[0]]
+            else:
                 y = fastgemm.mm(xs.get(("op", act, 1), lambda: fastgemm.decode_op(qx)), fw.op)
                 stats.add(fastgemm.FP8_FALLBACK)
             xa = None
@@ -337,12 +366,13 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
     stats = ex.stats
     m = g.shape[0]
-    qg = numerics.quantize(g, spec.grad, what=spec.hf_name + " dgrad")
+    qg, g_data, g_scale = _fp8_rows16(g, spec.grad, spec.hf_name + " dgrad")
     if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
         fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
-    dx = ex.fp8(qg.data, qg.scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128),
-                                      eg, ew, stats)
-    if dx is None:
+    dx = ex.fp8(g_data, g_scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128), eg, ew, stats)
+    if dx is not None:
+        dx = dx[:m]
+    else:
         dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
         stats.add(fastgemm.FP8_FALLBACK)
     gp, _ = numerics._pad_rows(g, 128)  # zero rows never raise a block amax and add nothing to the sum over M
