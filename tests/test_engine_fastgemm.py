@@ -479,7 +479,7 @@ def test_fp8_rows16_pads_in_place_with_the_reference_bytes(m):
     are the quantizer's bytes, the rest zero bytes with scale 1 (what NativeFp8Gemm's own padding appends)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from precision_dsl.engine.qlinear import _fp8_rows16
+    from precision_dsl.engine.fastgemm import fp8_rows16 as _fp8_rows16
 
     x = _x(m=m, k=384).to(torch.bfloat16).cuda()
     q, data, scale = _fp8_rows16(x, FB_A)

@@ -254,6 +254,34 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
     return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
 
 
+def fp8_rows16(x16: torch.Tensor, fmt, what: str = ""):
+    """1x128 FP8 quantization of x16 [M, K] as (q, a_data, a_scale): q = numerics.quantize(x16, fmt) (its bytes, for
+    fallbacks and checks); a_data / a_scale hold the same rows in buffers whose row count is a multiple of 16, the
+    extra rows zero bytes with scale 1 - NativeFp8Gemm's own padding of token counts cuBLASLt refuses, which then
+    needs no copy: the kernel writes straight into the padded buffers. Without the kernel (CPU), q's own tensors."""
+    from .. import kernels
+    from . import numerics
+
+    m, k = x16.shape
+    pad = (-m) % 16
+    if not pad or k % 128 or not x16.is_cuda or not kernels.available():
+        q = numerics.quantize(x16, fmt, what=what)
+        return q, q.data, q.scale
+    from ..formats.base import QuantizedTensor
+    from ..kernels import triton_fp8_block as kern
+
+    data = torch.empty(m + pad, k, dtype=torch.uint8, device=x16.device)
+    sinv = torch.empty(m + pad, k // 128, dtype=torch.float32, device=x16.device)
+    data[m:].zero_()
+    sinv[m:].fill_(1.0)
+    with torch.cuda.device(x16.device):
+        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fmt.scale_dtype == "pow2",
+                      out=(data[:m], sinv[:m]))
+    q = QuantizedTensor(fmt=fmt, shape=(m, k), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=x16.dtype,
+                        kernel="triton")
+    return q, data, sinv
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------

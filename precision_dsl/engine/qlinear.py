@@ -228,33 +228,6 @@ def _fake_ops_rowcol(x16: torch.Tensor, fmt: TensorFormat) -> tuple[fastgemm.Op,
     return fastgemm.decode_op(q_row, rows=m), fastgemm.decode_op(q_col, rows=m)
 
 
-def _fp8_rows16(x16: torch.Tensor, fmt: TensorFormat, what: str = ""):
-    """1x128 FP8 quantization of x16 [M, K] as (q, a_data, a_scale): q = numerics.quantize(x16, fmt) (its bytes, for
-    fallbacks and checks); a_data / a_scale hold the same rows in buffers whose row count is a multiple of 16, the
-    extra rows zero bytes with scale 1 - NativeFp8Gemm's own padding of token counts cuBLASLt refuses, which then
-    needs no copy: the kernel writes straight into the padded buffers. Without the kernel (CPU), q's own tensors."""
-    from .. import kernels
-
-    m, k = x16.shape
-    pad = (-m) % 16
-    if not pad or k % 128 or not x16.is_cuda or not kernels.available():
-        q = numerics.quantize(x16, fmt, what=what)
-        return q, q.data, q.scale
-    from ..formats.base import QuantizedTensor
-    from ..kernels import triton_fp8_block as kern
-
-    data = torch.empty(m + pad, k, dtype=torch.uint8, device=x16.device)
-    sinv = torch.empty(m + pad, k // 128, dtype=torch.float32, device=x16.device)
-    data[m:].zero_()
-    sinv[m:].fill_(1.0)
-    with torch.cuda.device(x16.device):
-        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fmt.scale_dtype == "pow2",
-                      out=(data[:m], sinv[:m]))
-    q = QuantizedTensor(fmt=fmt, shape=(m, k), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=x16.dtype,
-                        kernel="triton")
-    return q, data, sinv
-
-
 class SharedInput:
     """One GEMM input as every linear that reads it consumes it: its BF16 copy and each operand derived from it
     (quantized / decoded / columnwise copies) are made ONCE, on first use, however many linears read the input.
@@ -290,7 +263,7 @@ class FastQLinearFunction(torch.autograd.Function):
         ctx.spec, ctx.fw, ctx.ex, ctx.xs, ctx.x_col = spec, fw, ex, xs, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx, a_data, a_scale = xs.get(("q16", act), lambda: _fp8_rows16(x16, act, spec.hf_name))
+            qx, a_data, a_scale = xs.get(("q16", act), lambda: fastgemm.fp8_rows16(x16, act, spec.hf_name))
             y = ex.fp8(a_data, a_scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
                        spec.weight.element, stats)
             if y is not None:
@@ -366,7 +339,7 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
     stats = ex.stats
     m = g.shape[0]
-    qg, g_data, g_scale = _fp8_rows16(g, spec.grad, spec.hf_name + " dgrad")
+    qg, g_data, g_scale = fastgemm.fp8_rows16(g, spec.grad, spec.hf_name + " dgrad")
     if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
         fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
     dx = ex.fp8(g_data, g_scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128), eg, ew, stats)

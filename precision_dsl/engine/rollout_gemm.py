@@ -46,6 +46,9 @@ class Operand:
     gscale: Optional[torch.Tensor] = None  # fp32 epilogue scale: [R] per row, [1] per tensor, None
     scale_inv: Optional[torch.Tensor] = None  # fp8: [1] per tensor, [R, K/128] (1x128) or [R/128, K/128] (tiles)
     block: tuple[int, int] = (1, 1)  # fp8 scale granularity along (rows, K)
+    # fp8 1x128 activations on a GPU: (data, scale_inv) of the same rows in buffers padded to a multiple of 16 rows
+    # (zero bytes, scale 1: what NativeFp8Gemm would otherwise append with a copy per GEMM)
+    padded: Optional[tuple] = None
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -124,8 +127,11 @@ def _fused_operand(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
         q = kernels.quantize(x16, fmt)
         return Operand("bf16", nvfp4_decode_bf16(q.data, q.scale), gscale=q.global_scale.float())
     if fmt.kind == FormatKind.FP8_BLOCK and block in ((), (1, 128)):
-        q = kernels.quantize(x16, fmt)
-        return Operand("fp8", q.data.view(rq.F8[fmt.element]), scale_inv=q.scale.float(), block=(1, 128))
+        from .fastgemm import fp8_rows16
+
+        q, data16, scale16 = fp8_rows16(x16, fmt)
+        return Operand("fp8", q.data.view(rq.F8[fmt.element]), scale_inv=q.scale.float(), block=(1, 128),
+                       padded=(data16, scale16))
     return None
 
 
@@ -226,6 +232,10 @@ def _fp8_native(a: Operand, b: Operand, fp8) -> Optional[torch.Tensor]:
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
     if fp8 is None or a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
         return None
+    if a.padded is not None:
+        y = fp8(a.padded[0], a.padded[1], a.block, b.values.view(torch.uint8), b.scale_inv, b.block,
+                _ELEMENT[a.values.dtype], _ELEMENT[b.values.dtype])
+        return None if y is None else y[:a.values.shape[0]]
     return fp8(a.values.view(torch.uint8), a.scale_inv, a.block, b.values.view(torch.uint8), b.scale_inv, b.block,
                _ELEMENT[a.values.dtype], _ELEMENT[b.values.dtype])
 
