@@ -13,6 +13,13 @@ carry into the exponent and no saturation (about 20 % of MXFP8 bytes come out on
 replaces that one builder method with the PTX rule (clamp, then torch's RNE cast). Everything else -- loads, bit
 manipulation, block maxima, E8M0 / E2M1 / E4M3-scale arithmetic, division, packing, stores -- is the kernels' own
 code run by the interpreter, and every output byte is compared.
+
+    TRITON_INTERPRET=1 python tests/kernels_interpreted.py fp8_pad_rowcol   # the padded / row+col FP8 block cases
+
+runs the FP8 block copies of the fp8 backward instead (random inputs with edge rows, no golden vectors): the
+columnwise 1x128 copy of x zero-padded to a multiple of 128 rows (`fp8_block_quantize(..., pad_rows_to=128)`) and
+both 1x128 copies from one read (`fp8_block_quantize_rowcol`), each against the reference quantization of
+`torch.cat([x, zeros])` / of x. tests/test_kernels.py runs the same checks (`fp8_pad_rowcol_checks`) on the GPU.
 """
 
 from __future__ import annotations
@@ -102,6 +109,130 @@ def run_case(file: str, variant: str) -> dict:
     return {"case": f"{file}::{variant}", "paths": sorted(paths), "checks": checks}
 
 
+# ---- FP8 block: row-padded columnwise copy and the one-read row+col copies -----------------------------------------
+# (M, K): M not a multiple of 128 (and a few that are), K a multiple of 128 or not (partial 1x128 blocks). Every
+# (dtype, element, scale) combination runs FP8_PAD_SHAPES; FP8_PAD_MORE_SHAPES and FP8_PAD_BIG run for the combinations
+# in FP8_PAD_MORE (the interpreter takes ~1 s per 1000x1024 launch; the GPU test runs them all).
+FP8_PAD_SHAPES = [(1, 384), (100, 128), (300, 200)]
+FP8_PAD_MORE_SHAPES = [(128, 1024), (300, 384), (1000, 128)]
+FP8_PAD_MORE = [("bfloat16", "e4m3", True), ("bfloat16", "e4m3", False), ("float32", "e5m2", False)]
+FP8_PAD_BIG = (1000, 1024)
+
+
+def fp8_edge_input(m: int, k: int, dtype, seed: int, nan: bool = False):
+    """Random [m, k] input with the edge rows of the FP8 block contract: heavy-tailed rows, a tiny row (Fmax/amax
+    overflows -> the input dtype's max), an all-zero row, negative zeros, a near-saturation row (its elements set
+    the column-block maxima: RN(x * scale) lands at or just past Fmax), input-dtype-max values, a +-Inf row and,
+    with nan=True (GPU only: the interpreter's block max propagates NaN), NaN elements."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 3
+    x[::7] *= torch.exp(torch.randn(x[::7].shape[0], 1, generator=g) * 8)
+    if m > 1:
+        x[1] *= 1e-30
+    if m > 2:
+        x[2] = 0
+    if m > 3:
+        x[3, ::5] = -0.0
+    if m > 4:
+        j = torch.arange(k, dtype=torch.float32)
+        x[4] = 448.0 * (1 + (j % 17) * 2.0 ** -9) * torch.where(j % 2 == 0, 1.0, -1.0) * 1e3
+    if m > 5:
+        x[5, :4] = torch.tensor([1.0, -1.0, 1.0, -1.0]) * torch.finfo(dtype).max
+    if m > 6:
+        x[6, ::3] = float("inf")
+        x[6, 1::3] = float("-inf")
+    if nan and m > 8:
+        x[8, ::4] = float("nan")
+        x[min(m - 1, 130), 7] = float("nan")
+    if m == 1:
+        x[0, ::3] = 0
+    return x.to(dtype)
+
+
+def fp8_pad_rowcol_checks(x, element: str, pow2: bool, pad_rows_to: int = 128, extra: bool = False) -> dict:
+    """Every check of the padded columnwise copy and the row+col copies of x on the kernel path (x's device: CUDA,
+    or CPU under the interpreter) against the reference of x.cpu() padded with torch.cat. extra: also the padded
+    rowwise 1x128 copy, the padded columnwise 128x128 copy and the row+col kernel with BLOCK_C = 256."""
+    import torch
+
+    from precision_dsl import kernels
+    from precision_dsl.formats import fp8_block
+
+    xc = x.cpu()
+    m, k = xc.shape
+    mp = -(-m // pad_rows_to) * pad_rows_to
+    padded = torch.cat([xc, xc.new_zeros(mp - m, k)])
+    want_col = fp8_block.quantize(padded, element, (1, 128), pow2, axis="col")
+    want_row = fp8_block.quantize(xc, element, (1, 128), pow2, axis="row")
+    checks: dict[str, bool] = {}
+
+    def same_q(name, got, want, path):
+        checks[f"{name}.path"] = got.kernel == path
+        checks[f"{name}.data"] = _same(got.data.cpu(), want.data)
+        checks[f"{name}.scale"] = _same(got.scale.cpu(), want.scale)
+        checks[f"{name}.meta"] = (tuple(got.shape), got.axis, got.fmt, got.orig_dtype) == \
+            (tuple(want.shape), want.axis, want.fmt, want.orig_dtype)
+
+    col = kernels.fp8_block_quantize(x, element, (1, 128), pow2, axis="col", pad_rows_to=pad_rows_to, kernel="triton")
+    same_q("col", col, want_col, "triton")
+    checks["col.shape_is_padded"] = (tuple(col.shape), tuple(col.data.shape), tuple(col.scale.shape)) == \
+        ((mp, k), (k, mp), (k, -(-mp // 128)))
+    checks["col.padding_is_zero_bytes"] = bool((col.data[:, m:] == 0).all())
+    same_q("col.reference_path", kernels.fp8_block_quantize(xc, element, (1, 128), pow2, axis="col",
+                                                            pad_rows_to=pad_rows_to, kernel="reference"),
+           want_col, "reference")
+    row, col2 = kernels.fp8_block_quantize_rowcol(x, element, pow2, pad_rows_to=pad_rows_to, kernel="triton")
+    same_q("rowcol.row", row, want_row, "triton")
+    same_q("rowcol.col", col2, want_col, "triton")
+    checks["rowcol.col.padding_is_zero_bytes"] = bool((col2.data[:, m:] == 0).all())
+    rrow, rcol = kernels.fp8_block_quantize_rowcol(xc, element, pow2, pad_rows_to=pad_rows_to, kernel="reference")
+    same_q("rowcol.reference_path.row", rrow, want_row, "reference")
+    same_q("rowcol.reference_path.col", rcol, want_col, "reference")
+    if extra:
+        from precision_dsl.kernels import triton_fp8_block
+
+        rd, rs, cd, cs = triton_fp8_block.quantize_rowcol(x.contiguous(), element, pow2, pad_rows_to, block_c=256,
+                                                          num_warps=4)  # another tiling: the same bytes
+        for name, got, want in (("row.data", rd, want_row.data), ("row.scale", rs, want_row.scale),
+                                ("col.data", cd, want_col.data), ("col.scale", cs, want_col.scale)):
+            checks[f"rowcol.block_c=256.{name}"] = _same(got.cpu(), want)
+        for axis, block in (("row", (1, 128)), ("col", (128, 128))):
+            name = f"pad.{axis}.{block[0]}x{block[1]}"
+            same_q(name, kernels.fp8_block_quantize(x, element, block, pow2, axis=axis, pad_rows_to=pad_rows_to,
+                                                    kernel="triton"),
+                   fp8_block.quantize(padded, element, block, pow2, axis=axis), "triton")
+    return checks
+
+
+def fp8_pad_rowcol_cases() -> list[tuple[tuple[int, int], str, str, bool, int, bool]]:
+    """(shape, dtype name, element, pow2, pad_rows_to, extra) of the interpreted padded / row+col cases."""
+    out = []
+    for dtype in ("bfloat16", "float32"):
+        for element in ("e4m3", "e5m2"):
+            for pow2 in (True, False):
+                out += [(shape, dtype, element, pow2, 128, shape == (300, 200) and element == "e4m3")
+                        for shape in FP8_PAD_SHAPES]
+                if (dtype, element, pow2) in FP8_PAD_MORE:
+                    out += [(shape, dtype, element, pow2, 128, False) for shape in FP8_PAD_MORE_SHAPES]
+    out += [(FP8_PAD_BIG, "bfloat16", "e4m3", True, 128, False), (FP8_PAD_BIG, "float32", "e5m2", False, 128, False)]
+    out += [((100, 256), "bfloat16", "e4m3", False, 256, True), ((300, 128), "float32", "e5m2", True, 1, True)]
+    return out
+
+
+def run_fp8_pad_rowcol() -> None:
+    import torch
+
+    for i, (shape, dtype, element, pow2, pad, extra) in enumerate(fp8_pad_rowcol_cases()):
+        t0 = time.perf_counter()
+        x = fp8_edge_input(*shape, getattr(torch, dtype), seed=1000 + i)
+        checks = fp8_pad_rowcol_checks(x, element, pow2, pad, extra)
+        case = f"fp8_pad_rowcol::{shape[0]}x{shape[1]}_{dtype}_{element}_{'pow2' if pow2 else 'fp32'}_pad{pad}"
+        print(json.dumps({"case": case, "checks": checks, "seconds": round(time.perf_counter() - t0, 2)}),
+              flush=True)
+
+
 def cases(max_elements: int) -> list[tuple[str, str]]:
     """(file, variant) of every golden case small enough for the interpreter that a kernel covers."""
     from safetensors import safe_open
@@ -122,6 +253,9 @@ def cases(max_elements: int) -> list[tuple[str, str]]:
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     exact_fp8_cast()
+    if sys.argv[1:] == ["fp8_pad_rowcol"]:
+        run_fp8_pad_rowcol()
+        return
     for file, variant in cases(int(sys.argv[1]) if len(sys.argv) > 1 else 8192):
         t0 = time.perf_counter()
         result = run_case(file, variant)

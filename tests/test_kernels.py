@@ -221,6 +221,34 @@ def test_fp8_block_random_matches_reference(shape, dtype):
                   fp8_block.quantize(x, element, block, pow2, axis=axis))
 
 
+FP8_PAD_SHAPES = [(m, k) for m in (1, 100, 128, 300, 1000, 4097) for k in (128, 200, 384, 1024)] + [(8191, 2048)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", FP8_PAD_SHAPES, ids=str)
+def test_fp8_block_padded_col_and_rowcol_match_reference(shape, dtype):
+    """The fp8 backward's copies on CUDA vs the reference on CPU (tests/kernels_interpreted.fp8_pad_rowcol_checks,
+    which test_kernels_interpret.py runs interpreted): fp8_block_quantize(x, axis="col", pad_rows_to=128) ==
+    quantize(torch.cat([x, zeros])) and fp8_block_quantize_rowcol(x) == (row of x, padded col) byte for byte,
+    padded columns = zero bytes; e4m3/e5m2, pow2/fp32 scales; edge rows incl. +-Inf and NaN (max.f32 ignores it)."""
+    import kernels_interpreted as ki
+
+    x = ki.fp8_edge_input(*shape, dtype, seed=zlib.crc32(repr((shape, dtype)).encode()), nan=True).cuda()
+    bad = {}
+    for element in ("e4m3", "e5m2"):
+        for pow2 in (True, False):
+            checks = ki.fp8_pad_rowcol_checks(x, element, pow2, extra=shape[0] in (100, 300))
+            bad.update({f"{element} pow2={pow2} {k}": ok for k, ok in checks.items() if not ok})
+            assert len(checks) >= 27
+    if shape[0] == 300:
+        for pad in (1, 256):
+            bad.update({f"pad_rows_to={pad} {k}": ok for k, ok in ki.fp8_pad_rowcol_checks(x, "e4m3", True, pad,
+                                                                                         extra=True).items()
+                        if not ok})
+    assert not bad, f"padded / row+col FP8 block kernels differ from the reference: {sorted(bad)}"
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_tuning_config_gives_the_same_bytes(dtype):

@@ -11,6 +11,10 @@ Not covered here, and why (see tests/kernels_interpreted.py):
   * the fp32 -> fp8 conversion instruction itself: the interpreter's cast is not cvt.rn.satfinite, so the check
     substitutes the PTX rule for that one operation; the instruction is exercised on the H200 only.
   * launch-config sweeps and the one-read MXFP8 row+col kernel on shapes above the size limit (GPU tests).
+FP8 block copies of the fp8 backward (no golden vectors: random inputs with edge rows vs the reference): the
+columnwise 1x128 copy of x zero-padded to a multiple of 128 rows in one launch (`fp8_block_quantize(...,
+pad_rows_to=128)`) and both 1x128 copies from one read (`fp8_block_quantize_rowcol`), e4m3/e5m2, pow2/fp32 scales,
+bf16/fp32, partial K blocks, zeros, tiny / near-saturation / +-Inf rows (NaN: GPU test only, see above).
 """
 
 from __future__ import annotations
@@ -28,14 +32,18 @@ import kernels_interpreted as ki
 import triton  # noqa: F401  (in the test extra: a missing interpreter fails, never skips)
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    assert (ki.GOLDEN_DIR / "index.json").exists(), f"golden vectors not found at {ki.GOLDEN_DIR}"
+def _interpret(*args: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, str(Path(ki.__file__))], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(Path(ki.__file__)), *args], env=env, capture_output=True, text=True,
                          timeout=1200, cwd=ki.REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["case"]: r for r in map(json.loads, out.stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    assert (ki.GOLDEN_DIR / "index.json").exists(), f"golden vectors not found at {ki.GOLDEN_DIR}"
+    return _interpret()
 
 
 def test_every_small_golden_case_runs_the_kernel_and_matches(results):
@@ -74,3 +82,33 @@ def test_kernel_choice_is_explicit_and_refuses_what_cannot_run():
         kernels.quantize(torch.randn(64, 64), mx32, kernel="triton")
     with pytest.raises(FormatInputError, match="kernel must be one of"):
         kernels.quantize(x, fmt, kernel="fast")
+
+
+def test_fp8_block_padded_col_and_rowcol_kernels_match_the_reference():
+    """fp8_block_quantize(x, axis="col", pad_rows_to=128) and fp8_block_quantize_rowcol(x) run interpreted: every
+    data / scale byte, the shape (Mp, K), axis and format equal the reference quantization of
+    torch.cat([x, zeros(Mp - M, K)]) (row copy: of x, unpadded); the padded columns are fp8 zero bytes; the
+    reference paths of both functions give the same (kernels_interpreted.fp8_pad_rowcol_checks)."""
+    results = _interpret("fp8_pad_rowcol")
+    assert len(results) == len(ki.fp8_pad_rowcol_cases()) >= 30
+    bad = {c: [k for k, ok in r["checks"].items() if not ok] for c, r in results.items()
+           if len(r["checks"]) < 27 or not all(r["checks"].values())}
+    assert not bad, f"padded / row+col FP8 block kernels differ from the reference: {bad}"
+
+
+def test_fp8_block_pad_rows_to_is_validated_and_defaults_to_no_padding():
+    from precision_dsl import kernels
+    from precision_dsl.formats import FormatInputError, fp8_block
+
+    x = ki.fp8_edge_input(100, 200, torch.bfloat16, seed=5)
+    for bad in (0, -128, 1.5, True):
+        with pytest.raises(FormatInputError, match="pad_rows_to must be a positive int"):
+            kernels.fp8_block_quantize(x, axis="col", pad_rows_to=bad)
+        with pytest.raises(FormatInputError, match="pad_rows_to must be a positive int"):
+            kernels.fp8_block_quantize_rowcol(x, pad_rows_to=bad)
+    q, want = kernels.fp8_block_quantize(x, axis="col"), fp8_block.quantize(x, axis="col")
+    assert q.shape == want.shape == (100, 200) and torch.equal(q.data, want.data)
+    # N-D input: the padding is over the flattened [M, K] view; Mp == M keeps x's own shape
+    x3 = ki.fp8_edge_input(256, 128, torch.float32, seed=6).view(2, 128, 128)
+    assert kernels.fp8_block_quantize(x3, axis="col", pad_rows_to=128).shape == (2, 128, 128)
+    assert kernels.fp8_block_quantize(x3[:, :50], axis="col", pad_rows_to=128).shape == (128, 128)

@@ -17,7 +17,10 @@ The per-format entry points take the reference modules' own arguments (benchmark
     nvfp4_quantize(x, axis="row", scope="tensor", tile_2d=False, global_amax=None, fmt=None, kernel="auto")
     mxfp8_quantize(x, element="e4m3", axis="row", tile_2d=False, fmt=None, kernel="auto")
     mxfp8_quantize_rowcol(x, element="e4m3", kernel="auto") -> (rowwise, columnwise)   # one read of x for both
-    fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None, kernel="auto")
+    fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None, kernel="auto",
+                       pad_rows_to=1)                 # pad_rows_to: as if x[M, K] were zero-padded to a multiple
+    fp8_block_quantize_rowcol(x, element="e4m3", pow2=True, pad_rows_to=128, fmt=None, kernel="auto")
+        -> (rowwise 1x128, columnwise 1x128 of the row-padded x)                        # one read of x for both
 
 Triton is imported only when a kernel launches (the package itself needs formats/, i.e. torch).
 """
@@ -34,7 +37,7 @@ from ..formats import FormatInputError, check_format, fp8_block_args, mxfp8_layo
 from ..precision import FormatKind
 
 __all__ = ["KERNELS", "KernelUnavailable", "available", "quantize", "nvfp4_quantize",
-           "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize"]
+           "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize", "fp8_block_quantize_rowcol"]
 
 KERNELS = ("auto", "triton", "reference")
 
@@ -258,23 +261,79 @@ def _why_not_fp8_block(x, element, block, axis) -> Optional[str]:
     return None
 
 
+def _padded_rows(x, pad_rows_to) -> tuple[int, int, int]:
+    """(M, Mp, K) of x's [M, K] view zero-padded to Mp = roundup(M, pad_rows_to) rows ((0, 0, 0) for what is not a
+    >= 1-D tensor: the reference refuses that with its own message)."""
+    import torch
+
+    if not isinstance(pad_rows_to, int) or isinstance(pad_rows_to, bool) or pad_rows_to < 1:
+        raise FormatInputError(f"fp8_block: pad_rows_to must be a positive int, got {pad_rows_to!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return 0, 0, 0
+    m = math.prod(x.shape[:-1])
+    return m, -(-m // pad_rows_to) * pad_rows_to, x.shape[-1]
+
+
+def _ref_padded(x, mp: int):
+    """x itself (Mp == M) or its [M, K] view with Mp - M zero rows appended: what the padded copies quantize."""
+    import torch
+
+    m = math.prod(x.shape[:-1])
+    if mp == m:
+        return x
+    x2 = x.reshape(m, x.shape[-1])
+    return torch.cat([x2, x2.new_zeros(mp - m, x2.shape[1])])
+
+
 def fp8_block_quantize(x, element: str = "e4m3", block=(1, 128), pow2: bool = True, axis: str = "row",
-                       fmt: Optional[object] = None, kernel: str = "auto"):
-    """FP8 block scaling (TE Float8BlockScaling), same contract as `precision_dsl.formats.fp8_block.quantize`."""
+                       fmt: Optional[object] = None, kernel: str = "auto", pad_rows_to: int = 1):
+    """FP8 block scaling (TE Float8BlockScaling), same contract as `precision_dsl.formats.fp8_block.quantize`.
+
+    pad_rows_to > 1: the result is that of x's [M, K] view zero-padded to Mp = roundup(M, pad_rows_to) rows
+    (byte for byte `quantize(torch.cat([x, zeros(Mp - M, K)]))`, shape (Mp, K); x itself when Mp == M); the kernel
+    masks its loads instead of materialising the zeros (the wgrad operands of the fp8 backward: axis="col")."""
     from ..formats import fp8_block as ref
 
     block = tuple(block) if isinstance(block, (tuple, list)) else block
+    m, mp, k = _padded_rows(x, pad_rows_to)
     path = _choose(kernel, x, lambda: _why_not_fp8_block(x, element, block, axis), "fp8_block")
     if path == "reference":
-        return _ran(ref.quantize(x, element, block, pow2, axis=axis, fmt=fmt), path)
+        return _ran(ref.quantize(_ref_padded(x, mp), element, block, pow2, axis=axis, fmt=fmt), path)
     from ..formats.base import QuantizedTensor
     from . import triton_fp8_block as kern
 
     x2 = _as_2d(x)
     with _on_device(x2):
-        data, sinv = kern.quantize(x2, element, square=block == (128, 128), pow2=pow2, transpose=axis == "col")
-    return _ran(QuantizedTensor(fmt=fmt or ref.make_format(element, block, pow2), shape=tuple(x.shape), data=data,
-                                scale=sinv, axis=axis, orig_dtype=x.dtype), path)
+        data, sinv = kern.quantize(x2, element, square=block == (128, 128), pow2=pow2, transpose=axis == "col",
+                                   pad_rows_to=pad_rows_to)
+    return _ran(QuantizedTensor(fmt=fmt or ref.make_format(element, block, pow2),
+                                shape=tuple(x.shape) if mp == m else (mp, k), data=data, scale=sinv, axis=axis,
+                                orig_dtype=x.dtype), path)
+
+
+def fp8_block_quantize_rowcol(x, element: str = "e4m3", pow2: bool = True, pad_rows_to: int = 128,
+                              fmt: Optional[object] = None, kernel: str = "auto"):
+    """(rowwise, columnwise) 1x128 FP8 block copies of x from one read of x (the fp8 backward's operands):
+    rowwise = fp8_block_quantize(x, element, (1, 128), pow2, axis="row") (never padded), columnwise =
+    fp8_block_quantize(x, element, (1, 128), pow2, axis="col", pad_rows_to=pad_rows_to), byte for byte."""
+    from ..formats import fp8_block as ref
+
+    m, mp, k = _padded_rows(x, pad_rows_to)
+    path = _choose(kernel, x, lambda: _why_not_fp8_block(x, element, (1, 128), "col"), "fp8_block row+col")
+    if path == "reference":
+        return (_ran(ref.quantize(x, element, (1, 128), pow2, axis="row", fmt=fmt), path),
+                _ran(ref.quantize(_ref_padded(x, mp), element, (1, 128), pow2, axis="col", fmt=fmt), path))
+    from ..formats.base import QuantizedTensor
+    from . import triton_fp8_block as kern
+
+    x2 = _as_2d(x)
+    with _on_device(x2):
+        rd, rs, cd, cs = kern.quantize_rowcol(x2, element, pow2=pow2, pad_rows_to=pad_rows_to)
+    f = fmt or ref.make_format(element, (1, 128), pow2)
+    row = QuantizedTensor(fmt=f, shape=tuple(x.shape), data=rd, scale=rs, axis="row", orig_dtype=x.dtype)
+    col = QuantizedTensor(fmt=f, shape=tuple(x.shape) if mp == m else (mp, k), data=cd, scale=cs, axis="col",
+                          orig_dtype=x.dtype)
+    return _ran(row, path), _ran(col, path)
 
 
 # ---- the one entry point ------------------------------------------------------------------------------------------

@@ -10,6 +10,12 @@ Per block (see the reference docstring):
     a = NaN-ignoring max|x| (partial blocks: valid elements only)
     scale = 1 if a == 0 or a == inf, else RN(Fmax / a) (IEEE div_rn); inf -> max finite of the INPUT dtype
     pow2: scale = bits(scale) & 0xFF800000;  scale_inv = RN(1 / scale);  q = cvt.rn.satfinite(RN(x * scale))
+
+Row padding (the trainer's wgrad contracts over the token dim, so it wants columnwise copies whose token dim is a
+multiple of 128): the kernel takes two row bounds, R_LD for the loads (the real rows, other=0.0) and R >= R_LD for the
+stores, so quantize(..., pad_rows_to=128) writes the quantization of [x; zeros] without materialising the zeros.
+ROWCOL (TRANSPOSE_OUT with 1x128 blocks only): the same [128, BLOCK_C] tile is also quantized in 1x128 row blocks
+and stored untransposed for the real rows (quantize_rowcol: both copies of the fp8 backward from one read of x).
 """
 
 from __future__ import annotations
@@ -33,13 +39,16 @@ def _scale_from_amax(a, FMAX: tl.constexpr, IN_MAX: tl.constexpr, POW2: tl.const
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, R, C, stride_x, stride_d, stride_s, FMAX: tl.constexpr,
-                      IN_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, SQUARE: tl.constexpr,
-                      TRANSPOSE_OUT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      COUNT_BAD: tl.constexpr):
-    """x: [R, C]. Not transposed: blocks of 1x128 (SQUARE=False) or 128x128 along C; data [R, C], scale_inv
-    [R, ceil(C/128)] or [ceil(R/128), ceil(C/128)]. TRANSPOSE_OUT: blocks of 128x1 / 128x128 along R (BLOCK_R must
-    be 128); data [C, R] (= quantization of x.T), scale_inv [C, ceil(R/128)] or [ceil(C/128), ceil(R/128)].
+def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, row_data_ptr, row_sinv_ptr, R, R_LD, C, stride_x, stride_d,
+                      stride_s, stride_rd, stride_rs, FMAX: tl.constexpr, IN_MAX: tl.constexpr, E5M2: tl.constexpr,
+                      POW2: tl.constexpr, SQUARE: tl.constexpr, TRANSPOSE_OUT: tl.constexpr, ROWCOL: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr):
+    """x: [R_LD, C], quantized as if zero-padded to [R, C] (R >= R_LD; R == R_LD: no padding). Not transposed:
+    blocks of 1x128 (SQUARE=False) or 128x128 along C; data [R, C], scale_inv [R, ceil(C/128)] or
+    [ceil(R/128), ceil(C/128)]. TRANSPOSE_OUT: blocks of 128x1 / 128x128 along R (BLOCK_R must be 128); data [C, R]
+    (= quantization of x.T), scale_inv [C, ceil(R/128)] or [ceil(C/128), ceil(R/128)].
+    ROWCOL (TRANSPOSE_OUT, not SQUARE): also the 1x128 row blocks of the tile, for the real rows only: row data
+    [R_LD, C], row scale_inv [R_LD, ceil(C/128)] (BLOCK_C is a multiple of 128, so a tile holds whole row blocks).
     COUNT_BAD: add the tile's NaN/Inf count to *bad_ptr (the weight update's refusal, in the same read of x)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -48,10 +57,11 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, R, C, stride_x, stride
     cb = tl.arange(0, NCB)
     ci = tl.arange(0, 128)
     cols = pid_c * BLOCK_C + cb[:, None] * 128 + ci[None, :]  # [NCB, 128]
-    rmask = rows < R
+    rmask = rows < R  # stores (padded rows included)
     mask = rmask[:, None, None] & (cols < C)[None, :, :]
+    lmask = (rows < R_LD)[:, None, None] & (cols < C)[None, :, :]  # loads: real rows only, padding reads as 0.0
     r64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None, None] * stride_x + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r64[:, None, None] * stride_x + cols[None, :, :], mask=lmask, other=0.0).to(tl.float32)
     ax = tl.abs(x)
     if COUNT_BAD:
         _count_non_finite(ax, bad_ptr)
@@ -91,6 +101,18 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, R, C, stride_x, stride
             q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
             q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        if ROWCOL:  # the rowwise 1x128 copy of the same tile (real rows only, not transposed)
+            ra = tl.maximum(tl.max(ax, axis=2), 0.0)  # [BR, NCB]
+            rscale, rsinv = _scale_from_amax(ra, FMAX, IN_MAX, POW2)
+            ry = x * rscale[:, :, None]
+            if E5M2:
+                rq = ry.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            else:
+                rq = ry.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            rcblk = pid_c * NCB + cb
+            tl.store(row_sinv_ptr + r64[:, None] * stride_rs + rcblk[None, :], rsinv,
+                     mask=(rows < R_LD)[:, None] & (rcblk * 128 < C)[None, :])
+            tl.store(row_data_ptr + r64[:, None, None] * stride_rd + cols[None, :, :], rq, mask=lmask)
         # out[c, r] = q[r, c]: transpose the tile in registers so the store is row-contiguous in the output
         q2 = tl.reshape(q, (BLOCK_R, BLOCK_C))
         qt = tl.trans(q2)  # [BLOCK_C, BLOCK_R]
@@ -99,20 +121,49 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, R, C, stride_x, stride
         tl.store(data_ptr + cols_f.to(tl.int64)[:, None] * stride_d + rows[None, :], qt, mask=tmask)
 
 
+def _pad(m: int, pad_rows_to: int) -> int:
+    if not isinstance(pad_rows_to, int) or isinstance(pad_rows_to, bool) or pad_rows_to < 1:
+        raise ValueError(f"pad_rows_to must be a positive int, got {pad_rows_to!r}")
+    return -(-m // pad_rows_to) * pad_rows_to
+
+
 def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, block_r=None, block_c=None,
-             num_warps=4, out=None, bad=None):
+             num_warps=4, out=None, bad=None, pad_rows_to=1):
     """FP8 block quantization of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor.
 
     transpose=False: the recipe on x (axis="row"); transpose=True: on x.T (axis="col"), data [K, M].
+    pad_rows_to: quantize x zero-padded to Mp = roundup(M, pad_rows_to) rows (the padding is never materialised:
+    masked loads); data [Mp, K] / [K, Mp] and the scale grid of Mp rows. 1 (default): no padding.
     Returns (data uint8, scale_inv fp32 compact grid); `out` = (data, scale_inv) tensors of those shapes to write
     into instead of new ones. bad: an int32 CUDA tensor of one element that the NaN/Inf count of x is added to."""
+    m, k = x2.shape
+    mp = _pad(m, pad_rows_to)
+    nw = num_warps if not (square or transpose) else 8
+    data, sinv, _, _ = _launch(x2, mp, element, square, pow2, transpose, False, block_r, block_c, nw, out, None, bad)
+    return data, sinv
+
+
+def quantize_rowcol(x2, element="e4m3", pow2=True, pad_rows_to=128, *, block_c=None, num_warps=8, out=None,
+                    out_row=None, bad=None):
+    """Both 1x128 copies of a contiguous [M, K] tensor from one read of x: the rowwise one (= quantize(x2, element,
+    pow2=pow2): data [M, K], scale_inv [M, ceil(K/128)], never padded) and the columnwise one (= quantize(x2,
+    element, pow2=pow2, transpose=True, pad_rows_to=pad_rows_to): data [K, Mp], scale_inv [K, ceil(Mp/128)]).
+    Returns (row_data, row_scale_inv, col_data, col_scale_inv); out / out_row: (data, scale_inv) to write into."""
+    m, k = x2.shape
+    mp = _pad(m, pad_rows_to)
+    data, sinv, rd, rs = _launch(x2, mp, element, False, pow2, True, True, None, block_c, num_warps, out, out_row,
+                                 bad)
+    return rd, rs, data, sinv
+
+
+def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, num_warps, out, out_row, bad):
     import torch
 
     from ._common import LAUNCH_OPTS
 
     m, k = x2.shape
     dev = x2.device
-    rr, cc = (k, m) if transpose else (m, k)  # shape of the quantized matrix
+    rr, cc = (k, mp) if transpose else (mp, k)  # shape of the quantized matrix
     if square:
         sgrid = (-(-rr // 128), -(-cc // 128))
     else:
@@ -122,7 +173,14 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
     else:
         data = torch.empty((rr, cc), dtype=torch.uint8, device=dev)
         sinv = torch.empty(sgrid, dtype=torch.float32, device=dev)
-    if m and k:
+    rdata = rsinv = None
+    if rowcol:
+        if out_row is not None:
+            rdata, rsinv = out_row
+        else:
+            rdata = torch.empty((m, k), dtype=torch.uint8, device=dev)
+            rsinv = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=dev)
+    if mp and k:
         in_max = float(torch.finfo(x2.dtype).max)
         if transpose:
             br, bc = 128, block_c or 128
@@ -131,10 +189,11 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
         else:
             br, bc = block_r or 8, block_c or 512
             bc = min(bc, max(128, 1 << (k - 1).bit_length()))
-        grid = (triton.cdiv(m, br), triton.cdiv(k, bc))
-        _fp8_block_kernel[grid](x2, data, sinv, bad if bad is not None else sinv, m, k, x2.stride(0), data.stride(0),
-                                sinv.stride(0), FMAX=FMAX[element], IN_MAX=in_max, E5M2=element == "e5m2", POW2=pow2,
-                                SQUARE=square, TRANSPOSE_OUT=transpose, BLOCK_R=br, BLOCK_C=bc,
-                                COUNT_BAD=bad is not None,
-                                num_warps=num_warps if not (square or transpose) else 8, **LAUNCH_OPTS)
-    return data, sinv
+        grid = (triton.cdiv(mp, br), triton.cdiv(k, bc))
+        rd_arg, rs_arg = (rdata, rsinv) if rowcol else (data, sinv)  # unused unless ROWCOL
+        _fp8_block_kernel[grid](x2, data, sinv, bad if bad is not None else sinv, rd_arg, rs_arg, mp, m, k,
+                                x2.stride(0), data.stride(0), sinv.stride(0), rd_arg.stride(0), rs_arg.stride(0),
+                                FMAX=FMAX[element], IN_MAX=in_max, E5M2=element == "e5m2", POW2=pow2, SQUARE=square,
+                                TRANSPOSE_OUT=transpose, ROWCOL=rowcol, BLOCK_R=br, BLOCK_C=bc,
+                                COUNT_BAD=bad is not None, num_warps=num_warps, **LAUNCH_OPTS)
+    return data, sinv, rdata, rsinv
