@@ -38,10 +38,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from precision_dsl.engine.plans import SEED_POLICIES  # noqa: E402
 
 
+def _release(device: str) -> None:
+    """Free the previous run's models before the next one (the model <-> executor references form cycles that only
+    the cyclic GC frees): policies run one after another in one process."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int, model: str = "tiny-moe",
           digits: int = 2, micro_batch: Optional[int] = None) -> dict:
     from precision_dsl.engine.loop import RunConfig, run
 
+    _release(device)
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=warmup + steps, device=device,
                         prompts_per_step=prompts, samples_per_prompt=samples, check_weight_bytes=True,
                         train_micro_batch=micro_batch))
@@ -94,6 +107,7 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
             sync()
             prof.stop()
 
+    _release(device)
     res = run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
                         samples_per_prompt=samples, train_micro_batch=micro_batch), on_step=on_step)
     from torch.autograd import DeviceType

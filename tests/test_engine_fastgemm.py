@@ -489,3 +489,23 @@ def test_fp8_rows16_pads_in_place_with_the_reference_bytes(m):
     assert data.shape == (m16, 384) and scale.shape == (m16, 3)
     assert torch.equal(data[:m].cpu(), ref.data) and torch.equal(scale[:m].cpu(), ref.scale)
     assert not data[m:].any() and bool((scale[m:] == 1).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 100, 128, 1000])
+def test_fp8_rowcol16_is_the_two_reference_copies(m):
+    """g's rowwise copy (in a 16-row-padded buffer) and its columnwise copy over tokens zero-padded to 128, from one
+    launch: the reference's bytes for each (the columnwise one = the reference on the zero-padded g)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from precision_dsl.engine.fastgemm import fp8_rowcol16
+
+    g = _x(m=m, k=384, seed=4).to(torch.bfloat16)
+    q_row, data, scale, q_col = fp8_rowcol16(g.cuda(), FB_A)
+    ref_row = formats.quantize(g, FB_A)
+    mp = -(-m // 128) * 128
+    ref_col = formats.quantize(torch.cat([g, g.new_zeros(mp - m, 384)]), FB_A, axis="col")
+    assert torch.equal(q_row.data.cpu(), ref_row.data) and torch.equal(q_row.scale.cpu(), ref_row.scale)
+    assert torch.equal(q_col.data.cpu(), ref_col.data) and torch.equal(q_col.scale.cpu(), ref_col.scale)
+    m16 = -(-m // 16) * 16
+    assert data.shape == (m16, 384) and not data[m:].any() and bool((scale[m:] == 1).all())

@@ -282,6 +282,39 @@ def fp8_rows16(x16: torch.Tensor, fmt, what: str = ""):
     return q, data, sinv
 
 
+def fp8_rowcol16(g: torch.Tensor, fmt):
+    """Both 1x128 FP8 copies of g [M, N] from ONE read of g (kernels.fp8_block_quantize_rowcol), for the native
+    backward: (q_row, row_data, row_scale, q_col). q_row = the rowwise copy (dgrad's A operand), with row_data /
+    row_scale its bytes in buffers padded to a multiple of 16 rows as `fp8_rows16` (a zero row quantizes to zero
+    bytes with scale_inv 1, so the padding is the quantization of zero rows); q_col = the columnwise copy of g
+    zero-padded to a multiple of 128 tokens (wgrad's A operand, [N, Mp]), quantized without a padded copy of g."""
+    from .. import kernels
+
+    m, n = g.shape
+    pow2 = fmt.scale_dtype == "pow2"
+    pad = (-m) % 16
+    if not (g.is_cuda and kernels.available()) or n % 128:
+        q_row, q_col = kernels.fp8_block_quantize_rowcol(g, fmt.element, pow2=pow2, pad_rows_to=128, fmt=fmt)
+        return q_row, q_row.data, q_row.scale, q_col
+    from ..formats.base import QuantizedTensor
+    from ..kernels import triton_fp8_block as kern
+
+    data = torch.empty(m + pad, n, dtype=torch.uint8, device=g.device)
+    sinv = torch.empty(m + pad, n // 128, dtype=torch.float32, device=g.device)
+    if pad:
+        data[m:].zero_()
+        sinv[m:].fill_(1.0)
+    with torch.cuda.device(g.device):
+        _, _, cd, cs = kern.quantize_rowcol(g.contiguous(), fmt.element, pow2=pow2, pad_rows_to=128,
+                                            out_row=(data[:m], sinv[:m]))
+    q_row = QuantizedTensor(fmt=fmt, shape=(m, n), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=g.dtype,
+                            kernel="triton")
+    mp = cd.shape[1]
+    q_col = QuantizedTensor(fmt=fmt, shape=(mp, n), data=cd, scale=cs, axis="col", orig_dtype=g.dtype,
+                            kernel="triton")
+    return q_row, data, sinv, q_col
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # native FP8 block-scaled GEMM (Hopper)
 # ---------------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
 from . import fastgemm, numerics
@@ -82,9 +83,11 @@ def group_amaxes(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 @torch.no_grad()
-def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, object]:
+def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
+                     bf16_out: Optional[dict] = None) -> dict[str, object]:
     """hf_name -> QuantizedTensor (quantized linears) or a BF16 tensor (everything else), from BF16(master).
-    This is the trainer's forward weight; the weight-update sender must produce the same bytes."""
+    This is the trainer's forward weight; the weight-update sender must produce the same bytes. `bf16_out`, if
+    given, receives each quantized weight's BF16(master) (the trainer's backward operand), made here once."""
     by_name = plan.by_name()
     amax = group_amaxes(plan, weights)
     out: dict[str, object] = {}
@@ -97,8 +100,10 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, 
         if tp.is_linear and fmt.is_quantized:
             ga = amax.get(tp.share_scale_group) if fmt.kind == FormatKind.NVFP4 else None
             out[name] = numerics.quantize(w16, fmt, global_amax=ga, what=name)
-        else:
-            out[name] = w16.clone()
+            if bf16_out is not None:
+                bf16_out[name] = w16
+        else:  # .to() made a new tensor unless the master is BF16 already: then a copy, not an alias of it
+            out[name] = w16.clone() if w16.data_ptr() == w.data_ptr() else w16
     return out
 
 
@@ -339,7 +344,8 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     ew, ea, eg = spec.weight.element, spec.activation.element, spec.grad.element
     stats = ex.stats
     m = g.shape[0]
-    qg, g_data, g_scale = fastgemm.fp8_rows16(g, spec.grad, spec.hf_name + " dgrad")
+    # g's rowwise (dgrad) and columnwise (wgrad, tokens zero-padded to whole 128-blocks) copies from one read of g
+    qg, g_data, g_scale, qgc = fastgemm.fp8_rowcol16(g, spec.grad)
     if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
         fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
     dx = ex.fp8(g_data, g_scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128), eg, ew, stats)
@@ -348,11 +354,11 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     else:
         dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
         stats.add(fastgemm.FP8_FALLBACK)
-    gp, _ = numerics._pad_rows(g, 128)  # zero rows never raise a block amax and add nothing to the sum over M
-    qgc = numerics.quantize(gp, spec.grad, axis="col", what=spec.hf_name + " wgrad")  # data [N, Mp]
-    # data [K, Mp]: x's columnwise copy, once for every linear that reads x
-    qxc = xs.get(("col128", spec.activation), lambda: numerics.quantize(
-        numerics._pad_rows(xs.x16, 128)[0], spec.activation, axis="col", what=spec.hf_name))
+    # x's columnwise copy [K, Mp] (zero rows never raise a block amax and add nothing to the sum over M), once for
+    # every linear that reads x, quantized without a padded copy of x
+    act = spec.activation
+    qxc = xs.get(("col128", act), lambda: kernels.fp8_block_quantize(
+        xs.x16, act.element, (1, 128), act.scale_dtype == "pow2", axis="col", fmt=act, pad_rows_to=128))
     dw = ex.fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
     if dw is None:
         dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())
@@ -428,7 +434,8 @@ class TrainerExecutor:
 
     def _refresh(self) -> None:
         linear = {n: self._params[n] for n in self.specs}
-        q = quantize_weights(self.plan, linear)
+        w16s: dict = {}
+        q = quantize_weights(self.plan, linear, w16s)
         fast = self.fast
         for n, v in q.items():
             if isinstance(v, torch.Tensor):
@@ -436,8 +443,7 @@ class TrainerExecutor:
             else:
                 self.quantized[n] = v
                 if fast:
-                    w16 = linear[n].detach().to(torch.bfloat16)
-                    self._fwd[n] = FastWeight(w16, q=v)
+                    self._fwd[n] = FastWeight(w16s[n], q=v)
                 else:
                     self._fwd[n] = numerics.dequantize(v, torch.float32)
 
