@@ -63,6 +63,33 @@ def test_quantized_weights_byte_identical_after_every_update(arch, policy):
         executor.invalidate()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["nvfp4-pertoken-dequant-backward", "mxfp8-e2e", "fp8-blockwise-hopper", "bf16"])
+def test_gpu_update_program_bytes_equal_the_trainers_after_every_update(arch, policy):
+    """CUDA weights: the channel's GPU update program (bound once to its BF16 copy of the masters, refreshed in place
+    each update) delivers, after every update, exactly the bytes the trainer quantizes for its forward."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    plan = load_plan(policy, arch)
+    trainer = load_model(TINY).cuda()
+    executor = TrainerExecutor(plan, trainer).install()
+    rollout = RolloutEngine(trainer.config, plan, device="cuda")
+    channel = LiveUpdateChannel(plan)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for update in range(3):
+        rollout.update_weights(channel.send(dict(trainer.named_parameters())))
+        assert channel.device_path and channel._program is not None, channel.device_path_error
+        for name, q in executor.current_quantized().items():
+            a, b = q.tensors(), rollout.received[name].tensors()
+            assert a.keys() == b.keys(), name
+            for part in a:
+                assert same_bytes(a[part], b[part]), f"update {update}: {name}.{part} differs"
+        with torch.no_grad():  # an optimizer-like change of every weight before the next update
+            for p in trainer.parameters():
+                p.add_(torch.randn(p.shape, generator=g, device="cuda") * 1e-2)
+        executor.invalidate()
+
+
 def test_plan_hash_mismatch_refused_before_touching_buffers(arch):
     trainer = load_model(TINY)
     rollout = RolloutEngine(trainer.config, load_plan("nvfp4-pertoken-dequant-backward", arch))

@@ -7,7 +7,11 @@ them into buckets and ships them over a fresh `InProcessTransport`, with a sha25
 the plan content hash in the handshake BEFORE any tensor is read (precision_dsl.backends.common.PlanMismatch) and verifies the
 digests, and returns {hf_name: QuantizedTensor | BF16 tensor}.
 
-Each update gets its own transport, so a refused update leaves nothing queued for the next one.
+CUDA weights take the GPU update program (backends/update_program.py: segments of grouped launches, no per-tensor
+Python): the channel keeps a BF16 copy of the masters that it refreshes in place each update (one multi-tensor copy,
+as Megatron's optimizer refreshes its BF16 params from the FP32 main params) and binds the program to it once. That
+sender and its transport live as long as the channel; every other update (host path, or after a device failure)
+gets its own transport, so a refused update leaves nothing queued for the next one.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class LiveUpdateChannel:
         self.version = 0
         self.device_path = True  # CUDA weights: quantize and pack on the GPU (see _send); False after a failure there
         self.device_path_error: str | None = None
+        self._program: tuple | None = None  # (names, BF16 shadow tensors, sender, transport, binding): GPU program
 
     def send(self, weights: dict[str, torch.Tensor]) -> Payload:
         self.version += 1
@@ -48,6 +53,7 @@ class LiveUpdateChannel:
                 # (a real contract violation such as non-finite weights) is the one raised.
                 payload = self._send(weights, on_gpu=False)
                 self.device_path = False
+                self._program = None
                 self.device_path_error = f"{type(e).__name__}: {str(e)[:300]}"
                 import sys
 
@@ -56,7 +62,39 @@ class LiveUpdateChannel:
                 return payload
         return self._send(weights, on_gpu=False)
 
+    def _send_program(self, weights: dict[str, torch.Tensor]) -> Payload | None:
+        """The update through the GPU update program, bound once to this channel's BF16 copy of the masters; None
+        when the program cannot take these weights (no Triton, a transport without GPU buffers)."""
+        from ..backends.weight_update import PreparedUpdate
+
+        names = tuple(weights)
+        prog = self._program
+        if prog is None or prog[0] != names:
+            shadow = [w.detach().to(torch.bfloat16) for w in weights.values()]
+            if any(s.data_ptr() == w.data_ptr() for s, w in zip(shadow, weights.values())):
+                shadow = [s.clone() for s in shadow]  # BF16 masters: a copy, never an alias the optimizer moves
+            transport = InProcessTransport()
+            sender = WeightSender(self.plan, transport, bucket_bytes=self.bucket_bytes, gpu_program=True)
+            bound = sender.prepare(list(zip(names, shadow)))
+            if not isinstance(bound, PreparedUpdate):
+                return None
+            prog = self._program = (names, shadow, sender, transport, bound)
+        else:
+            torch._foreach_copy_(prog[1], [w.detach() for w in weights.values()])  # fp32 -> bf16, RN, in place
+        _, _, sender, transport, bound = prog
+        try:
+            report = sender.send(bound, weight_version=f"v{self.version}")
+        except BaseException:
+            self._program = None  # its transport may hold this update's messages: the next update starts afresh
+            raise
+        return Payload(transport=transport, plan_hash=report.plan_hash, version=self.version, nbytes=report.bytes,
+                       buckets=report.buckets)
+
     def _send(self, weights: dict[str, torch.Tensor], on_gpu: bool) -> Payload:
+        if on_gpu:
+            payload = self._send_program(weights)
+            if payload is not None:
+                return payload
         transport = InProcessTransport()
         # on_gpu: CUDA weights stay on the GPU and take the sender's per-unit path there (the converter's
         # quantization with the fused kernels, buckets packed on the device with their on-device checksums) instead
