@@ -190,8 +190,31 @@ def fp8_pad_rowcol_checks(x, element: str, pow2: bool, pad_rows_to: int = 128, e
     rrow, rcol = kernels.fp8_block_quantize_rowcol(xc, element, pow2, pad_rows_to=pad_rows_to, kernel="reference")
     same_q("rowcol.reference_path.row", rrow, want_row, "reference")
     same_q("rowcol.reference_path.col", rcol, want_col, "reference")
+    from precision_dsl.kernels import triton_fp8_block
+
+    m16 = -(-m // 16) * 16
+    if k % 128 == 0:  # the engine's native-FP8 A operands (fastgemm.fp8_rows16 / fp8_rowcol16): rows padded to 16,
+        # the scale grid written outer-dim-major (column stride m16) - the same bytes and scale values
+        want_row16 = fp8_block.quantize(torch.cat([xc, xc.new_zeros(m16 - m, k)]), element, (1, 128), pow2,
+                                        axis="row")
+
+        def a_buffers():
+            return (torch.empty(m16, k, dtype=torch.uint8, device=x.device),
+                    torch.empty(k // 128, m16, dtype=torch.float32, device=x.device).t())
+
+        d, sc = a_buffers()
+        triton_fp8_block.quantize(x.contiguous(), element, pow2=pow2, out=(d, sc), pad_rows_to=16)
+        checks["row16.outer_major.data"] = _same(d.cpu(), want_row16.data)
+        checks["row16.outer_major.scale"] = _same(sc.cpu().contiguous(), want_row16.scale)
+        if mp >= m16:
+            d, sc = a_buffers()
+            _, _, cd, cs = triton_fp8_block.quantize_rowcol(x.contiguous(), element, pow2, pad_rows_to,
+                                                            out_row=(d, sc), row_pad_to=16)
+            checks["rowcol16.row.data"] = _same(d.cpu(), want_row16.data)
+            checks["rowcol16.row.scale"] = _same(sc.cpu().contiguous(), want_row16.scale)
+            checks["rowcol16.col.data"] = _same(cd.cpu(), want_col.data)
+            checks["rowcol16.col.scale"] = _same(cs.cpu(), want_col.scale)
     if extra:
-        from precision_dsl.kernels import triton_fp8_block
 
         rd, rs, cd, cs = triton_fp8_block.quantize_rowcol(x.contiguous(), element, pow2, pad_rows_to, block_c=256,
                                                           num_warps=4)  # another tiling: the same bytes

@@ -254,59 +254,64 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
     return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
 
 
+def _fp8_kernel_ok(x: torch.Tensor, k: int) -> bool:
+    from .. import kernels
+
+    return x.is_cuda and k % 128 == 0 and kernels.available()
+
+
+def _fp8_a_buffers(m16: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [m16, K], scale_inv [m16, K/128]) for a 1x128 FP8 GEMM operand A, the scale grid allocated outer-dim-
+    major (its transpose contiguous): the layout cuBLASLt's block-scaled GEMM reads (NativeFp8Gemm: `outer_major_m4`
+    is then a view, no copy per GEMM)."""
+    data = torch.empty(m16, k, dtype=torch.uint8, device=device)
+    scale = torch.empty(k // 128, m16, dtype=torch.float32, device=device).t()
+    return data, scale
+
+
 def fp8_rows16(x16: torch.Tensor, fmt, what: str = ""):
     """1x128 FP8 quantization of x16 [M, K] as (q, a_data, a_scale): q = numerics.quantize(x16, fmt) (its bytes, for
-    fallbacks and checks); a_data / a_scale hold the same rows in buffers whose row count is a multiple of 16, the
-    extra rows zero bytes with scale 1 - NativeFp8Gemm's own padding of token counts cuBLASLt refuses, which then
-    needs no copy: the kernel writes straight into the padded buffers. Without the kernel (CPU), q's own tensors."""
-    from .. import kernels
-    from . import numerics
-
+    fallbacks and checks: views of the buffers); a_data / a_scale = the quantization of x16 zero-padded to a multiple
+    of 16 rows (a zero row: zero bytes, scale_inv 1 - NativeFp8Gemm's own padding of token counts cuBLASLt refuses,
+    which then needs no copy), written by ONE kernel launch with the scale grid in cuBLASLt's layout. Without the
+    kernel (CPU), q's own tensors."""
     m, k = x16.shape
-    pad = (-m) % 16
-    if not pad or k % 128 or not x16.is_cuda or not kernels.available():
+    if not _fp8_kernel_ok(x16, k):
+        from . import numerics
+
         q = numerics.quantize(x16, fmt, what=what)
         return q, q.data, q.scale
     from ..formats.base import QuantizedTensor
     from ..kernels import triton_fp8_block as kern
 
-    data = torch.empty(m + pad, k, dtype=torch.uint8, device=x16.device)
-    sinv = torch.empty(m + pad, k // 128, dtype=torch.float32, device=x16.device)
-    data[m:].zero_()
-    sinv[m:].fill_(1.0)
+    data, sinv = _fp8_a_buffers(-(-m // 16) * 16, k, x16.device)
     with torch.cuda.device(x16.device):
-        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fmt.scale_dtype == "pow2",
-                      out=(data[:m], sinv[:m]))
+        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fmt.scale_dtype == "pow2", out=(data, sinv),
+                      pad_rows_to=16)
     q = QuantizedTensor(fmt=fmt, shape=(m, k), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=x16.dtype,
                         kernel="triton")
     return q, data, sinv
 
 
 def fp8_rowcol16(g: torch.Tensor, fmt):
-    """Both 1x128 FP8 copies of g [M, N] from ONE read of g (kernels.fp8_block_quantize_rowcol), for the native
-    backward: (q_row, row_data, row_scale, q_col). q_row = the rowwise copy (dgrad's A operand), with row_data /
-    row_scale its bytes in buffers padded to a multiple of 16 rows as `fp8_rows16` (a zero row quantizes to zero
-    bytes with scale_inv 1, so the padding is the quantization of zero rows); q_col = the columnwise copy of g
-    zero-padded to a multiple of 128 tokens (wgrad's A operand, [N, Mp]), quantized without a padded copy of g."""
+    """Both 1x128 FP8 copies of g [M, N] from ONE read of g (one kernel launch), for the native backward:
+    (q_row, row_data, row_scale, q_col). q_row = the rowwise copy (dgrad's A operand), with row_data / row_scale its
+    bytes for g zero-padded to a multiple of 16 rows, as `fp8_rows16`; q_col = the columnwise copy of g zero-padded
+    to a multiple of 128 tokens (wgrad's A operand, [N, Mp]), quantized without a padded copy of g."""
     from .. import kernels
 
     m, n = g.shape
     pow2 = fmt.scale_dtype == "pow2"
-    pad = (-m) % 16
-    if not (g.is_cuda and kernels.available()) or n % 128:
+    if not _fp8_kernel_ok(g, n):
         q_row, q_col = kernels.fp8_block_quantize_rowcol(g, fmt.element, pow2=pow2, pad_rows_to=128, fmt=fmt)
         return q_row, q_row.data, q_row.scale, q_col
     from ..formats.base import QuantizedTensor
     from ..kernels import triton_fp8_block as kern
 
-    data = torch.empty(m + pad, n, dtype=torch.uint8, device=g.device)
-    sinv = torch.empty(m + pad, n // 128, dtype=torch.float32, device=g.device)
-    if pad:
-        data[m:].zero_()
-        sinv[m:].fill_(1.0)
+    data, sinv = _fp8_a_buffers(-(-m // 16) * 16, n, g.device)
     with torch.cuda.device(g.device):
         _, _, cd, cs = kern.quantize_rowcol(g.contiguous(), fmt.element, pow2=pow2, pad_rows_to=128,
-                                            out_row=(data[:m], sinv[:m]))
+                                            out_row=(data, sinv), row_pad_to=16)
     q_row = QuantizedTensor(fmt=fmt, shape=(m, n), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=g.dtype,
                             kernel="triton")
     mp = cd.shape[1]

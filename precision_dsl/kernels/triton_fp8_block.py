@@ -39,16 +39,19 @@ def _scale_from_amax(a, FMAX: tl.constexpr, IN_MAX: tl.constexpr, POW2: tl.const
 
 
 @triton.jit
-def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, row_data_ptr, row_sinv_ptr, R, R_LD, C, stride_x, stride_d,
-                      stride_s, stride_rd, stride_rs, FMAX: tl.constexpr, IN_MAX: tl.constexpr, E5M2: tl.constexpr,
+def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, row_data_ptr, row_sinv_ptr, R, R_LD, R_ROW, C, stride_x,
+                      stride_d, stride_s, stride_sc, stride_rd, stride_rs, stride_rsc, FMAX: tl.constexpr, IN_MAX: tl.constexpr, E5M2: tl.constexpr,
                       POW2: tl.constexpr, SQUARE: tl.constexpr, TRANSPOSE_OUT: tl.constexpr, ROWCOL: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COUNT_BAD: tl.constexpr):
     """x: [R_LD, C], quantized as if zero-padded to [R, C] (R >= R_LD; R == R_LD: no padding). Not transposed:
     blocks of 1x128 (SQUARE=False) or 128x128 along C; data [R, C], scale_inv [R, ceil(C/128)] or
     [ceil(R/128), ceil(C/128)]. TRANSPOSE_OUT: blocks of 128x1 / 128x128 along R (BLOCK_R must be 128); data [C, R]
     (= quantization of x.T), scale_inv [C, ceil(R/128)] or [ceil(C/128), ceil(R/128)].
-    ROWCOL (TRANSPOSE_OUT, not SQUARE): also the 1x128 row blocks of the tile, for the real rows only: row data
-    [R_LD, C], row scale_inv [R_LD, ceil(C/128)] (BLOCK_C is a multiple of 128, so a tile holds whole row blocks).
+    ROWCOL (TRANSPOSE_OUT, not SQUARE): also the 1x128 row blocks of the tile, for rows < R_ROW (R_LD <= R_ROW <= R:
+    the rows past R_LD are the quantization of zero rows, i.e. zero bytes with scale_inv 1): row data [R_ROW, C],
+    row scale_inv [R_ROW, ceil(C/128)] (BLOCK_C is a multiple of 128, so a tile holds whole row blocks).
+    stride_sc / stride_rsc: column strides of the 1x128 scale grids (non-transposed, and ROWCOL's row copy), so a
+    grid can be written straight into the outer-dim-major layout cuBLASLt's block-scaled GEMM reads.
     COUNT_BAD: add the tile's NaN/Inf count to *bad_ptr (the weight update's refusal, in the same read of x)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -77,7 +80,7 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, row_data_ptr, row_sinv
             scale, sinv = _scale_from_amax(a, FMAX, IN_MAX, POW2)
             y = x * scale[:, :, None]
             cblk = pid_c * NCB + cb
-            tl.store(sinv_ptr + r64[:, None] * stride_s + cblk[None, :], sinv,
+            tl.store(sinv_ptr + r64[:, None] * stride_s + cblk[None, :].to(tl.int64) * stride_sc, sinv,
                      mask=rmask[:, None] & (cblk * 128 < C)[None, :])
         if E5M2:
             q = y.to(tl.float8e5).to(tl.uint8, bitcast=True)
@@ -110,9 +113,10 @@ def _fp8_block_kernel(x_ptr, data_ptr, sinv_ptr, bad_ptr, row_data_ptr, row_sinv
             else:
                 rq = ry.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             rcblk = pid_c * NCB + cb
-            tl.store(row_sinv_ptr + r64[:, None] * stride_rs + rcblk[None, :], rsinv,
-                     mask=(rows < R_LD)[:, None] & (rcblk * 128 < C)[None, :])
-            tl.store(row_data_ptr + r64[:, None, None] * stride_rd + cols[None, :, :], rq, mask=lmask)
+            tl.store(row_sinv_ptr + r64[:, None] * stride_rs + rcblk[None, :].to(tl.int64) * stride_rsc, rsinv,
+                     mask=(rows < R_ROW)[:, None] & (rcblk * 128 < C)[None, :])
+            tl.store(row_data_ptr + r64[:, None, None] * stride_rd + cols[None, :, :], rq,
+                     mask=(rows < R_ROW)[:, None, None] & (cols < C)[None, :, :])
         # out[c, r] = q[r, c]: transpose the tile in registers so the store is row-contiguous in the output
         q2 = tl.reshape(q, (BLOCK_R, BLOCK_C))
         qt = tl.trans(q2)  # [BLOCK_C, BLOCK_R]
@@ -144,19 +148,24 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
 
 
 def quantize_rowcol(x2, element="e4m3", pow2=True, pad_rows_to=128, *, block_c=None, num_warps=8, out=None,
-                    out_row=None, bad=None):
+                    out_row=None, bad=None, row_pad_to=1):
     """Both 1x128 copies of a contiguous [M, K] tensor from one read of x: the rowwise one (= quantize(x2, element,
     pow2=pow2): data [M, K], scale_inv [M, ceil(K/128)], never padded) and the columnwise one (= quantize(x2,
     element, pow2=pow2, transpose=True, pad_rows_to=pad_rows_to): data [K, Mp], scale_inv [K, ceil(Mp/128)]).
-    Returns (row_data, row_scale_inv, col_data, col_scale_inv); out / out_row: (data, scale_inv) to write into."""
+    Returns (row_data, row_scale_inv, col_data, col_scale_inv); out / out_row: (data, scale_inv) to write into.
+    row_pad_to: the rowwise copy is that of x zero-padded to roundup(M, row_pad_to) <= Mp rows (default 1: none)."""
     m, k = x2.shape
     mp = _pad(m, pad_rows_to)
+    mr = _pad(m, row_pad_to)
+    if mr > max(mp, m):
+        raise ValueError(f"row_pad_to={row_pad_to} pads the row copy past the column copy's {mp} rows")
     data, sinv, rd, rs = _launch(x2, mp, element, False, pow2, True, True, None, block_c, num_warps, out, out_row,
-                                 bad)
+                                 bad, row_rows=mr)
     return rd, rs, data, sinv
 
 
-def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, num_warps, out, out_row, bad):
+def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, num_warps, out, out_row, bad,
+            row_rows=None):
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -178,8 +187,8 @@ def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, 
         if out_row is not None:
             rdata, rsinv = out_row
         else:
-            rdata = torch.empty((m, k), dtype=torch.uint8, device=dev)
-            rsinv = torch.empty((m, -(-k // 128)), dtype=torch.float32, device=dev)
+            rdata = torch.empty((row_rows or m, k), dtype=torch.uint8, device=dev)
+            rsinv = torch.empty((row_rows or m, -(-k // 128)), dtype=torch.float32, device=dev)
     if mp and k:
         in_max = float(torch.finfo(x2.dtype).max)
         if transpose:
@@ -191,8 +200,15 @@ def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, 
             bc = min(bc, max(128, 1 << (k - 1).bit_length()))
         grid = (triton.cdiv(mp, br), triton.cdiv(k, bc))
         rd_arg, rs_arg = (rdata, rsinv) if rowcol else (data, sinv)  # unused unless ROWCOL
-        _fp8_block_kernel[grid](x2, data, sinv, bad if bad is not None else sinv, rd_arg, rs_arg, mp, m, k,
-                                x2.stride(0), data.stride(0), sinv.stride(0), rd_arg.stride(0), rs_arg.stride(0),
+        # only the 1x128 grids written row by row take a column stride (an outer-dim-major `out`); the others are
+        # stored with unit column stride
+        sc = sinv.stride(1) if sinv.dim() == 2 and sinv.shape[1] > 1 else 1
+        if (transpose or square) and sc != 1:
+            raise ValueError("a column-strided scale_inv `out` is for the non-transposed 1x128 grid only")
+        rsc = rs_arg.stride(1) if rowcol and rs_arg.dim() == 2 and rs_arg.shape[1] > 1 else 1
+        _fp8_block_kernel[grid](x2, data, sinv, bad if bad is not None else sinv, rd_arg, rs_arg, mp, m,
+                                rd_arg.shape[0] if rowcol else m, k, x2.stride(0), data.stride(0), sinv.stride(0),
+                                sc, rd_arg.stride(0), rs_arg.stride(0), rsc,
                                 FMAX=FMAX[element], IN_MAX=in_max, E5M2=element == "e5m2", POW2=pow2, SQUARE=square,
                                 TRANSPOSE_OUT=transpose, ROWCOL=rowcol, BLOCK_R=br, BLOCK_C=bc,
                                 COUNT_BAD=bad is not None, num_warps=num_warps, **LAUNCH_OPTS)
