@@ -360,7 +360,7 @@ class UpdateProgram:
         if seg.kind == "fp8_block":
             w = seg.members[0].precision.weight
             sinv = stacked(1, 0).view(torch.float32).view(-1, -(-k // 128))
-            triton_fp8_block.quantize(x, "e4m3", square=True, pow2=w.scale_dtype == "pow2",
+            triton_fp8_block.quantize(x, "e4m3", square=True, pow2=w.scale_dtype != "fp32",
                                       out=(stacked(0, k), sinv), bad=bad)
             return
         raise AssertionError(seg.kind)

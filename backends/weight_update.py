@@ -766,6 +766,15 @@ class WeightSender:
         self._groups = {m: g for g in plan.share_scale_groups for m in g.members}
         self._order = {t.hf_name: i for i, t in enumerate(plan.tensors)}
 
+    def over(self, transport) -> "WeightSender":
+        """This sender - its plan, name map and compiled GPU update program (with any binding made from it) - sending
+        over another transport: a caller can give every update its own transport while the program is built once."""
+        import copy
+
+        other = copy.copy(self)
+        other.transport = transport
+        return other
+
     def _atomic_units(self, items: Iterable[tuple[str, torch.Tensor]]
                       ) -> Iterator[list[tuple[TensorPlan, torch.Tensor]]]:
         """Yield complete atomic units (fused siblings + share-scale groups) as soon as all members arrived."""

@@ -509,3 +509,55 @@ def test_fp8_rowcol16_is_the_two_reference_copies(m):
     assert torch.equal(q_col.data.cpu(), ref_col.data) and torch.equal(q_col.scale.cpu(), ref_col.scale)
     m16 = -(-m // 16) * 16
     assert data.shape == (m16, 384) and not data[m:].any() and bool((scale[m:] == 1).all())
+
+
+@pytest.mark.parametrize("policy", ["fp8-blockwise-hopper", "mxfp8-hp-backward"])
+def test_autograd_graph_keeps_only_backward_operands_of_shared_inputs(monkeypatch, policy):
+    """After a forward, the linears' contexts hold of each shared input only what the backward reads (its BF16 copy
+    and columnwise copies), not the forward's quantized / decoded operands - except the input still being read."""
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+    from precision_dsl.engine.qlinear import SharedInput
+
+    dropped = []
+    done = SharedInput.forward_done
+    monkeypatch.setattr(SharedInput, "forward_done", lambda self: dropped.extend(
+        k for k in self._derived if k[0] not in SharedInput.BACKWARD_KEYS) or done(self))
+    model = load_model(resolve_model_dir("tiny-moe"))
+    ex = TrainerExecutor(load_plan(policy, load_architecture("tiny-moe")), model, gemm="fast").install()
+    logits = model(torch.randint(3, 32, (4, 24), generator=torch.Generator().manual_seed(0)))
+    assert dropped  # the forward made forward-only operands, and they were freed
+    shared, seen, todo = set(), set(), [logits.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        xs = getattr(node, "xs", None)
+        if isinstance(xs, SharedInput):
+            shared.add(xs)
+        todo += [f for f, _ in node.next_functions]
+    current = ex._last_input[2]
+    assert len(shared) > 10 and current in shared
+    for xs in shared - {current}:
+        assert all(k[0] in SharedInput.BACKWARD_KEYS for k in xs._derived), list(xs._derived)
+    logits.float().pow(2).mean().backward()  # and the backward still runs on what is left
+
+
+@pytest.mark.parametrize("policy", ["fp8-blockwise-hopper", "nvfp4-pertoken-dequant-backward"])
+def test_executors_run_under_inference_mode(policy):
+    """Inference tensors carry no version counter: the input sharing skips them instead of failing."""
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    plan = load_plan(policy, load_architecture("tiny-moe"))
+    model = load_model(resolve_model_dir("tiny-moe"))
+    ids = torch.randint(3, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    TrainerExecutor(plan, model, gemm="fast").install()
+    with torch.no_grad():
+        want = model(ids)
+    with torch.inference_mode():
+        got = model(ids)
+    assert torch.equal(got, want)

@@ -67,7 +67,8 @@ def test_quantized_weights_byte_identical_after_every_update(arch, policy):
 @pytest.mark.parametrize("policy", ["nvfp4-pertoken-dequant-backward", "mxfp8-e2e", "fp8-blockwise-hopper", "bf16"])
 def test_gpu_update_program_bytes_equal_the_trainers_after_every_update(arch, policy):
     """CUDA weights: the channel's GPU update program (bound once to its BF16 copy of the masters, refreshed in place
-    each update) delivers, after every update, exactly the bytes the trainer quantizes for its forward."""
+    each update) delivers, after every update, exactly the bytes the trainer quantizes for its forward, and every
+    other tensor as BF16(master); an update sent while an earlier one was never received is read as itself."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     plan = load_plan(policy, arch)
@@ -76,14 +77,28 @@ def test_gpu_update_program_bytes_equal_the_trainers_after_every_update(arch, po
     rollout = RolloutEngine(trainer.config, plan, device="cuda")
     channel = LiveUpdateChannel(plan)
     g = torch.Generator(device="cuda").manual_seed(0)
+    quantized = {t.hf_name for t in plan.quantized()}
     for update in range(3):
+        if update == 2:  # a payload nobody receives: the next one must not be read as it
+            channel.send(dict(trainer.named_parameters()))
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(torch.randn(p.shape, generator=g, device="cuda") * 1e-2)
+            executor.invalidate()
         rollout.update_weights(channel.send(dict(trainer.named_parameters())))
-        assert channel.device_path and channel._program is not None, channel.device_path_error
+        assert channel.device_path and channel._program, channel.device_path_error
         for name, q in executor.current_quantized().items():
             a, b = q.tensors(), rollout.received[name].tensors()
             assert a.keys() == b.keys(), name
             for part in a:
                 assert same_bytes(a[part], b[part]), f"update {update}: {name}.{part} differs"
+        weights = rollout.model.linear_executor.weights
+        params = dict(rollout.model.named_parameters())
+        for name, p in trainer.named_parameters():
+            if name in quantized:
+                continue
+            got = weights[name].values if name in weights else params[name]
+            assert same_bytes(got, p.detach().to(torch.bfloat16)), f"update {update}: {name} is not BF16(master)"
         with torch.no_grad():  # an optimizer-like change of every weight before the next update
             for p in trainer.parameters():
                 p.add_(torch.randn(p.shape, generator=g, device="cuda") * 1e-2)

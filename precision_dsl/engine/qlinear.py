@@ -23,6 +23,7 @@ receives dW straight through (the quantizer has no gradient of its own), like Me
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -239,7 +240,10 @@ class SharedInput:
     q/k/v read one x and an expert's gate/up read one x: Megatron runs those as one fused GEMM each (linear_qkv,
     linear_fc1) with one input quantization, and so does this (same bytes: the quantizers are deterministic, and a
     quantization depends only on the input and the format). The linears' autograd contexts hold this object, so the
-    backward's columnwise copies are shared too, and freed with the graph."""
+    backward's columnwise copies are shared too, and freed with the graph; the forward-only operands are dropped
+    (`forward_done`) once the next input arrives, so the graph keeps only what the backward reads."""
+
+    BACKWARD_KEYS = ("col", "col128")  # derived operands the backward reads (the rest serve the forward only)
 
     def __init__(self, x2: torch.Tensor):
         # the original BF16 operand (activations are BF16 in the trainer); detached: this object lives outside the
@@ -252,6 +256,10 @@ class SharedInput:
         if v is None:
             v = self._derived[key] = make()
         return v
+
+    def forward_done(self) -> None:
+        """No further linear reads this input in the forward: free its forward-only operands."""
+        self._derived = {k: v for k, v in self._derived.items() if k[0] in self.BACKWARD_KEYS}
 
 
 class FastQLinearFunction(torch.autograd.Function):
@@ -297,6 +305,8 @@ class FastQLinearFunction(torch.autograd.Function):
             ctx.xs = None
         elif ctx.x_col is not None:
             ctx.xs = None  # the backward needs nothing else of x
+        else:  # saved as well: autograd's in-place check (x16 aliases x when x is BF16 already)
+            ctx.save_for_backward(x16)
         return y
 
     @staticmethod
@@ -314,7 +324,7 @@ class FastQLinearFunction(torch.autograd.Function):
             return dx, dw, None, None, None, None
         x_col, ctx.x_col = ctx.x_col, None  # made in the forward (MXFP8 row + col from one read), else below
         xs, ctx.xs = ctx.xs, None
-        x16 = None if xs is None else xs.x16
+        x16 = None if xs is None else ctx.saved_tensors[0]  # == xs.x16 (saved: autograd checks it was not modified)
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
             if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
                     and tuple(spec.grad.block or (1, 128)) == (1, 128):
@@ -358,7 +368,7 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     # every linear that reads x, quantized without a padded copy of x
     act = spec.activation
     qxc = xs.get(("col128", act), lambda: kernels.fp8_block_quantize(
-        xs.x16, act.element, (1, 128), act.scale_dtype == "pow2", axis="col", fmt=act, pad_rows_to=128))
+        xs.x16, act.element, (1, 128), fastgemm._fp8_pow2(act), axis="col", fmt=act, pad_rows_to=128))
     dw = ex.fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
     if dw is None:
         dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())
@@ -422,14 +432,22 @@ class TrainerExecutor:
     def invalidate(self) -> None:
         self.quantized.clear()
         self._fwd.clear()
+        if self._last_input is not None:
+            self._last_input[2].forward_done()
         self._last_input = None
 
     def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
+        """The SharedInput of `x`: the last one if `x` is the last input seen (same tensor, not modified since),
+        else a new one (and the last one's forward-only operands are freed). Inference tensors carry no version
+        counter: they are not shared."""
         last = self._last_input
-        if last is not None and last[0] is x and last[1] == x._version:
-            return last[2]
+        inference = x.is_inference()
+        if last is not None:
+            if not inference and last[0]() is x and last[1] == x._version:
+                return last[2]
+            last[2].forward_done()
         xs = SharedInput(x2)
-        self._last_input = (x, x._version, xs)
+        self._last_input = None if inference else (weakref.ref(x), x._version, xs)
         return xs
 
     def _refresh(self) -> None:

@@ -27,6 +27,7 @@ is therefore a measured property, as between Megatron/TE and SGLang.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -164,7 +165,7 @@ def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fuse
             return Operand("bf16", vals.view(m, k).to(torch.bfloat16), gscale=s_dec)
         if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or (1, 128))[0] == 1:
             bc = tuple(fmt.block or (1, 128))[1]
-            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fmt.scale_dtype == "pow2")
+            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fmt.scale_dtype != "fp32")
             return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv, block=(1, bc))
         if fmt.kind == FormatKind.FP8:
             data, s_inv = rq.fp8_block(x16, fmt.element, (m, k), False)  # one block = the tensor (current scaling)
@@ -286,9 +287,11 @@ class IndependentRolloutExecutor:
         self._last: Optional[tuple] = None
 
     def _activation(self, x: torch.Tensor, x2: torch.Tensor, fmt: TensorFormat, what: str) -> Operand:
+        if x.is_inference():  # no version counter to tell whether it changed: not memoized
+            return activation_operand(x2, fmt, what)
         last = self._last
-        if last is None or last[0] is not x or last[1] != x._version:
-            last = self._last = (x, x._version, {})
+        if last is None or last[0]() is not x or last[1] != x._version:
+            last = self._last = (weakref.ref(x), x._version, {})
         op = last[2].get(fmt)
         if op is None:
             op = last[2][fmt] = activation_operand(x2, fmt, what)

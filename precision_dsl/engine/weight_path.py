@@ -8,10 +8,11 @@ the plan content hash in the handshake BEFORE any tensor is read (precision_dsl.
 digests, and returns {hf_name: QuantizedTensor | BF16 tensor}.
 
 CUDA weights take the GPU update program (backends/update_program.py: segments of grouped launches, no per-tensor
-Python): the channel keeps a BF16 copy of the masters that it refreshes in place each update (one multi-tensor copy,
-as Megatron's optimizer refreshes its BF16 params from the FP32 main params) and binds the program to it once. That
-sender and its transport live as long as the channel; every other update (host path, or after a device failure)
-gets its own transport, so a refused update leaves nothing queued for the next one.
+Python, every bucket byte fingerprinted on the GPU and checked by the receiver): the channel keeps a BF16 copy of the
+masters that it refreshes in place each update (one multi-tensor copy, as Megatron's optimizer refreshes its BF16
+params from the FP32 main params) and binds the program to it once.
+
+Each update gets its own transport, so a refused update leaves nothing queued for the next one.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ class Payload:
     version: int
     nbytes: int  # quantized bytes on the wire (data + scales)
     buckets: int
-    # the receiver checks every byte against the sender's digests (host path: sha256 per tensor) or the GPU
-    # program's sampled bucket fingerprints (1/16 of each bucket; the loop's byte check then compares every
-    # quantized weight of trainer and rollout anyway)
-    check_every_byte: bool = True
 
 
 class LiveUpdateChannel:
@@ -44,7 +41,8 @@ class LiveUpdateChannel:
         self.version = 0
         self.device_path = True  # CUDA weights: quantize and pack on the GPU (see _send); False after a failure there
         self.device_path_error: str | None = None
-        self._program: tuple | None = None  # (names, BF16 shadow tensors, sender, transport, binding): GPU program
+        # the GPU update program: (names, BF16 shadow tensors, sender, binding); False = not available here
+        self._program: tuple | bool | None = None
 
     def send(self, weights: dict[str, torch.Tensor]) -> Payload:
         self.version += 1
@@ -68,31 +66,29 @@ class LiveUpdateChannel:
 
     def _send_program(self, weights: dict[str, torch.Tensor]) -> Payload | None:
         """The update through the GPU update program, bound once to this channel's BF16 copy of the masters; None
-        when the program cannot take these weights (no Triton, a transport without GPU buffers)."""
-        from ..backends.weight_update import PreparedUpdate
+        when the program cannot run here (no Triton kernels): the caller takes the per-unit path."""
+        from .. import kernels
 
+        if self._program is False or not kernels.available():
+            self._program = False  # decided once: not retried (and the model not quantized twice) every update
+            return None
         names = tuple(weights)
         prog = self._program
         if prog is None or prog[0] != names:
             shadow = [w.detach().to(torch.bfloat16) for w in weights.values()]
             if any(s.data_ptr() == w.data_ptr() for s, w in zip(shadow, weights.values())):
                 shadow = [s.clone() for s in shadow]  # BF16 masters: a copy, never an alias the optimizer moves
-            transport = InProcessTransport()
-            sender = WeightSender(self.plan, transport, bucket_bytes=self.bucket_bytes, gpu_program=True)
-            bound = sender.prepare(list(zip(names, shadow)))
-            if not isinstance(bound, PreparedUpdate):
-                return None
-            prog = self._program = (names, shadow, sender, transport, bound)
+            # every byte fingerprinted: the loop's byte check covers the quantized weights only, this covers the rest
+            sender = WeightSender(self.plan, InProcessTransport(), bucket_bytes=self.bucket_bytes, check_equal=True,
+                                  gpu_program=True)
+            prog = self._program = (names, shadow, sender, sender.prepare_program(list(zip(names, shadow))))
         else:
             torch._foreach_copy_(prog[1], [w.detach() for w in weights.values()])  # fp32 -> bf16, RN, in place
-        _, _, sender, transport, bound = prog
-        try:
-            report = sender.send(bound, weight_version=f"v{self.version}")
-        except BaseException:
-            self._program = None  # its transport may hold this update's messages: the next update starts afresh
-            raise
+        _, _, sender, bound = prog
+        transport = InProcessTransport()  # this update's own: nothing of it can be read as another update
+        report = sender.over(transport).send(bound, weight_version=f"v{self.version}")
         return Payload(transport=transport, plan_hash=report.plan_hash, version=self.version, nbytes=report.bytes,
-                       buckets=report.buckets, check_every_byte=False)
+                       buckets=report.buckets)
 
     def _send(self, weights: dict[str, torch.Tensor], on_gpu: bool) -> Payload:
         if on_gpu:
@@ -132,7 +128,7 @@ def _device_path_errors() -> tuple[type[BaseException], ...]:
 
 def receive(payload: Payload, plan: Plan) -> dict[str, object]:
     """{hf_name: QuantizedTensor | Tensor}. Raises backends.common.PlanMismatch when the sender's plan differs."""
-    return WeightReceiver(plan, payload.transport, check_equal=payload.check_every_byte).receive(timeout=60)
+    return WeightReceiver(plan, payload.transport, check_equal=True).receive(timeout=60)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,8 @@ def _ref_padded(x, mp: int):
     """x itself (Mp == M) or its [M, K] view with Mp - M zero rows appended: what the padded copies quantize."""
     import torch
 
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x  # not a >= 1-D tensor: the reference refuses it with its own message
     m = math.prod(x.shape[:-1])
     if mp == m:
         return x

@@ -179,6 +179,9 @@ def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, 
         sgrid = (rr, -(-cc // 128))
     if out is not None:
         data, sinv = out
+        if tuple(data.shape) != (rr, cc) or tuple(sinv.shape) != sgrid:
+            raise ValueError(f"out: data {tuple(data.shape)} / scale_inv {tuple(sinv.shape)}, expected {(rr, cc)} / "
+                             f"{sgrid}")
     else:
         data = torch.empty((rr, cc), dtype=torch.uint8, device=dev)
         sinv = torch.empty(sgrid, dtype=torch.float32, device=dev)
@@ -186,6 +189,10 @@ def _launch(x2, mp, element, square, pow2, transpose, rowcol, block_r, block_c, 
     if rowcol:
         if out_row is not None:
             rdata, rsinv = out_row
+            want = (row_rows or m, k), (row_rows or m, -(-k // 128))
+            if (tuple(rdata.shape), tuple(rsinv.shape)) != want:
+                raise ValueError(f"out_row: data {tuple(rdata.shape)} / scale_inv {tuple(rsinv.shape)}, expected "
+                                 f"{want[0]} / {want[1]}")
         else:
             rdata = torch.empty((row_rows or m, k), dtype=torch.uint8, device=dev)
             rsinv = torch.empty((row_rows or m, -(-k // 128)), dtype=torch.float32, device=dev)
