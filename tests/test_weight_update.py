@@ -248,6 +248,19 @@ def test_receive_returns_plan_formats(src, converted):
             assert q.fmt == plan.by_name()[n].weight and torch.equal(q.data, conv[n].data)
 
 
+def test_sender_over_another_transport_sends_there_only(src, converted):
+    """WeightSender.over(t): the same sender (plan, names, compiled program) sending over t - what gives each live
+    update its own transport - leaves the original transport untouched."""
+    plan = plan_for("mxfp8-e2e")
+    first, second = InProcessTransport(), InProcessTransport()
+    sender = WeightSender(plan, first, check_equal=True)
+    other = sender.over(second)
+    assert other.transport is second and sender.transport is first and other.plan is sender.plan
+    rep = other.send(iter(hf_weights(src).items()))
+    assert rep.buckets >= 1 and first._q.empty()
+    assert same_bytes(converted["mxfp8-e2e"][1], WeightReceiver(plan, second, check_equal=True).receive_raw()) == []
+
+
 def test_incomplete_atomic_group_and_unknown_names(src):
     w = hf_weights(src)
     w.pop("model.layers.0.self_attn.k_proj.weight")
