@@ -4,6 +4,11 @@
     # and the tiny model side by side (benchmarks/device_rl.sh)
     python benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
         --model benchmarks/models/moe-h3072:1024:6:2048 --model tiny-moe:64:2 --profile-bf16
+    # the larger hidden-4096 MoE (8 experts top-2 x 6144, 2.57B GEMM params; benchmarks/device_s11e.sh)
+    python benchmarks/rl_step.py --device cuda --steps 3 --warmup 1 --model benchmarks/models/moe-h4096:512:6:512 \
+        --policies bf16 fp8-blockwise-hopper bf16
+    # where a step's time goes: kernel time per loop phase, top kernels per phase, host-side syncs
+    python benchmarks/rl_step.py ... --profile bf16 fp8-blockwise-hopper --profile-top 20
     python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
 
 `--model NAME[:PROMPTS[:DIGITS[:MICRO]]]` (repeatable): a bundled model or HF config directory, prompts per step (x
