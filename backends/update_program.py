@@ -300,6 +300,7 @@ class UpdateProgram:
     def _fill(self, seg: Segment, x, buf, bad, dev) -> None:
         import torch
 
+        from ..formats import fp8_block_pow2
         from ..kernels import triton_fp8_block, triton_mxfp8
         from ..kernels import triton_segments as ks
 
@@ -360,7 +361,7 @@ class UpdateProgram:
         if seg.kind == "fp8_block":
             w = seg.members[0].precision.weight
             sinv = stacked(1, 0).view(torch.float32).view(-1, -(-k // 128))
-            triton_fp8_block.quantize(x, "e4m3", square=True, pow2=w.scale_dtype != "fp32",
+            triton_fp8_block.quantize(x, "e4m3", square=True, pow2=fp8_block_pow2(w),
                                       out=(stacked(0, k), sinv), bad=bad)
             return
         raise AssertionError(seg.kind)

@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..formats import fp8_block_pow2
 from ..precision import FormatKind
 
 NATIVE_FP8 = "native-fp8"  # torch._scaled_mm blockwise FP8 tensor cores
@@ -254,12 +255,6 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
     return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
 
 
-def _fp8_pow2(fmt) -> bool:
-    """Power-of-two scales for an fp8_block format: formats.fp8_block_args' mapping (an unset scale_dtype is TE's
-    default, pow2)."""
-    return fmt.scale_dtype != "fp32"
-
-
 def _fp8_kernel_ok(x: torch.Tensor, k: int) -> bool:
     from .. import kernels
 
@@ -292,7 +287,7 @@ def fp8_rows16(x16: torch.Tensor, fmt, what: str = ""):
 
     data, sinv = _fp8_a_buffers(-(-m // 16) * 16, k, x16.device)
     with torch.cuda.device(x16.device):
-        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=_fp8_pow2(fmt), out=(data, sinv),
+        kern.quantize(x16.contiguous(), fmt.element, square=False, pow2=fp8_block_pow2(fmt), out=(data, sinv),
                       pad_rows_to=16)
     q = QuantizedTensor(fmt=fmt, shape=(m, k), data=data[:m], scale=sinv[:m], axis="row", orig_dtype=x16.dtype,
                         kernel="triton")
@@ -307,7 +302,7 @@ def fp8_rowcol16(g: torch.Tensor, fmt):
     from .. import kernels
 
     m, n = g.shape
-    pow2 = _fp8_pow2(fmt)
+    pow2 = fp8_block_pow2(fmt)
     if not _fp8_kernel_ok(g, n):
         q_row, q_col = kernels.fp8_block_quantize_rowcol(g, fmt.element, pow2=pow2, pad_rows_to=128, fmt=fmt)
         return q_row, q_row.data, q_row.scale, q_col

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..formats import fp8_block_pow2
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
 from . import fastgemm, numerics
@@ -368,7 +369,7 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     # every linear that reads x, quantized without a padded copy of x
     act = spec.activation
     qxc = xs.get(("col128", act), lambda: kernels.fp8_block_quantize(
-        xs.x16, act.element, (1, 128), fastgemm._fp8_pow2(act), axis="col", fmt=act, pad_rows_to=128))
+        xs.x16, act.element, (1, 128), fp8_block_pow2(act), axis="col", fmt=act, pad_rows_to=128))
     dw = ex.fp8(qgc.data, qgc.scale, (1, 128), qxc.data, qxc.scale, (1, 128), eg, ea, stats)
     if dw is None:
         dw = fastgemm.mm(fastgemm.decode_op(qgc, rows=m).t(), fastgemm.decode_op(qxc, rows=m).t())

@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from ..formats import fp8_block_pow2
 from ..precision import FormatKind, TensorFormat
 from . import rollout_quant as rq
 from .numerics import EngineFormatError
@@ -165,7 +166,7 @@ def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fuse
             return Operand("bf16", vals.view(m, k).to(torch.bfloat16), gscale=s_dec)
         if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or (1, 128))[0] == 1:
             bc = tuple(fmt.block or (1, 128))[1]
-            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fmt.scale_dtype != "fp32")
+            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fp8_block_pow2(fmt))
             return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv, block=(1, bc))
         if fmt.kind == FormatKind.FP8:
             data, s_inv = rq.fp8_block(x16, fmt.element, (m, k), False)  # one block = the tensor (current scaling)

@@ -53,13 +53,18 @@ def mxfp8_layout(fmt: TensorFormat, axis: str) -> tuple[str, bool]:
     raise FormatInputError(f"{fmt.short()}: MXFP8 blocks are (1, 32), (32, 1) or (32, 32), got {block}")
 
 
+def fp8_block_pow2(fmt: TensorFormat) -> bool:
+    """Power-of-two scales for an fp8_block format: 'pow2' or unset (TE's default), not 'fp32'."""
+    return fmt.scale_dtype != "fp32"
+
+
 def fp8_block_args(fmt: TensorFormat) -> tuple[tuple[int, int], bool]:
     if fmt.block is None or tuple(fmt.block) not in fp8_block.BLOCKS:
         raise FormatInputError(f"{fmt.short()}: FP8 block scaling needs block (1, 128) or (128, 128), got {fmt.block}")
     if fmt.scale_dtype not in (None, "pow2", "fp32"):
         raise FormatInputError(f"{fmt.short()}: FP8 block scale_dtype must be 'pow2' (TE default) or 'fp32', "
                                f"got {fmt.scale_dtype!r}")
-    return tuple(fmt.block), fmt.scale_dtype != "fp32"  # type: ignore[return-value]
+    return tuple(fmt.block), fp8_block_pow2(fmt)  # type: ignore[return-value]
 
 
 def nvfp4_args(fmt: TensorFormat) -> tuple[bool, str]:
