@@ -538,7 +538,7 @@ def test_autograd_graph_keeps_only_backward_operands_of_shared_inputs(monkeypatc
         if isinstance(xs, SharedInput):
             shared.add(xs)
         todo += [f for f, _ in node.next_functions]
-    current = ex._last_input[2]
+    current = ex._inputs.current
     assert len(shared) > 10 and current in shared
     for xs in shared - {current}:
         assert all(k[0] in SharedInput.BACKWARD_KEYS for k in xs._derived), list(xs._derived)

@@ -39,6 +39,7 @@ operands are. Every call is counted in a `GemmStats` so runs report which GEMMs 
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -94,6 +95,37 @@ class Op:
         if self.s is None or self.s.numel() == 1:
             return Op(self.v.t(), self.s, self.exact)
         return Op(self.dense().t(), None, False)
+
+
+class LastInput:
+    """The last GEMM input an executor saw and what it derived from it (`make(*args)`): consecutive linears reading one
+    tensor (q/k/v, an expert's gate/up) find it here, as a fused qkv / gate_up GEMM reads its input once. The tensor
+    is held weakly and matched by identity and version counter (an in-place change makes it a new input); inference
+    tensors carry no version counter and are never matched. `release(value)` runs when a value is replaced."""
+
+    def __init__(self, make, release=None):
+        self._make, self._release = make, release
+        self._last: Optional[tuple] = None
+
+    @property
+    def current(self):
+        return None if self._last is None else self._last[2]
+
+    def get(self, x: torch.Tensor, *args):
+        last = self._last
+        inference = x.is_inference()
+        if last is not None and not inference and last[0]() is x and last[1] == x._version:
+            return last[2]
+        self.clear()
+        value = self._make(*args)
+        if not inference:
+            self._last = (weakref.ref(x), x._version, value)
+        return value
+
+    def clear(self) -> None:
+        if self._last is not None and self._release is not None:
+            self._release(self._last[2])
+        self._last = None
 
 
 def bf16_dequantized(op: Op) -> Op:

@@ -23,7 +23,6 @@ receives dW straight through (the quantizer has no gradient of its own), like Me
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -403,9 +402,9 @@ class TrainerExecutor:
         self._fwd: dict[str, object] = {}  # hf_name -> fp32 dequantized weight (reference) | FastWeight (fast)
         self.stats = fastgemm.GemmStats()
         self.fp8 = fastgemm.NativeFp8Gemm()  # native FP8 GEMMs and the scale layouts they learn (this executor's)
-        # the last GEMM input seen (tensor, its version, its SharedInput): consecutive linears reading the same
-        # tensor (q/k/v, an expert's gate/up) share its casts and quantizations
-        self._last_input: Optional[tuple] = None
+        # the last GEMM input seen and its SharedInput: consecutive linears reading the same tensor (q/k/v, an
+        # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
+        self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "
@@ -433,23 +432,11 @@ class TrainerExecutor:
     def invalidate(self) -> None:
         self.quantized.clear()
         self._fwd.clear()
-        if self._last_input is not None:
-            self._last_input[2].forward_done()
-        self._last_input = None
+        self._inputs.clear()
 
     def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
-        """The SharedInput of `x`: the last one if `x` is the last input seen (same tensor, not modified since),
-        else a new one (and the last one's forward-only operands are freed). Inference tensors carry no version
-        counter: they are not shared."""
-        last = self._last_input
-        inference = x.is_inference()
-        if last is not None:
-            if not inference and last[0]() is x and last[1] == x._version:
-                return last[2]
-            last[2].forward_done()
-        xs = SharedInput(x2)
-        self._last_input = None if inference else (weakref.ref(x), x._version, xs)
-        return xs
+        """The SharedInput of `x` (x2: its [M, K] view): the last one if `x` is the last input seen, else a new one."""
+        return self._inputs.get(x, x2)
 
     def _refresh(self) -> None:
         linear = {n: self._params[n] for n in self.specs}

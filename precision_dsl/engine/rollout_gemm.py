@@ -27,7 +27,6 @@ is therefore a measured property, as between Megatron/TE and SGLang.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -280,27 +279,23 @@ class IndependentRolloutExecutor:
         self.parts = {n: etp if by[n].role == "routed_experts.down" else 1 for n in linear_names}
         self.weights: dict[str, Operand] = {}
         self.paths: dict[str, int] = {}
-        from .fastgemm import NativeFp8Gemm
+        from .fastgemm import LastInput, NativeFp8Gemm
 
         self.fp8 = NativeFp8Gemm()  # this engine's native FP8 GEMMs (own layout state, the trainer's code)
-        # the last GEMM input (tensor, version, {format: operand}): q/k/v and an expert's gate/up read one tensor,
-        # whose activation is quantized once for all of them (as an inference server's fused qkv / gate_up GEMMs)
-        self._last: Optional[tuple] = None
+        # the last GEMM input's {format: operand}: q/k/v and an expert's gate/up read one tensor, whose activation is
+        # quantized once for all of them (as an inference server's fused qkv / gate_up GEMMs)
+        self._inputs = LastInput(dict)
 
     def _activation(self, x: torch.Tensor, x2: torch.Tensor, fmt: TensorFormat, what: str) -> Operand:
-        if x.is_inference():  # no version counter to tell whether it changed: not memoized
-            return activation_operand(x2, fmt, what)
-        last = self._last
-        if last is None or last[0]() is not x or last[1] != x._version:
-            last = self._last = (weakref.ref(x), x._version, {})
-        op = last[2].get(fmt)
+        ops = self._inputs.get(x)
+        op = ops.get(fmt)
         if op is None:
-            op = last[2][fmt] = activation_operand(x2, fmt, what)
+            op = ops[fmt] = activation_operand(x2, fmt, what)
         return op
 
     def load(self, name: str, received, device) -> None:
         self.weights[name] = weight_operand(received, device)
-        self._last = None
+        self._inputs.clear()
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
         wop = self.weights[hf_name]
