@@ -274,13 +274,11 @@ def _padded_rows(x, pad_rows_to) -> tuple[int, int, int]:
     return m, -(-m // pad_rows_to) * pad_rows_to, x.shape[-1]
 
 
-def _ref_padded(x, mp: int):
-    """x itself (Mp == M) or its [M, K] view with Mp - M zero rows appended: what the padded copies quantize."""
+def _ref_padded(x, m: int, mp: int):
+    """x itself (Mp == M, also what `_padded_rows` does not pad: the reference refuses it with its own message) or its
+    [M, K] view with Mp - M zero rows appended: what the padded copies quantize."""
     import torch
 
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
-        return x  # not a >= 1-D tensor: the reference refuses it with its own message
-    m = math.prod(x.shape[:-1])
     if mp == m:
         return x
     x2 = x.reshape(m, x.shape[-1])
@@ -300,7 +298,7 @@ def fp8_block_quantize(x, element: str = "e4m3", block=(1, 128), pow2: bool = Tr
     m, mp, k = _padded_rows(x, pad_rows_to)
     path = _choose(kernel, x, lambda: _why_not_fp8_block(x, element, block, axis), "fp8_block")
     if path == "reference":
-        return _ran(ref.quantize(_ref_padded(x, mp), element, block, pow2, axis=axis, fmt=fmt), path)
+        return _ran(ref.quantize(_ref_padded(x, m, mp), element, block, pow2, axis=axis, fmt=fmt), path)
     from ..formats.base import QuantizedTensor
     from . import triton_fp8_block as kern
 
@@ -324,7 +322,7 @@ def fp8_block_quantize_rowcol(x, element: str = "e4m3", pow2: bool = True, pad_r
     path = _choose(kernel, x, lambda: _why_not_fp8_block(x, element, (1, 128), "col"), "fp8_block row+col")
     if path == "reference":
         return (_ran(ref.quantize(x, element, (1, 128), pow2, axis="row", fmt=fmt), path),
-                _ran(ref.quantize(_ref_padded(x, mp), element, (1, 128), pow2, axis="col", fmt=fmt), path))
+                _ran(ref.quantize(_ref_padded(x, m, mp), element, (1, 128), pow2, axis="col", fmt=fmt), path))
     from ..formats.base import QuantizedTensor
     from . import triton_fp8_block as kern
 
