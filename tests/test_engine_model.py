@@ -182,3 +182,58 @@ def test_sample_batch_responses_are_the_masked_tokens_of_each_row():
                     logprobs=torch.zeros(tokens.shape), prompt_len=2)
     assert b.responses() == [[6, 7], [8, 2, 0]]
     assert b.rows(slice(1, 2)).responses() == [[8, 2, 0]] and b.rows(slice(0, 9)) is b
+
+
+def _eager_norm(x, w, eps):  # the engine's RMSNorm before F.rms_norm (session 12)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _eager_rope(x, pos, theta):  # the engine's RoPE before the shared tables (session 12): x [B, H, T, D]
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = pos.to(torch.float32)[..., None] * inv
+    emb = torch.cat([ang, ang], dim=-1)[:, None]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return (x * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()).to(x.dtype)
+
+
+@pytest.mark.parametrize("shape", [(4, 7, 64), (3, 5, 2, 32), (2, 3072)], ids=str)
+def test_rms_norm_is_bitwise_the_eager_formula_in_fp32(shape):
+    """F.rms_norm (one fused kernel each way on CUDA) replaced x * rsqrt(mean(x^2) + eps) * w: on CPU in fp32, the
+    trainer's and the oracle's case, values and both gradients are the same bits."""
+    from precision_dsl.engine.model import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    owner = Qwen3MoeForCausalLM.__new__(Qwen3MoeForCausalLM)
+    object.__setattr__(owner, "hp_param", lambda p: p)
+    norm = RMSNorm(shape[-1], 1e-6, owner)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape[-1], generator=g) + 0.5)
+    x = torch.randn(shape, generator=g, requires_grad=True)
+    gy = torch.randn(shape, generator=g)
+    got, want = norm(x), _eager_norm(x, norm.weight, 1e-6)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, (x, norm.weight), gy), torch.autograd.grad(want, (x, norm.weight), gy)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rope_with_shared_tables_and_written_out_backward_equals_the_eager_rope(dtype):
+    """RoPE now runs in the projections' [B, T, H, D] layout on tables made once per forward, with its backward (the
+    rotation by -angle) written out: the same values bit for bit, and the same gradients as autograd of the eager
+    formula (bitwise up to the sign of a zero sum, which the compare below treats as equal)."""
+    from precision_dsl.engine.model import _rope, rope_tables
+
+    g = torch.Generator().manual_seed(2)
+    b, t, h, d = 3, 6, 4, 32
+    pos = torch.randint(0, 50, (b, t), generator=g)
+    x = torch.randn(b, t, h, d, generator=g).to(dtype).requires_grad_()
+    cos, sin = rope_tables(pos, d, 1e6)
+    got = _rope(x, cos, sin).transpose(1, 2)
+    want = _eager_rope(x.transpose(1, 2), pos, 1e6)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+    gy = torch.randn(got.shape, generator=g).to(dtype)
+    (dx_got,), (dx_want,) = torch.autograd.grad(got, x, gy), torch.autograd.grad(want, x, gy)
+    assert torch.equal(dx_got, dx_want)
+    with torch.no_grad():  # no autograd graph: the plain rotation, same values
+        assert torch.equal(_rope(x, cos, sin), got.transpose(1, 2))

@@ -139,19 +139,47 @@ class RMSNorm(nn.Module):
         object.__setattr__(self, "_owner", owner)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self._owner.hp_param(self.weight)
+        # x * rsqrt(mean(x^2) + eps) * w. For fp32 x, F.rms_norm on CPU runs exactly those ops (bitwise the same
+        # values and gradients, tests/test_engine_model.py); on CUDA it is one fused kernel each way (torch >= 2.8):
+        # 1.8 ms vs 5.6 ms forward + backward at 49k tokens x 3072 on the H200 (benchmarks/fused_ops_probe.py). A bf16
+        # x (the rollout's model) is normalised in fp32 and rounded once, as SGLang's RMSNorm kernel does.
+        return F.rms_norm(x, (x.shape[-1],), self._owner.hp_param(self.weight), self.eps)
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE (HF Qwen3). x [B, H, T, D], pos [B, T] integer positions."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rope_tables(pos: torch.Tensor, d: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, T, 1, D] (fp32) of rotate-half RoPE (HF Qwen3) at integer positions pos [B, T]: made once per
+    forward and shared by every layer's q and k."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))
     ang = pos.to(torch.float32)[..., None] * inv  # [B, T, D/2]
-    emb = torch.cat([ang, ang], dim=-1)[:, None]  # [B, 1, T, D]
-    cos, sin = emb.cos(), emb.sin()
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    emb = torch.cat([ang, ang], dim=-1)[:, :, None]  # [B, T, 1, D]
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
     return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)  # bf16 model (rollout): stays bf16
+
+
+class _Rope(torch.autograd.Function):
+    """y = x * cos + rotate_half(x) * sin on x [B, T, H, D]. The backward is the rotation by -angle, written out:
+    autograd of the forward's slices and cat spends a zero-filled buffer and an add per slice on it."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        ctx.dtype = x.dtype
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g):
+        cos, sin = ctx.saved_tensors
+        u1, u2 = (g * sin).to(ctx.dtype).chunk(2, dim=-1)
+        return (g * cos).to(ctx.dtype) + torch.cat([u2, -u1], dim=-1), None, None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on x [B, T, H, D] with rope_tables' cos, sin [B, T, 1, D]."""
+    return _Rope.apply(x, cos, sin) if torch.is_grad_enabled() and x.requires_grad else _rotate(x, cos, sin)
 
 
 class Attention(nn.Module):
@@ -166,12 +194,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, owner)
         self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
 
-    def forward(self, x, pos, key_mask, cache: Optional[dict]):
+    def forward(self, x, rope, key_mask, cache: Optional[dict]):
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.hd)).transpose(1, 2)
+        cos, sin = rope
+        # norm and RoPE in the projections' own [B, T, H, D] layout (contiguous), then heads first for attention
+        q = _rope(self.q_norm(self.q_proj(x).view(b, t, self.nh, self.hd)), cos, sin).transpose(1, 2)
+        k = _rope(self.k_norm(self.k_proj(x).view(b, t, self.nkv, self.hd)), cos, sin).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
-        q, k = _rope(q, pos, self.theta), _rope(k, pos, self.theta)
         if cache is not None:  # KV cache: append this call's keys/values
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
@@ -261,8 +290,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, owner)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, owner)
 
-    def forward(self, x, pos, key_mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), pos, key_mask, cache)
+    def forward(self, x, rope, key_mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, key_mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -325,8 +354,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         if positions is None:
             positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]
         x = F.embedding(input_ids, self.hp_param(self.model.embed_tokens.weight))
+        rope = rope_tables(positions, self.config.head_dim, self.config.rope_theta)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, attention_mask, cache[i] if cache is not None else None)
+            x = layer(x, rope, attention_mask, cache[i] if cache is not None else None)
         x = self.model.norm(x)
         if self.config.tie_word_embeddings:
             return x @ self.hp_param(self.model.embed_tokens.weight).t()
