@@ -257,9 +257,31 @@ class SharedInput:
             v = self._derived[key] = make()
         return v
 
+    def put(self, key: tuple, value) -> None:
+        self._derived[key] = value
+
     def forward_done(self) -> None:
         """No further linear reads this input in the forward: free its forward-only operands."""
         self._derived = {k: v for k, v in self._derived.items() if k[0] in self.BACKWARD_KEYS}
+
+
+def _native_fp8_grad(spec: LinearSpec) -> bool:
+    """The backward of a native-FP8 linear is native too: quantized, 1x128 fp8_block gradients."""
+    return (spec.backward == BackwardMode.QUANTIZED and spec.grad.kind == FormatKind.FP8_BLOCK
+            and tuple(spec.grad.block or (1, 128)) == (1, 128))
+
+
+def _fp8_x_operands(xs: SharedInput, spec: LinearSpec, ex: "TrainerExecutor"):
+    """x's rowwise 1x128 FP8 operand for the forward as (q, a_data, a_scale) (fastgemm.fp8_rows16). When the
+    backward is native FP8 too, x's columnwise copy for wgrad (zero-padded to whole 128-token blocks) comes from the
+    same read of x (fastgemm.fp8_rowcol16, byte for byte the separate quantizations) and waits in `xs` for it, as
+    TE quantizes both directions of the input in the forward."""
+    act = spec.activation
+    if not _native_fp8_grad(spec):
+        return fastgemm.fp8_rows16(xs.x16, act, spec.hf_name)
+    q, data, scale, q_col = fastgemm.fp8_rowcol16(xs.x16, act)
+    xs.put(("col128", act), q_col)
+    return q, data, scale
 
 
 class FastQLinearFunction(torch.autograd.Function):
@@ -276,7 +298,7 @@ class FastQLinearFunction(torch.autograd.Function):
         ctx.spec, ctx.fw, ctx.ex, ctx.xs, ctx.x_col = spec, fw, ex, xs, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx, a_data, a_scale = xs.get(("q16", act), lambda: fastgemm.fp8_rows16(x16, act, spec.hf_name))
+            qx, a_data, a_scale = xs.get(("q16", act), lambda: _fp8_x_operands(xs, spec, ex))
             y = ex.fp8(a_data, a_scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
                        spec.weight.element, stats)
             if y is not None:
@@ -326,8 +348,7 @@ class FastQLinearFunction(torch.autograd.Function):
         xs, ctx.xs = ctx.xs, None
         x16 = None if xs is None else ctx.saved_tensors[0]  # == xs.x16 (saved: autograd checks it was not modified)
         if spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized:
-            if _native_fp8(spec, ex.native) and spec.grad.kind == FormatKind.FP8_BLOCK \
-                    and tuple(spec.grad.block or (1, 128)) == (1, 128):
+            if _native_fp8(spec, ex.native) and _native_fp8_grad(spec):
                 return (*_native_fp8_backward(g16, xs, fw, spec, ex), None, None, None, None)
             # dgrad (contraction over N): g rowwise x the weight's columnwise copy; wgrad (over M): columnwise copies
             if _rowcol_ok(spec.grad, g16):
