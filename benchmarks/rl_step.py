@@ -227,6 +227,30 @@ def materialize(model: str, work: Path) -> str:
     return str(dst)
 
 
+def _table(env: dict, rows: list, mrows: list, name, prompts: int, digits: int, micro, samples: int) -> None:
+    """Ratios against the model's first BF16 row, appended to `rows`, and the printed table."""
+    base = next((r for r in mrows if r["policy"] == "bf16"), mrows[0])
+    for r in mrows:
+        r["step_vs_bf16"] = r["step_s"] / base["step_s"]
+        r["train_vs_bf16"] = r["train_s"] / base["train_s"]
+        r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
+    rows += mrows
+    info = model_info(name)
+    env.setdefault("models", {})[name] = info
+    print(f"{env['device']} · {name} ({info['summary']}) · {prompts} prompts x {samples} samples, digits "
+          f"{digits}" + (f", trainer micro-batches of {micro} sequences" if micro else "")
+          + f" · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
+    print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
+          f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
+    for r in mrows:
+        print(f"{r['policy']:32s} {r['step_s']:7.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:7.3f} "
+              f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
+              f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
+              f"{r['weights_identical']!s:7s} {r['gemm_paths']}"
+              + ("" if r["weight_update_path"] in ("device", "host") else f" update: {r['weight_update_path']}"),
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -281,28 +305,8 @@ def main() -> None:
                 continue
             print(f"  {name} {p}: done ({time.time() - t0:.0f}s)", file=sys.stderr, flush=True)
         env.setdefault("failed", []).extend(failed)
-        if not mrows:
-            continue
-        base = next((r for r in mrows if r["policy"] == "bf16"), mrows[0])
-        for r in mrows:
-            r["step_vs_bf16"] = r["step_s"] / base["step_s"]
-            r["train_vs_bf16"] = r["train_s"] / base["train_s"]
-            r["rollout_vs_bf16"] = r["rollout_s"] / base["rollout_s"]
-        rows += mrows
-        info = model_info(name)
-        env.setdefault("models", {})[name] = info
-        print(f"{env['device']} · {name} ({info['summary']}) · {prompts} prompts x {a.samples} samples, digits "
-              f"{digits}" + (f", trainer micro-batches of {micro} sequences" if micro else "")
-              + f" · trainer GEMM {mrows[0]['train_gemm_tflop_per_step']:.2f} TFLOP/step  ({env['note']})")
-        print(f"{'policy':32s} {'step s':>7s} {'xBF16':>6s} {'rollout':>7s} {'train':>7s} {'xBF16':>6s} "
-              f"{'update':>7s} {'TFLOP/s':>7s} {'tok/s':>7s} {'|dlogp|':>8s} bytes== trainer GEMMs")
-        for r in mrows:
-            print(f"{r['policy']:32s} {r['step_s']:7.3f} {r['step_vs_bf16']:6.2f} {r['rollout_s']:7.3f} "
-                  f"{r['train_s']:7.3f} {r['train_vs_bf16']:6.2f} {r['weight_update_s']:7.3f} "
-                  f"{r['train_gemm_tflops']:7.1f} {r['rollout_tokens_per_s']:7.0f} {r['mismatch_abs_logp']:8.1e} "
-                  f"{r['weights_identical']!s:7s} {r['gemm_paths']}"
-                  + ("" if r["weight_update_path"] in ("device", "host") else f" update: {r['weight_update_path']}"),
-                  flush=True)
+        if mrows:  # `--policies` with no names: profiles only
+            _table(env, rows, mrows, name, prompts, digits, micro, a.samples)
         for pol in (["bf16"] if a.profile_bf16 else []) + [p for p in a.profile if p != "bf16" or not a.profile_bf16]:
             try:
                 pr = profile_step(pol, a.device, prompts, a.samples, name, digits, top=a.profile_top,
