@@ -17,8 +17,9 @@ does (SGLang + cuBLAS / CUTLASS / FlashInfer):
   activation-block x weight-tile scale, accumulated block by block in fp32;
 * activations are quantized with this engine's own quantizers (rollout_quant.py, golden-tested; on a GPU the fused
   Triton kernels, byte-identical to them by test, because ~25-40 eager ops per activation made every decode step
-  launch-bound), and everything between GEMMs (residual stream, RMSNorm, attention, router, softmax) runs in bf16
-  (RolloutEngine casts the model).
+  launch-bound), and everything between GEMMs (residual stream, attention, router, softmax) runs in bf16
+  (RolloutEngine casts the model); RMSNorm takes bf16 in and out and normalises in fp32 (F.rms_norm, as SGLang's
+  RMSNorm kernel does).
 
 Byte identity of the received weights stays the contract (checked by the loop); trainer-rollout log-prob agreement
 is therefore a measured property, as between Megatron/TE and SGLang.
