@@ -186,3 +186,21 @@ def test_differing_names_the_pairs_whose_bytes_differ():
     assert differing(pairs) == [2, 3]
     if torch.cuda.is_available():
         assert differing([(x.cuda(), y.cuda()) for x, y in pairs]) == [2, 3]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_differing_on_a_gpu_compares_in_one_pass_and_names_the_pairs():
+    """On one GPU the pairs are compared in one pass (concatenated bytes, one sync); a difference anywhere is then
+    traced to its pairs, views and sizes as on the host."""
+    from precision_dsl.engine.weight_path import differing
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).cuda() for n in (1, 64, 1000, 4096)]
+    same = [(t, t.clone()) for t in ts] + [(ts[1].view(torch.float8_e4m3fn), ts[1].clone())]
+    assert differing(same) == []
+    for k in range(len(ts)):
+        flipped = [(a, b.clone()) for a, b in same]
+        flipped[k][1][-1] ^= 0x80
+        assert differing(flipped) == [k]
+    assert differing(same + [(ts[2], ts[2][:10])]) == [len(same)]
