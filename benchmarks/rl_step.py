@@ -175,6 +175,37 @@ def profile_step(policy: str, device: str, prompts: int, samples: int, model: st
     return out
 
 
+def host_profile_step(policy: str, device: str, prompts: int, samples: int, model: str, digits: int,
+                      micro_batch: Optional[int] = None, top: int = 30) -> list[dict]:
+    """Python-side time of ONE RL step (after one warm-up step) under cProfile: the functions with the most own
+    time, which say where a policy's host overhead goes when its phases wait on the host rather than the GPU."""
+    import cProfile
+    import pstats
+
+    from precision_dsl.engine.loop import RunConfig, run
+
+    prof = cProfile.Profile()
+
+    def on_step(m):
+        if m.step == 1:
+            prof.enable()
+        elif m.step == 2:
+            prof.disable()
+
+    _release(device)
+    run(RunConfig(policy=policy, model=model, digits=digits, steps=2, device=device, prompts_per_step=prompts,
+                  samples_per_prompt=samples, train_micro_batch=micro_batch), on_step=on_step)
+    st = pstats.Stats(prof)
+    rows = [{"tottime_ms": tt * 1e3, "cumtime_ms": ct * 1e3, "calls": nc, "fn": f"{Path(f).name}:{ln} {fn}"}
+            for (f, ln, fn), (cc, nc, tt, ct, _) in st.stats.items()]
+    rows.sort(key=lambda r: -r["tottime_ms"])
+    total = sum(r["tottime_ms"] for r in rows)
+    print(f"{policy} host profile (one step, cProfile): {total:.0f} ms of Python-side time; top {top} by own time")
+    for r in rows[:top]:
+        print(f"  {r['tottime_ms']:9.1f} {r['cumtime_ms']:9.1f} {r['calls']:8d}  {r['fn'][:110]}")
+    return rows[:top]
+
+
 def print_profile(name: str, pr: dict) -> None:
     print(f"{pr['policy']} step on {name}, one step profiled: GEMM kernels {pr['gemm_kernel_ms']:.1f} ms, other "
           f"kernels {pr['other_kernel_ms']:.1f} ms, step wall {pr['step_wall_ms']:.1f} ms (GEMMs "
@@ -266,6 +297,8 @@ def main() -> None:
                     "in GEMMs vs the rest)")
     ap.add_argument("--profile", nargs="*", default=[], help="also profile one step of these policies per model "
                     "(kernel time by kind, top kernels, host-side syncs)")
+    ap.add_argument("--host-profile", nargs="*", default=[], help="also run one step of these policies per model "
+                    "under cProfile and list the Python functions with the most own time")
     ap.add_argument("--profile-top", type=int, default=0, help="with --profile/--profile-bf16: list this many of the "
                     "most expensive kernels")
     ap.add_argument("--work", type=Path, default=Path("/tmp/rl_step_models"), help="random-init checkpoints go here")
@@ -316,6 +349,9 @@ def main() -> None:
                 continue
             env.setdefault("profile", {}).setdefault(name, {})[pol] = pr
             print_profile(name, pr)
+        for pol in a.host_profile:
+            env.setdefault("host_profile", {}).setdefault(name, {})[pol] = host_profile_step(
+                pol, a.device, prompts, a.samples, name, digits, micro_batch=micro)
         a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")  # after each model: partial runs
     a.out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     print(f"wrote {a.out}")

@@ -561,3 +561,21 @@ def test_executors_run_under_inference_mode(policy):
     with torch.inference_mode():
         got = model(ids)
     assert torch.equal(got, want)
+
+
+def test_verified_layout_is_built_alone_exactly_as_among_the_candidates():
+    """NativeFp8Gemm's hot path builds only its shape class's verified scale layout (fastgemm._layout); it must be
+    the candidate of that name, values and strides (torch reads the strides)."""
+    from precision_dsl.engine.fastgemm import _layout, _scale_layouts
+
+    g = torch.Generator().manual_seed(0)
+    for m, l_a, b_block, b_shape in ((37, 24, (128, 128), (16, 24)), (64, 16, (128, 128), (4, 6)),
+                                     (48, 2, (1, 128), (3072, 2)), (13, 3, (1, 128), (2048, 3))):
+        a_scale = torch.rand(m, l_a, generator=g)
+        b_scale = torch.rand(*b_shape, generator=g)
+        cands = _scale_layouts(a_scale, b_scale, b_block)
+        assert len(cands) >= 6
+        for name, thunk in cands.items():
+            want, got = thunk(), _layout(name, a_scale, b_scale, b_block)
+            for w, x in zip(want, got):
+                assert torch.equal(w, x) and w.stride() == x.stride() and w.shape == x.shape, name

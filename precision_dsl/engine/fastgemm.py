@@ -394,18 +394,29 @@ def _scale_layouts(a_scale, b_scale, b_block) -> dict:
     (torch's test_scaled_mm_vs_emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch
     checks as [N/128, L] with row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes
     had L % 4 == 0)."""
-    if b_block == (1, 128):
-        bs = {"b1x128:m4": lambda: outer_major_m4(b_scale).t(), "b1x128:t-contig": lambda: b_scale.t().contiguous(),
-              "b1x128:t-view": lambda: b_scale.contiguous().t()}
-    else:
-        bs = {"b128:l4-view": lambda: _grid_l4_view(b_scale).t(), "b128:contig": lambda: b_scale.contiguous().t()}
-        pad = (-b_scale.shape[1]) % 4
-        if pad:
-            bs["b128:l4-padded"] = lambda: F.pad(b_scale, (0, pad)).t()
-    a_forms = {"a-m4/": lambda: outer_major_m4(a_scale), "": lambda: a_scale.t().contiguous().t(),
-               "a-contig/": lambda: a_scale.contiguous()}  # first: 16-byte columns; the last for other torch builds
-    return {prefix + name: (lambda fa=fa, fb=fb: (fa(), fb())) for prefix, fa in a_forms.items()
+    bs = dict(_B_FORMS[b_block == (1, 128)])
+    if b_block != (1, 128) and b_scale.shape[1] % 4 == 0:
+        del bs["b128:l4-padded"]  # no K-block padding to add: the same as l4-view
+    return {prefix + name: (lambda fa=fa, fb=fb: (fa(a_scale), fb(b_scale))) for prefix, fa in _A_FORMS.items()
             for name, fb in bs.items()}
+
+
+# the scale layouts as functions of the scale tensor (the hot path builds only its shape class's own: _layout)
+_A_FORMS = {"a-m4/": outer_major_m4, "": lambda s: s.t().contiguous().t(), "a-contig/": lambda s: s.contiguous()}
+_B_FORMS = {
+    True: {"b1x128:m4": lambda s: outer_major_m4(s).t(), "b1x128:t-contig": lambda s: s.t().contiguous(),
+           "b1x128:t-view": lambda s: s.contiguous().t()},
+    False: {"b128:l4-view": lambda s: _grid_l4_view(s).t(), "b128:contig": lambda s: s.contiguous().t(),
+            "b128:l4-padded": lambda s: F.pad(s, (0, (-s.shape[1]) % 4)).t()},
+}
+
+
+def _layout(name: str, a_scale, b_scale, b_block) -> tuple:
+    """(scale_a, scale_b) in the named layout of `_scale_layouts` (the verified one of a shape class)."""
+    for prefix in ("a-m4/", "a-contig/"):
+        if name.startswith(prefix):
+            return _A_FORMS[prefix](a_scale), _B_FORMS[b_block == (1, 128)][name[len(prefix):]](b_scale)
+    return _A_FORMS[""](a_scale), _B_FORMS[b_block == (1, 128)][name](b_scale)
 
 
 def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> torch.Tensor:
@@ -471,13 +482,13 @@ class NativeFp8Gemm:
             return None
         a8 = a_data.contiguous().view(_F8[ea])
         b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
-        layouts = _scale_layouts(a_scale.float(), b_scale.float(), b_block)
+        a_scale, b_scale = a_scale.float(), b_scale.float()
         # a layout torch accepts could be read differently at other block counts: each shape class is checked once
         # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
         state = self.verified.get(cls)
         if state is not None:
             name, dt = state
-            sa, sb = layouts[name]()
+            sa, sb = _layout(name, a_scale, b_scale, b_block)
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
                 if stats is not None:
@@ -486,6 +497,7 @@ class NativeFp8Gemm:
             except (RuntimeError, ValueError, NotImplementedError) as e:
                 self.errors[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
         want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
+        layouts = _scale_layouts(a_scale, b_scale, b_block)
         prev = self.recipes.get(key) or None
         order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
         for name in order:

@@ -423,6 +423,7 @@ class TrainerExecutor:
         self._fwd: dict[str, object] = {}  # hf_name -> fp32 dequantized weight (reference) | FastWeight (fast)
         self.stats = fastgemm.GemmStats()
         self.fp8 = fastgemm.NativeFp8Gemm()  # native FP8 GEMMs and the scale layouts they learn (this executor's)
+        self._native: Optional[tuple] = None  # (device, native FP8 there?)
         # the last GEMM input seen and its SharedInput: consecutive linears reading the same tensor (q/k/v, an
         # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
         self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
@@ -447,8 +448,12 @@ class TrainerExecutor:
 
     @property
     def native(self) -> bool:
-        """Native FP8 GEMMs for fp8_block linears: fast path on a device whose cuBLASLt has block scaling."""
-        return self.fast and fastgemm.native_fp8_available(self.device)
+        """Native FP8 GEMMs for fp8_block linears: fast path on a device whose cuBLASLt has block scaling (asked once
+        per device: every linear call reads it)."""
+        dev = self.device
+        if self._native is None or self._native[0] != dev:
+            self._native = (dev, self.fast and fastgemm.native_fp8_available(dev))
+        return self._native[1]
 
     def invalidate(self) -> None:
         self.quantized.clear()
