@@ -237,3 +237,13 @@ def test_rope_with_shared_tables_and_written_out_backward_equals_the_eager_rope(
     assert torch.equal(dx_got, dx_want)
     with torch.no_grad():  # no autograd graph: the plain rotation, same values
         assert torch.equal(_rope(x, cos, sin), got.transpose(1, 2))
+
+
+def test_left_pad_right_aligns_every_prompt_after_pad_slots():
+    from precision_dsl.engine.sampling import left_pad
+
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4, 5], [8, 8]]
+    ids, mask = left_pad(prompts, 0, "cpu")
+    assert ids.tolist() == [[0, 0, 5, 6, 7], [0, 0, 0, 0, 9], [1, 2, 3, 4, 5], [0, 0, 0, 8, 8]]
+    assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert ids.dtype == mask.dtype == torch.long

@@ -42,13 +42,14 @@ class SampleBatch:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    p = max(len(x) for x in prompts)
+    """(ids, mask) [B, P]: each prompt right-aligned after pad_id slots (mask 1 on its tokens). Built from one flat
+    tensor of all tokens and one masked write (a tensor per row was ~0.2 s of Python at 8192 prompts)."""
+    lens = torch.tensor([len(x) for x in prompts], dtype=torch.long)
+    p = int(lens.max())
+    mask = torch.arange(p)[None, :] >= (p - lens)[:, None]
     ids = torch.full((len(prompts), p), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), p), dtype=torch.long)
-    for i, x in enumerate(prompts):
-        ids[i, p - len(x):] = torch.tensor(list(x), dtype=torch.long)
-        mask[i, p - len(x):] = 1
-    return ids.to(device), mask.to(device)
+    ids[mask] = torch.tensor([t for x in prompts for t in x], dtype=torch.long)  # row-major = the prompts' order
+    return ids.to(device), mask.long().to(device)
 
 
 @torch.no_grad()

@@ -147,13 +147,15 @@ def quantize(x2, element="e4m3", square=False, pow2=True, transpose=False, *, bl
     return data, sinv
 
 
-def quantize_rowcol(x2, element="e4m3", pow2=True, pad_rows_to=128, *, block_c=None, num_warps=8, out=None,
+def quantize_rowcol(x2, element="e4m3", pow2=True, pad_rows_to=128, *, block_c=None, num_warps=4, out=None,
                     out_row=None, bad=None, row_pad_to=1):
     """Both 1x128 copies of a contiguous [M, K] tensor from one read of x: the rowwise one (= quantize(x2, element,
     pow2=pow2): data [M, K], scale_inv [M, ceil(K/128)], never padded) and the columnwise one (= quantize(x2,
     element, pow2=pow2, transpose=True, pad_rows_to=pad_rows_to): data [K, Mp], scale_inv [K, ceil(Mp/128)]).
     Returns (row_data, row_scale_inv, col_data, col_scale_inv); out / out_row: (data, scale_inv) to write into.
-    row_pad_to: the rowwise copy is that of x zero-padded to roundup(M, row_pad_to) <= Mp rows (default 1: none)."""
+    row_pad_to: the rowwise copy is that of x zero-padded to roundup(M, row_pad_to) <= Mp rows (default 1: none).
+    num_warps=4: faster than 8 at every trainer shape on the H200 and faster than the two separate launches
+    (benchmarks/fp8_operand_probe.py, session 12: 49152x3072 0.267 ms vs 0.398 ms with 8 warps, row + col 0.301)."""
     m, k = x2.shape
     mp = _pad(m, pad_rows_to)
     mr = _pad(m, row_pad_to)
