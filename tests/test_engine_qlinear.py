@@ -133,3 +133,41 @@ def test_nvfp4_quantized_backward_is_refused():
     broken = plan.model_copy(update={"tensors": tuple(bad if x.hf_name == t.hf_name else x for x in plan.tensors)})
     with pytest.raises(EngineFormatError, match="quantized backward is fp8 / fp8_block / mxfp8 only"):
         linear_specs(broken)
+
+
+def test_fp8_tiled_weights_quantized_as_groups_equal_each_quantized_alone():
+    """quantize_weights stacks FP8 128x128 weights of one shape (N % 128 == 0) and quantizes the stack once: each
+    weight's bytes, scales, metadata and BF16 copy must be its own quantization's; singletons and N % 128 != 0
+    shapes take the per-tensor path."""
+    from precision_dsl.engine import numerics
+
+    plan = _plan("fp8-blockwise-hopper")
+    by = plan.by_name()
+    l0 = [n for n in by if n.startswith("model.layers.0.") and by[n].is_linear]
+    fp8 = [n for n in l0 if by[n].precision.weight.kind == FormatKind.FP8_BLOCK]
+    assert len(fp8) >= 10
+    g = torch.Generator().manual_seed(0)
+    shapes = {}
+    for i, n in enumerate(fp8):
+        if "experts" in n:
+            shapes[n] = (384, 256) if "down" in n else (256, 384)
+        elif "k_proj" in n or "v_proj" in n:
+            shapes[n] = (200, 256)  # N % 128 != 0: never stacked
+        else:
+            shapes[n] = (256, 256) if "q_proj" in n else (128, 512)  # o_proj alone in its shape: per tensor
+    weights = {n: torch.randn(s, generator=g) * torch.exp(torch.randn(s[0], 1, generator=g) * 3)
+               for n, s in shapes.items()}
+    w16s: dict = {}
+    got = quantize_weights(plan, weights, w16s)
+    assert set(got) == set(weights) == set(w16s)
+    for n, w in weights.items():
+        w16 = w.to(torch.bfloat16)
+        want = numerics.quantize(w16, by[n].precision.weight)
+        q = got[n]
+        assert (q.shape, q.axis, q.fmt, q.orig_dtype) == (want.shape, want.axis, want.fmt, want.orig_dtype), n
+        assert torch.equal(q.data, want.data) and torch.equal(q.scale, want.scale), n
+        assert torch.equal(w16s[n], w16), n
+    from precision_dsl.engine.qlinear import _quantize_tiled_groups
+
+    done = _quantize_tiled_groups(by, weights, {}, None)  # the stacked path really ran (the experts), and only there
+    assert done == {n for n in fp8 if "experts" in n} and len(done) >= 6

@@ -135,3 +135,28 @@ def test_cuda_matches_cpu():
             b = fp8_block.quantize(x.cuda(), "e4m3", block, pow2)
             assert torch.equal(a.data, b.data.cpu())
             assert torch.equal(a.scale.view(torch.int32), b.scale.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (300, 200), (128, 128), (130, 129), (1, 5)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_transpose_tiles_is_the_other_direction_quantized(shape, dtype):
+    """128x128 tiles hold the same elements in either direction: transpose_tiles(row copy) == quantize(axis="col")
+    and back, every field and byte (edge rows included: tiny, zero, -0.0, saturating, +-Inf)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape[0], 1, generator=g) * 4)
+    if shape[0] > 4:
+        x[1] *= 1e-30
+        x[2] = 0
+        x[3, ::3] = -0.0
+        x[4, ::5] = float("inf")
+    x = x.to(dtype)
+    for element in ("e4m3", "e5m2"):
+        for pow2 in (True, False):
+            row = fp8_block.quantize(x, element, (128, 128), pow2, axis="row")
+            col = fp8_block.quantize(x, element, (128, 128), pow2, axis="col")
+            for got, want in ((fp8_block.transpose_tiles(row), col), (fp8_block.transpose_tiles(col), row)):
+                assert (got.shape, got.axis, got.fmt, got.orig_dtype) == (want.shape, want.axis, want.fmt,
+                                                                          want.orig_dtype)
+                assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    with pytest.raises(FormatInputError, match="128x128"):
+        fp8_block.transpose_tiles(fp8_block.quantize(x, "e4m3", (1, 128), True))

@@ -29,10 +29,11 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from ..formats import fp8_block_pow2
+from ..formats import fp8_block, fp8_block_pow2
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
 from . import fastgemm, numerics
+from ..formats.base import QuantizedTensor
 
 BF16_FMT = TensorFormat(kind=FormatKind.BF16, element="bf16")
 
@@ -92,7 +93,10 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
     by_name = plan.by_name()
     amax = group_amaxes(plan, weights)
     out: dict[str, object] = {}
+    done = _quantize_tiled_groups(by_name, weights, out, bf16_out)
     for name, w in weights.items():
+        if name in done:
+            continue
         tp = by_name.get(name)
         if tp is None:
             raise KeyError(f"{name}: tensor is not in the plan (plan for {plan.model})")
@@ -106,6 +110,39 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
         else:  # .to() made a new tensor unless the master is BF16 already: then a copy, not an alias of it
             out[name] = w16.clone() if w16.data_ptr() == w.data_ptr() else w16
     return out
+
+
+def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Optional[dict]) -> set:
+    """FP8 128x128-tiled linears of one shape and format (a layer's experts, q and o, k and v) quantized together:
+    their BF16 casts written into one stacked buffer by one multi-tensor copy, and ONE quantization of the [G*N, K]
+    stack instead of G (each a kernel launch plus its Python: the trainer does this every step). With N % 128 == 0
+    no tile spans two weights, so each weight's bytes and scales are its rows of the stack, exactly its own
+    quantization (tests/test_engine_qlinear.py). Returns the names done."""
+    groups: dict = {}
+    for name, w in weights.items():
+        tp = by_name.get(name)
+        if tp is None or not tp.is_linear or w.dim() != 2 or w.shape[0] % 128:
+            continue
+        fmt = tp.precision.weight
+        if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or ()) == (128, 128):
+            groups.setdefault((tuple(w.shape), fmt, w.device), []).append(name)
+    done: set = set()
+    for ((n, k), fmt, device), names in groups.items():
+        if len(names) < 2:
+            continue
+        stack = torch.empty((len(names), n, k), dtype=torch.bfloat16, device=device)
+        w16s = list(stack.unbind(0))
+        torch._foreach_copy_(w16s, [weights[nm].detach() for nm in names])  # fp32 -> bf16 RN, as .to(bfloat16)
+        what = f"{names[0]} (+{len(names) - 1} of its shape)"
+        q = numerics.quantize(stack.view(len(names) * n, k), fmt, what=what)
+        for i, nm in enumerate(names):
+            out[nm] = QuantizedTensor(fmt=q.fmt, shape=(n, k), data=q.data[i * n:(i + 1) * n],
+                                      scale=q.scale[i * n // 128:(i + 1) * n // 128], axis="row",
+                                      orig_dtype=torch.bfloat16, kernel=q.kernel)
+            if bf16_out is not None:
+                bf16_out[nm] = w16s[i]
+        done.update(names)
+    return done
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,8 +414,8 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     m = g.shape[0]
     # g's rowwise (dgrad) and columnwise (wgrad, tokens zero-padded to whole 128-blocks) copies from one read of g
     qg, g_data, g_scale, qgc = fastgemm.fp8_rowcol16(g, spec.grad)
-    if fw.col_q is None:  # W's columnwise copy: quantized from BF16(master) once per step
-        fw.col_q = numerics.quantize(fw.w16, spec.weight, axis="col", what=spec.hf_name)
+    if fw.col_q is None:  # W's columnwise copy, once per step: its 128x128 tiles transposed (the same bytes as
+        fw.col_q = fp8_block.transpose_tiles(fw.q)  # quantizing BF16(master) columnwise; formats/fp8_block.py)
     dx = ex.fp8(g_data, g_scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128), eg, ew, stats)
     if dx is not None:
         dx = dx[:m]

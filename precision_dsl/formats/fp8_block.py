@@ -112,6 +112,18 @@ def quantize(x: torch.Tensor, element: str = "e4m3", block: tuple[int, int] = (1
                            scale=scale_inv.contiguous(), axis=axis, orig_dtype=x.dtype)
 
 
+def transpose_tiles(q: QuantizedTensor) -> QuantizedTensor:
+    """The other direction's copy of a 128x128-tiled quantization, without quantizing again: a square tile holds the
+    same elements either way, so its amax, scale and every element's byte are the same, and the columnwise copy of
+    x is the rowwise one transposed (data and scale grid; partial tiles too) - TE's 2-D weight quantizer makes its
+    columnwise copy the same way. Byte for byte `quantize(x, axis="col")` from `quantize(x, axis="row")` and back
+    (tests/test_fp8_block.py)."""
+    if q.fmt.kind != FormatKind.FP8_BLOCK or tuple(q.fmt.block or ()) != (128, 128) or q.data.dim() != 2:
+        raise FormatInputError(f"transpose_tiles: needs a 2-D 128x128 FP8 block quantization, got {q.fmt.short()}")
+    return QuantizedTensor(fmt=q.fmt, shape=q.shape, data=q.data.t().contiguous(), scale=q.scale.t().contiguous(),
+                           axis="col" if q.axis == "row" else "row", orig_dtype=q.orig_dtype, kernel=q.kernel)
+
+
 def _decode_matrix(vals: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     r, c = vals.shape
     br, bc = block
