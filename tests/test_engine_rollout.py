@@ -198,9 +198,32 @@ def test_differing_on_a_gpu_compares_in_one_pass_and_names_the_pairs():
     g = torch.Generator().manual_seed(0)
     ts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).cuda() for n in (1, 64, 1000, 4096)]
     same = [(t, t.clone()) for t in ts] + [(ts[1].view(torch.float8_e4m3fn), ts[1].clone())]
-    assert differing(same) == []
-    for k in range(len(ts)):
-        flipped = [(a, b.clone()) for a, b in same]
-        flipped[k][1][-1] ^= 0x80
-        assert differing(flipped) == [k]
-    assert differing(same + [(ts[2], ts[2][:10])]) == [len(same)]
+    for chunk in (1, 100, 256 << 20):  # one pair per chunk, a few per chunk, all in one
+        assert differing(same, chunk_bytes=chunk) == []
+        for k in range(len(ts)):
+            flipped = [(a, b.clone()) for a, b in same]
+            flipped[k][1][-1] ^= 0x80
+            assert differing(flipped, chunk_bytes=chunk) == [k]
+        assert differing(same + [(ts[2], ts[2][:10])], chunk_bytes=chunk) == [len(same)]
+
+
+def test_differing_chunks_the_one_pass_comparison(monkeypatch):
+    """The one-pass GPU comparison concatenates at most ~chunk_bytes per side at a time and still names exactly the
+    differing pairs (exercised on CPU tensors presented as GPU ones)."""
+    from precision_dsl.engine.weight_path import differing
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for n in (1, 64, 1000, 4096, 7, 300)]
+    same = [(t, t.clone()) for t in ts]
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    cats = []
+    real_cat = torch.cat
+    monkeypatch.setattr(torch, "cat", lambda xs, *a, **k: cats.append(sum(x.numel() for x in xs)) or real_cat(xs))
+    for chunk in (1, 100, 1500, 1 << 30):
+        cats.clear()
+        assert differing(same, chunk_bytes=chunk) == []
+        assert max(cats) <= max(chunk, 0) + 4096  # a chunk closes once it reaches chunk_bytes
+        for k in range(len(ts)):
+            flipped = [(a, b.clone()) for a, b in same]
+            flipped[k][1][-1] ^= 1
+            assert differing(flipped, chunk_bytes=chunk) == [k]

@@ -144,12 +144,12 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.numel() == b.numel() and torch.equal(a, b)
 
 
-def differing(pairs) -> list[int]:
+def differing(pairs, chunk_bytes: int = 256 << 20) -> list[int]:
     """Indices of the (a, b) tensor pairs whose bytes differ, `same_bytes` for many pairs at once. Pairs on one GPU
-    are compared there in one pass: both sides' bytes concatenated per device (one launch each) and compared with
-    ONE host sync (a per-pair torch.equal is one sync each, ~300 per weight update of a small MoE; a per-pair
-    comparison kernel still two launches each). Only when something differs are the pairs compared one by one, to
-    name them."""
+    are compared there in a few passes: both sides' bytes concatenated per chunk of about `chunk_bytes` (one launch
+    each, so the check never holds more than ~2 x chunk_bytes of copies) and compared with one host sync per chunk
+    (a per-pair torch.equal is one sync each, ~300 per weight update of a small MoE; a per-pair comparison kernel
+    still two launches each). Only in a chunk that differs are the pairs compared one by one, to name them."""
     out, pending = [], {}
     for i, (a, b) in enumerate(pairs):
         if a.device != b.device or not a.is_cuda:
@@ -162,8 +162,15 @@ def differing(pairs) -> list[int]:
         else:
             pending.setdefault(a.device, []).append((i, a, b))
     for group in pending.values():
-        if torch.equal(torch.cat([a for _, a, _ in group]), torch.cat([b for _, _, b in group])):
-            continue
-        flags = torch.stack([(a != b).any() for _, a, b in group]).tolist()
-        out += [i for (i, _, _), bad in zip(group, flags) if bad]
+        chunks, cur, size = [], [], 0
+        for item in group:
+            cur.append(item)
+            size += item[1].numel()
+            if size >= chunk_bytes:
+                chunks, cur, size = chunks + [cur], [], 0
+        for chunk in chunks + ([cur] if cur else []):
+            if torch.equal(torch.cat([a for _, a, _ in chunk]), torch.cat([b for _, _, b in chunk])):
+                continue
+            flags = torch.stack([(a != b).any() for _, a, b in chunk]).tolist()
+            out += [i for (i, _, _), bad in zip(chunk, flags) if bad]
     return sorted(out)
