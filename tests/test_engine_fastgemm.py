@@ -269,6 +269,42 @@ def test_native_fp8_plumbing_on_cpu(monkeypatch, policy):
         assert _rel(gf[n], gr[n]) < 1e-4 if gr[n].norm() > 0 else torch.equal(gf[n], gr[n]), n
 
 
+def test_native_fp8_backward_reads_the_forwards_columnwise_copy_of_x(monkeypatch):
+    """With a backward to come, each FP8 input's columnwise 1x128 copy is made in the forward, from the same read as
+    its rowwise one (fastgemm.fp8_rowcol16), and the backward's wgrad reads it instead of quantizing x again; under
+    no_grad the forward makes the rowwise copy only."""
+    from precision_dsl import kernels
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine import qlinear
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+
+    monkeypatch.setattr(fastgemm, "native_fp8_available", lambda device: True)
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm, raising=False)
+    calls = {"rowcol": 0, "rows": 0, "col_quantize": 0}
+    for name, key in (("fp8_rowcol16", "rowcol"), ("fp8_rows16", "rows")):
+        real = getattr(fastgemm, name)
+        monkeypatch.setattr(fastgemm, name, lambda *a, _r=real, _k=key, **k: calls.__setitem__(_k, calls[_k] + 1)
+                            or _r(*a, **k))
+    real_q = kernels.fp8_block_quantize
+
+    def counted(x, *a, **k):
+        calls["col_quantize"] += k.get("axis") == "col"
+        return real_q(x, *a, **k)
+    monkeypatch.setattr(qlinear.kernels, "fp8_block_quantize", counted)
+    model = load_model(resolve_model_dir("tiny-moe"))
+    TrainerExecutor(load_plan("fp8-blockwise-hopper", load_architecture("tiny-moe")), model, gemm="fast").install()
+    ids = torch.randint(3, 32, (4, 12), generator=torch.Generator().manual_seed(0))
+    model(ids).float().pow(2).mean().backward()
+    # x operands (q/k/v share one, o, each expert's gate/up share one, down) + g operands: all row+col launches
+    assert calls["rowcol"] > 0 and calls["rows"] == 0 and calls["col_quantize"] == 0, calls
+    for k in calls:
+        calls[k] = 0
+    with torch.no_grad():
+        model(ids)
+    assert calls["rows"] > 0 and calls["rowcol"] == 0 and calls["col_quantize"] == 0, calls
+
+
 def test_gemm_mode_is_validated():
     from precision_dsl.arch import load_architecture
     from precision_dsl.engine.model import load_model, resolve_model_dir

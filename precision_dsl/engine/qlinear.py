@@ -113,11 +113,12 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
 
 
 def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Optional[dict]) -> set:
-    """FP8 128x128-tiled linears of one shape and format (a layer's experts, q and o, k and v) quantized together:
-    their BF16 casts written into one stacked buffer by one multi-tensor copy, and ONE quantization of the [G*N, K]
-    stack instead of G (each a kernel launch plus its Python: the trainer does this every step). With N % 128 == 0
-    no tile spans two weights, so each weight's bytes and scales are its rows of the stack, exactly its own
-    quantization (tests/test_engine_qlinear.py). Returns the names done."""
+    """FP8 128x128-tiled linears of one shape, format and device (across all layers: every expert's gate and up,
+    every down, q with o, k with v) quantized together: their BF16 casts written into one stacked buffer by one
+    multi-tensor copy, and ONE quantization of the [G*N, K] stack instead of G (each a kernel launch plus its
+    Python: the trainer does this every step). With N % 128 == 0 no tile spans two weights, so each weight's bytes
+    and scales are its rows of the stack, exactly its own quantization (tests/test_engine_qlinear.py). An error
+    names the stack's first weight. Returns the names done."""
     groups: dict = {}
     for name, w in weights.items():
         tp = by_name.get(name)
@@ -287,6 +288,9 @@ class SharedInput:
         # autograd graph (each linear's Function returns its own dx)
         self.x16 = x2.detach().to(torch.bfloat16)
         self._derived: dict = {}
+        # whether the linears reading it will run a backward (grad mode at the call; inside an autograd Function's
+        # forward grad mode is always off): the forward makes backward-only copies only then
+        self.backward = True
 
     def get(self, key: tuple, make):
         v = self._derived.get(key)
@@ -309,12 +313,12 @@ def _native_fp8_grad(spec: LinearSpec) -> bool:
 
 
 def _fp8_x_operands(xs: SharedInput, spec: LinearSpec, ex: "TrainerExecutor"):
-    """x's rowwise 1x128 FP8 operand for the forward as (q, a_data, a_scale) (fastgemm.fp8_rows16). When the
-    backward is native FP8 too, x's columnwise copy for wgrad (zero-padded to whole 128-token blocks) comes from the
-    same read of x (fastgemm.fp8_rowcol16, byte for byte the separate quantizations) and waits in `xs` for it, as
-    TE quantizes both directions of the input in the forward."""
+    """x's rowwise 1x128 FP8 operand for the forward as (q, a_data, a_scale) (fastgemm.fp8_rows16). When a
+    backward will run and is native FP8 too, x's columnwise copy for wgrad (zero-padded to whole 128-token blocks)
+    comes from the same read of x (fastgemm.fp8_rowcol16, byte for byte the separate quantizations) and waits in
+    `xs` for it, as TE quantizes both directions of the input in the forward."""
     act = spec.activation
-    if not _native_fp8_grad(spec):
+    if not (_native_fp8_grad(spec) and xs.backward):  # no native backward to feed (or none at all: no_grad)
         return fastgemm.fp8_rows16(xs.x16, act, spec.hf_name)
     q, data, scale, q_col = fastgemm.fp8_rowcol16(xs.x16, act)
     xs.put(("col128", act), q_col)
@@ -553,5 +557,7 @@ class TrainerExecutor:
             return qlinear(x, w, fw, spec)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = FastQLinearFunction.apply(x2, w, fw, spec, self, self._shared_input(x, x2))
+        xs = self._shared_input(x, x2)
+        xs.backward = torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)
+        y = FastQLinearFunction.apply(x2, w, fw, spec, self, xs)
         return y.reshape(*shape[:-1], w.shape[0])
