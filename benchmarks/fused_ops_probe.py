@@ -63,7 +63,7 @@ def main() -> None:
 
     def case(name, fn, ref_out=None):
         out = fn()
-        diff = float((out.float() - ref_out.float()).abs().max()) if ref_out is not None else 0.0
+        diff = float((out.detach().float() - ref_out.detach().float()).abs().max()) if ref_out is not None else 0.0
         g = torch.randn_like(out)
 
         def fb():
@@ -85,7 +85,7 @@ def main() -> None:
         var = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(var + eps) * w
 
-    ref = case("rmsnorm eager (engine)", rms_eager)
+    ref = case("rmsnorm eager (engine before session 12)", rms_eager)
     case("rmsnorm F.rms_norm", lambda: F.rms_norm(x, (h,), w, eps), ref)
     try:
         comp = torch.compile(rms_eager, dynamic=True)
@@ -98,12 +98,21 @@ def main() -> None:
     wq = torch.ones(d, device=dev, requires_grad=True)
     pos = torch.arange(t, device=dev)[None].expand(b, t)
 
+    def eager_rope(x):  # the engine's RoPE before session 12: tables per call, on the [B, H, T, D] view
+        inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
+        ang = pos.to(torch.float32)[..., None] * inv
+        emb = torch.cat([ang, ang], dim=-1)[:, None]
+        x1, x2 = x[..., : d // 2], x[..., d // 2:]
+        return (x * emb.cos() + torch.cat([-x2, x1], dim=-1) * emb.sin()).to(x.dtype)
+
     def qnorm_rope_eager():
         var = qf.pow(2).mean(-1, keepdim=True)
-        q = (qf * torch.rsqrt(var + eps) * wq).transpose(1, 2)
-        return M._rope(q, pos, 1e6)
+        return eager_rope((qf * torch.rsqrt(var + eps) * wq).transpose(1, 2))
 
-    ref = case("q_norm + rope eager (engine)", qnorm_rope_eager)
+    ref = case("q_norm + rope eager (engine before session 12)", qnorm_rope_eager)
+    cos, sin = M.rope_tables(pos, d, 1e6)
+    case("q_norm + rope (engine now: F.rms_norm, shared tables, _Rope)",
+         lambda: M._rope(F.rms_norm(qf, (d,), wq, eps), cos, sin).transpose(1, 2), ref)
 
     def qnorm_rope_contig():
         q = F.rms_norm(qf, (d,), wq, eps)

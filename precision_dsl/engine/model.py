@@ -192,7 +192,7 @@ class Attention(nn.Module):
         self.o_proj = PlanLinear(nh * hd, h, f"{prefix}.o_proj.weight", owner)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, owner)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, owner)
-        self.nh, self.nkv, self.hd, self.theta = nh, nkv, hd, cfg.rope_theta
+        self.nh, self.nkv, self.hd = nh, nkv, hd
 
     def forward(self, x, rope, key_mask, cache: Optional[dict]):
         b, t, _ = x.shape
