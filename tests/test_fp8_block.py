@@ -160,3 +160,25 @@ def test_transpose_tiles_is_the_other_direction_quantized(shape, dtype):
                 assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
     with pytest.raises(FormatInputError, match="128x128"):
         fp8_block.transpose_tiles(fp8_block.quantize(x, "e4m3", (1, 128), True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_nan_element_becomes_byte_0x7f(dtype):
+    """NaN: ignored by the block amax, and written as 0x7F whatever its sign or payload (cvt.rn.satfinite, so TE's
+    kernels and ours). torch's fp32 -> bf16 cast makes NaN negative (0xFFFF): the reference had kept that sign and
+    written 0xFF, which the H200 kernel test caught for bf16 inputs."""
+    x = torch.ones(3, 256, dtype=dtype)
+    x[0, 5] = float("nan")
+    x[1, 7] = -float("nan")
+    x.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[2, 9] = -1  # all-ones bits: a negative NaN
+    for element in ("e4m3", "e5m2"):
+        for block in ((1, 128), (128, 128)):
+            for axis in ("row", "col"):
+                q = fp8_block.quantize(x, element, block, True, axis=axis)
+                data = q.data if axis == "row" else q.data.t()
+                assert [int(data[r, c]) for r, c in ((0, 5), (1, 7), (2, 9))] == [0x7F] * 3, (element, block, axis)
+                ones = fp8_block.quantize(torch.ones(3, 256, dtype=dtype), element, block, True, axis=axis)
+                keep = torch.ones_like(data, dtype=torch.bool)
+                keep[0, 5] = keep[1, 7] = keep[2, 9] = False
+                ref = ones.data if axis == "row" else ones.data.t()
+                assert torch.equal(data[keep], ref[keep]) and torch.equal(q.scale, ones.scale)  # NaN ignored

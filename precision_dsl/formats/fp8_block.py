@@ -31,8 +31,9 @@ Executable description of one block B (fp32, RN = round-to-nearest-even, IEEE di
 Edge cases: all-zero block -> scale 1, scale_inv 1, bytes 0x00 / 0x80 (-0.0 keeps its sign); tiny amax (Fmax/a
 overflows) -> scale = input-dtype max (pow2: 2^127 for fp32 and bf16), scale_inv its reciprocal (possibly an fp32
 subnormal); subnormal inputs exact; ties RNE; saturation by clamping. NaN / Inf inputs are outside the bit-exact
-contract (TE's references disagree); here NaN is ignored by the amax, a NaN element stays a NaN byte and +-inf makes
-the block's scale 1 and saturates to +-Fmax.
+contract (TE's references disagree); here NaN is ignored by the amax, a NaN element becomes byte 0x7F whatever its
+sign or payload (what `cvt.rn.satfinite` writes, so TE's kernels and ours; torch's own cast keeps the sign, and
+torch's fp32 -> bf16 cast makes NaN negative: 0xFFFF), and +-inf makes the block's scale 1 and saturates to +-Fmax.
 
 Inputs: float32 / bfloat16 / float16, >= 1-D (flattened to [M, K]), any strides (copied), empty allowed.
 """
@@ -45,12 +46,13 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import FormatKind, TensorFormat
-from ._numerics import FP8_MAX, abs_amax, as_2d_fp32, f32_bits, f32_from_bits, fp8_bytes_satfinite, \
+from ._numerics import FP8_MAX, abs_amax_nan, as_2d_fp32, f32_bits, f32_from_bits, fp8_bytes_satfinite, \
     fp8_bytes_to_f32, rn_div
 from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 128
 BLOCKS = ((1, 128), (128, 128))
+NAN_BYTE = 0x7F  # every NaN element, E4M3 and E5M2 (cvt.rn.satfinite; the same byte as mxfp8.NAN_BYTE)
 
 
 def make_format(element: str = "e4m3", block: tuple[int, int] = (1, 128), pow2: bool = True) -> TensorFormat:
@@ -91,10 +93,10 @@ def _quantize_matrix(m2: torch.Tensor, element: str, block: tuple[int, int], pow
     pr, pc = nr * br - r, nc * bc - c
     padded = F.pad(m2, (0, pc, 0, pr)) if (pr or pc) else m2  # zero padding does not change a block's amax
     blocks = padded.view(nr, br, nc, bc)
-    amax = abs_amax(blocks, dim=(1, 3))  # [nr, nc]
+    amax, has_nan = abs_amax_nan(blocks, dim=(1, 3))  # [nr, nc]
     scale = scale_from_amax(amax, element, pow2, torch.finfo(in_dtype).max)
     scale_inv = rn_div(1.0, scale)
-    data = fp8_bytes_satfinite(blocks * scale.view(nr, 1, nc, 1), element)
+    data = fp8_bytes_satfinite(blocks * scale.view(nr, 1, nc, 1), element, nan_byte=NAN_BYTE if has_nan else None)
     data = data.view(nr * br, nc * bc)[:r, :c].contiguous()
     return data, scale, scale_inv
 
