@@ -254,8 +254,6 @@ def _rowcol_ok(fmt: TensorFormat, x16: torch.Tensor, parts: int = 1) -> bool:
     if fmt.kind != FormatKind.MXFP8 or tuple(fmt.block or (1, 32)) != (1, 32) or parts != 1 or not x16.is_cuda \
             or x16.shape[-1] % 32:
         return False
-    from .. import kernels
-
     return kernels.available()
 
 
@@ -264,8 +262,6 @@ def _fake_ops_rowcol(x16: torch.Tensor, fmt: TensorFormat) -> tuple[fastgemm.Op,
     (kernels.mxfp8_quantize_rowcol: the same bytes as the two separate quantizations, tests/test_kernels.py). The
     token dim is zero-padded to whole 32-row blocks as for the columnwise copy alone; rowwise blocks run along K, so
     the padding never touches the real rows' bytes."""
-    from .. import kernels
-
     x2 = x16.reshape(-1, x16.shape[-1])
     xp, m = numerics._pad_rows(x2, 32)
     q_row, q_col = kernels.mxfp8_quantize_rowcol(xp, fmt.element, kernel="triton")
@@ -312,7 +308,7 @@ def _native_fp8_grad(spec: LinearSpec) -> bool:
             and tuple(spec.grad.block or (1, 128)) == (1, 128))
 
 
-def _fp8_x_operands(xs: SharedInput, spec: LinearSpec, ex: "TrainerExecutor"):
+def _fp8_x_operands(xs: SharedInput, spec: LinearSpec):
     """x's rowwise 1x128 FP8 operand for the forward as (q, a_data, a_scale) (fastgemm.fp8_rows16). When a
     backward will run and is native FP8 too, x's columnwise copy for wgrad (zero-padded to whole 128-token blocks)
     comes from the same read of x (fastgemm.fp8_rowcol16, byte for byte the separate quantizations) and waits in
@@ -339,7 +335,7 @@ class FastQLinearFunction(torch.autograd.Function):
         ctx.spec, ctx.fw, ctx.ex, ctx.xs, ctx.x_col = spec, fw, ex, xs, None
         y = None
         if _native_fp8(spec, ex.native) and fw.q is not None:
-            qx, a_data, a_scale = xs.get(("q16", act), lambda: _fp8_x_operands(xs, spec, ex))
+            qx, a_data, a_scale = xs.get(("q16", act), lambda: _fp8_x_operands(xs, spec))
             y = ex.fp8(a_data, a_scale, (1, 128), fw.q.data, fw.q.scale, (128, 128), act.element,
                        spec.weight.element, stats)
             if y is not None:
