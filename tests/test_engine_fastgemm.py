@@ -599,19 +599,26 @@ def test_executors_run_under_inference_mode(policy):
     assert torch.equal(got, want)
 
 
-def test_verified_layout_is_built_alone_exactly_as_among_the_candidates():
-    """NativeFp8Gemm's hot path builds only its shape class's verified scale layout (fastgemm._layout); it must be
-    the candidate of that name, values and strides (torch reads the strides)."""
+def test_scale_layout_candidates_in_order_each_holding_the_scales():
+    """NativeFp8Gemm's scale layouts: the candidates in the order tried (documented one first; the L4-padded 128x128
+    grid only where L % 4 != 0), and every one built by fastgemm._layout - the only builder, also of the hot path's
+    verified layout - holding the scales' values (A as [M, C/128]; B as the [C/128, N] or [L, N/128] transpose)."""
     from precision_dsl.engine.fastgemm import _layout, _scale_layouts
 
+    a_forms = ["a-m4/", "", "a-contig/"]
     g = torch.Generator().manual_seed(0)
-    for m, l_a, b_block, b_shape in ((37, 24, (128, 128), (16, 24)), (64, 16, (128, 128), (4, 6)),
-                                     (48, 2, (1, 128), (3072, 2)), (13, 3, (1, 128), (2048, 3))):
+    for m, l_a, b_block, b_shape, b_forms in (
+            (37, 24, (128, 128), (16, 24), ["b128:l4-view", "b128:contig"]),
+            (64, 16, (128, 128), (4, 6), ["b128:l4-view", "b128:contig", "b128:l4-padded"]),
+            (48, 2, (1, 128), (3072, 2), ["b1x128:m4", "b1x128:t-contig", "b1x128:t-view"]),
+            (13, 3, (1, 128), (2048, 3), ["b1x128:m4", "b1x128:t-contig", "b1x128:t-view"])):
         a_scale = torch.rand(m, l_a, generator=g)
         b_scale = torch.rand(*b_shape, generator=g)
-        cands = _scale_layouts(a_scale, b_scale, b_block)
-        assert len(cands) >= 6
-        for name, thunk in cands.items():
-            want, got = thunk(), _layout(name, a_scale, b_scale, b_block)
-            for w, x in zip(want, got):
-                assert torch.equal(w, x) and w.stride() == x.stride() and w.shape == x.shape, name
+        forms = _scale_layouts(b_scale, b_block)
+        assert forms == [(a, b) for a in a_forms for b in b_forms]
+        for form in forms:
+            sa, sb = _layout(form, a_scale, b_scale, b_block)
+            assert torch.equal(sa, a_scale), form
+            assert torch.equal(sb[:b_scale.shape[1]], b_scale.t()) and sb.shape[1] == b_scale.shape[0], form
+        sa, _ = _layout(("a-m4/", b_forms[0]), a_scale, b_scale, b_block)  # 16-byte aligned columns
+        assert sa.stride() == (1, -(-m // 4) * 4)

@@ -387,21 +387,19 @@ def outer_major_m4(s: torch.Tensor) -> torch.Tensor:
     return buf[:, :m].t()
 
 
-def _scale_layouts(a_scale, b_scale, b_block) -> dict:
-    """Candidate (scale_a, scale_b) layouts, the documented one first, as thunks (a verified shape class builds only
-    its own: each candidate is a few small copies, and the hot path runs one GEMM per call). A: 1x128
-    outer-dim-major [M, C/128]. B given as the [C, N] transpose view of our [N, C] bytes: 1x128 -> [C/128, N]
-    (torch's test_scaled_mm_vs_emulated_block_wise), 128x128 -> the [L, N/128] transpose of the grid, which torch
-    checks as [N/128, L] with row stride L4 (newer torch) or L (older), or padded to [N/128, L4] (the probe's shapes
-    had L % 4 == 0)."""
-    bs = dict(_B_FORMS[b_block == (1, 128)])
-    if b_block != (1, 128) and b_scale.shape[1] % 4 == 0:
-        del bs["b128:l4-padded"]  # no K-block padding to add: the same as l4-view
-    return {prefix + name: (lambda fa=fa, fb=fb: (fa(a_scale), fb(b_scale))) for prefix, fa in _A_FORMS.items()
-            for name, fb in bs.items()}
+def _scale_layouts(b_scale, b_block) -> list[tuple[str, str]]:
+    """Candidate (scale_a, scale_b) layouts, the documented one first, as (A form, B form) names of _A_FORMS /
+    _B_FORMS (`_layout` builds one: a verified shape class builds only its own, each candidate being a few small
+    copies and the hot path one GEMM per call). A: 1x128 outer-dim-major [M, C/128]. B given as the [C, N] transpose
+    view of our [N, C] bytes: 1x128 -> [C/128, N] (torch's test_scaled_mm_vs_emulated_block_wise), 128x128 -> the
+    [L, N/128] transpose of the grid, which torch checks as [N/128, L] with row stride L4 (newer torch) or L
+    (older), or padded to [N/128, L4] (the probe's shapes had L % 4 == 0)."""
+    bs = [b for b in _B_FORMS[b_block == (1, 128)]
+          if not (b == "b128:l4-padded" and b_scale.shape[1] % 4 == 0)]  # no K-block padding to add: = l4-view
+    return [(a, b) for a in _A_FORMS for b in bs]
 
 
-# the scale layouts as functions of the scale tensor (the hot path builds only its shape class's own: _layout)
+# the scale layouts as functions of the scale tensor (first A form: 16-byte columns; the last for other torch builds)
 _A_FORMS = {"a-m4/": outer_major_m4, "": lambda s: s.t().contiguous().t(), "a-contig/": lambda s: s.contiguous()}
 _B_FORMS = {
     True: {"b1x128:m4": lambda s: outer_major_m4(s).t(), "b1x128:t-contig": lambda s: s.t().contiguous(),
@@ -411,12 +409,10 @@ _B_FORMS = {
 }
 
 
-def _layout(name: str, a_scale, b_scale, b_block) -> tuple:
-    """(scale_a, scale_b) in the named layout of `_scale_layouts` (the verified one of a shape class)."""
-    for prefix in ("a-m4/", "a-contig/"):
-        if name.startswith(prefix):
-            return _A_FORMS[prefix](a_scale), _B_FORMS[b_block == (1, 128)][name[len(prefix):]](b_scale)
-    return _A_FORMS[""](a_scale), _B_FORMS[b_block == (1, 128)][name](b_scale)
+def _layout(form: tuple[str, str], a_scale, b_scale, b_block) -> tuple:
+    """(scale_a, scale_b) in the layout `form` = (A form, B form) of `_scale_layouts`."""
+    a, b = form
+    return _A_FORMS[a](a_scale), _B_FORMS[b_block == (1, 128)][b](b_scale)
 
 
 def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> torch.Tensor:
@@ -487,22 +483,23 @@ class NativeFp8Gemm:
         # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
         state = self.verified.get(cls)
         if state is not None:
-            name, dt = state
-            sa, sb = _layout(name, a_scale, b_scale, b_block)
+            form, dt = state
+            sa, sb = _layout(form, a_scale, b_scale, b_block)
             try:
                 y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
                 if stats is not None:
                     stats.add(NATIVE_FP8)
                 return y if dt == torch.float32 else y.float()
             except (RuntimeError, ValueError, NotImplementedError) as e:
-                self.errors[key] = f"[{m}x{c}x{n} {name}] {type(e).__name__}: {_msg(e)}"
+                self.errors[key] = f"[{m}x{c}x{n} {''.join(form)}] {type(e).__name__}: {_msg(e)}"
         want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
-        layouts = _scale_layouts(a_scale, b_scale, b_block)
         prev = self.recipes.get(key) or None
-        order = ([prev[0]] if prev else []) + [k for k in layouts if not prev or k != prev[0]]
-        for name in order:
-            sa, sb = layouts[name]()
-            for dt in ((prev[1],) if prev and name == prev[0] else ()) + (torch.float32, torch.bfloat16):
+        order = ([prev[0]] if prev else []) + [f for f in _scale_layouts(b_scale, b_block)
+                                                 if not prev or f != prev[0]]
+        for form in order:
+            name = "".join(form)
+            sa, sb = _layout(form, a_scale, b_scale, b_block)
+            for dt in ((prev[1],) if prev and form == prev[0] else ()) + (torch.float32, torch.bfloat16):
                 try:
                     y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt).float()
                 except (RuntimeError, ValueError, NotImplementedError) as e:
@@ -510,7 +507,7 @@ class NativeFp8Gemm:
                     continue
                 rel = float((y - want).norm() / want.norm().clamp(min=1e-30))
                 if rel < 1e-2:
-                    self.recipes[key] = self.verified[cls] = (name, dt)  # the recipe's first guess at new shapes
+                    self.recipes[key] = self.verified[cls] = (form, dt)  # the recipe's first guess at new shapes
                     if stats is not None:
                         stats.add(NATIVE_FP8)
                     return y
