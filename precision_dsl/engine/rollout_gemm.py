@@ -234,12 +234,10 @@ def _fp8_native(a: Operand, b: Operand, fp8) -> Optional[torch.Tensor]:
                                 scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
     if fp8 is None or a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
         return None
-    if a.padded is not None:
-        y = fp8(a.padded[0], a.padded[1], a.block, b.values.view(torch.uint8), b.scale_inv, b.block,
-                _ELEMENT[a.values.dtype], _ELEMENT[b.values.dtype])
-        return None if y is None else y[:a.values.shape[0]]
-    return fp8(a.values.view(torch.uint8), a.scale_inv, a.block, b.values.view(torch.uint8), b.scale_inv, b.block,
-               _ELEMENT[a.values.dtype], _ELEMENT[b.values.dtype])
+    a_data, a_scale = a.padded or (a.values.view(torch.uint8), a.scale_inv)
+    y = fp8(a_data, a_scale, a.block, b.values.view(torch.uint8), b.scale_inv, b.block, _ELEMENT[a.values.dtype],
+            _ELEMENT[b.values.dtype])
+    return None if y is None else y[:a.values.shape[0]]
 
 
 def gemm(a: Operand, b: Operand, paths: Optional[dict] = None, fp8=None) -> torch.Tensor:
