@@ -9,10 +9,7 @@ set -o pipefail
 source benchmarks/device_setup.sh
 H4096_POLICIES=${H4096_POLICIES:-"bf16 fp8-blockwise-hopper bf16"}
 mkdir -p $OUT/s11e; T0=$(date +%s); L=$OUT/s11e/log.txt
-timeout 110 python3 -m pytest -q -x -p no:cacheprovider -m gpu --tb=short tests/test_engine_fastgemm.py \
-  tests/test_engine_rollout.py > /tmp/pt.log 2>&1; rc=$?
-tail -c 4000 /tmp/pt.log >> $L; tail -c 1500 /tmp/pt.log | grep -E "passed|failed|Error|FAILED" | tail -8
-[ $rc -ne 0 ] && { echo "GPU tests rc=$rc: stopping"; tail -c 2500 /tmp/pt.log; exit 1; }
+gpu_tests 110 $L tests/test_engine_fastgemm.py tests/test_engine_rollout.py
 echo "== h3072 [$(( $(date +%s) - T0 ))s]" | tee -a $L
 timeout 260 python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
   --model benchmarks/models/moe-h3072:1024:6:2048 --policies bf16 mxfp8-e2e mxfp8-hp-backward \
