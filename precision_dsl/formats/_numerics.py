@@ -20,6 +20,8 @@ import torch
 from ..precision import FP8_MAX  # noqa: F401  (re-exported to the format modules)
 from .base import FormatInputError
 
+NAN_BYTE = 0x7F  # every NaN element's byte, E4M3 and E5M2: what cvt.rn.satfinite (TE's kernels, ours) writes
+
 FLT_MAX = 3.4028234663852886e38  # largest finite fp32
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -46,13 +46,12 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import FormatKind, TensorFormat
-from ._numerics import FP8_MAX, abs_amax_nan, as_2d_fp32, f32_bits, f32_from_bits, fp8_bytes_satfinite, \
-    fp8_bytes_to_f32, rn_div
+from ._numerics import FP8_MAX, NAN_BYTE, abs_amax_nan, as_2d_fp32, f32_bits, f32_from_bits, \
+    fp8_bytes_satfinite, fp8_bytes_to_f32, rn_div
 from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 128
 BLOCKS = ((1, 128), (128, 128))
-NAN_BYTE = 0x7F  # every NaN element, E4M3 and E5M2 (cvt.rn.satfinite; the same byte as mxfp8.NAN_BYTE)
 
 
 def make_format(element: str = "e4m3", block: tuple[int, int] = (1, 128), pow2: bool = True) -> TensorFormat:

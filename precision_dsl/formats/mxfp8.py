@@ -55,6 +55,7 @@ import torch
 from ..precision import FormatKind, TensorFormat
 from ._numerics import (
     FP8_MAX,
+    NAN_BYTE,
     abs_amax_nan,
     as_2d_fp32,
     f32_bits,
@@ -67,7 +68,6 @@ from ._numerics import (
 from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 32
-NAN_BYTE = 0x7F  # TE writes 0x7F for every NaN element (E4M3 and E5M2)
 E8M0_NAN = 255
 
 
