@@ -7,6 +7,8 @@
 #   PROBES=1           also the fused-op and FP8-operand probes (fused_ops.json, fp8_operands.json)
 #   PROFILE="bf16 fp8-blockwise-hopper"        kernel time per loop phase on moe-h3072 (profile.json)
 #   HOST_PROFILE="bf16 fp8-blockwise-hopper"   cProfile of one step on moe-h3072 (host.json)
+#   PMODEL=benchmarks/models/moe-h4096:512:6:512   the model the profiles run on (default: moe-h3072's spec below)
+#   KERNEL_TEST=1      also tests/test_kernels.py's fp8_block padded / row+col test (NaN edge rows), after the rest
 #   RUNS=0             skip the side-by-side runs (probes / profiles only)
 set -o pipefail
 source benchmarks/device_setup.sh
@@ -20,11 +22,17 @@ if [ -n "$PROBES" ]; then
 fi
 if [ -n "$PROFILE$HOST_PROFILE" ]; then
   echo "== profiles [$(( $(date +%s) - T0 ))s]" | tee -a $L
-  timeout 300 python3 benchmarks/rl_step.py --device cuda --model $H3072 --policies \
+  timeout 300 python3 benchmarks/rl_step.py --device cuda --model ${PMODEL:-$H3072} --policies \
     ${PROFILE:+--profile $PROFILE --profile-top 30} ${HOST_PROFILE:+--host-profile $HOST_PROFILE} \
     --out $D/profile.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback"
 fi
-[ "${RUNS:-1}" = 0 ] && { echo "== done [$(( $(date +%s) - T0 ))s]" | tee -a $L; exit 0; }
+kernel_test() {
+  [ -n "$KERNEL_TEST" ] || return 0
+  echo "== kernel test [$(( $(date +%s) - T0 ))s]" | tee -a $L
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rf --tb=line \
+    "tests/test_kernels.py::test_fp8_block_padded_col_and_rowcol_match_reference" 2>&1 | tail -15 | tee -a $L
+}
+[ "${RUNS:-1}" = 0 ] && { kernel_test; echo "== done [$(( $(date +%s) - T0 ))s]" | tee -a $L; exit 0; }
 echo "== h3072 [$(( $(date +%s) - T0 ))s]" | tee -a $L
 timeout 200 python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 --model $H3072 --policies bf16 \
   mxfp8-e2e mxfp8-hp-backward mxfp8-dequant-backward nvfp4-pertoken-hp-backward nvfp4-pertoken-dequant-backward \
@@ -33,4 +41,5 @@ echo "== h4096 [$(( $(date +%s) - T0 ))s]" | tee -a $L
 timeout $(( 470 - ($(date +%s) - T0) )) python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
   --model benchmarks/models/moe-h4096:512:6:512 --policies bf16 fp8-blockwise-hopper bf16 fp8-blockwise-hopper \
   bf16 fp8-blockwise-hopper --out $D/h4096.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback"
+kernel_test
 echo "== done [$(( $(date +%s) - T0 ))s]" | tee -a $L
