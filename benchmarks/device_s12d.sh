@@ -14,7 +14,7 @@ set -o pipefail
 source benchmarks/device_setup.sh
 D=$OUT/s12; mkdir -p $D; T0=$(date +%s); L=$D/log.txt
 H3072=benchmarks/models/moe-h3072:1024:6:2048
-gpu_tests 120 $L tests/test_engine_fastgemm.py tests/test_engine_rollout.py
+gpu_tests 150 $L tests/test_engine_fastgemm.py tests/test_engine_rollout.py tests/test_engine_grouped_experts.py
 if [ -n "$PROBES" ]; then
   echo "== probes [$(( $(date +%s) - T0 ))s]" | tee -a $L
   timeout 150 python3 benchmarks/fused_ops_probe.py --out $D/fused_ops.json 2>&1 | tee -a $L | grep -v "^    "

@@ -221,7 +221,7 @@ def _size_stride(t, dim, size, stride) -> bool:
     return t.size(dim) == size and (t.stride(dim) == stride or size == 1)
 
 
-def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
+def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype, out=None):
     """torch._scaled_mm's blockwise contract spelled out on CPU, refusing (RuntimeError) what torch 2.11's checks
     refuse (aten ScaledBlas.cpp is_blockwise_{1x128,128x128}_scaling on a and on b.t() / scale_b.t()): A [M, C]
     row-major with 1x128 scales [M, C/128] outer-dim-major; B [C, N] column-major with 1x128 scales (as
@@ -231,7 +231,10 @@ def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
     l = -(-c // 128)
     l4 = (l + 3) // 4 * 4
     m4, n4 = -(-m // 4) * 4, -(-n // 4) * 4
-    if not (a8.is_contiguous() and b8.t().is_contiguous() and c % 16 == 0 and n % 16 == 0):
+    # A row-major and B column-major, each with a leading dimension >= its rows' length and a multiple of 16 (a row
+    # or column slice of a larger buffer: cuBLASLt's lda / ldb)
+    if not (a8.stride(1) == 1 and a8.stride(0) >= c and a8.stride(0) % 16 == 0 and b8.stride(0) == 1
+            and b8.stride(1) >= c and b8.stride(1) % 16 == 0 and c % 16 == 0 and n % 16 == 0):
         raise RuntimeError("layout")
     if m % 4:  # the H200's torch 2.11 refused every layout tried for M % 4 != 0 (3033x2048x3072, 2026-12-01)
         raise RuntimeError("Invalid scaling configuration (M % 4)")
@@ -247,7 +250,8 @@ def _fake_scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
     else:
         raise RuntimeError("Invalid scaling configuration (b)")
     a = a8.float() * scale_a.repeat_interleave(128, 1)[:, :c]
-    return (a @ b).to(out_dtype)
+    y = (a @ b).to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 @pytest.mark.parametrize("policy", ["fp8-blockwise-hopper"])

@@ -426,6 +426,39 @@ def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> 
     return deq(a_data, a_scale, a_block, ea) @ deq(b_data, b_scale, b_block, eb).t()
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """t itself when cuBLASLt can read it in place as a row-major matrix (unit column stride, 16-aligned leading
+    dimension: a row or column slice of a grouped buffer), else a contiguous copy."""
+    if t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.stride(0) >= t.shape[1]:
+        return t
+    return t.contiguous()
+
+
+def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def mm_bf16_into(out: torch.Tensor, a16: torch.Tensor, b16: torch.Tensor, stats: Optional[GemmStats] = None
+                 ) -> torch.Tensor:
+    """out (fp32 [M, N]) = a16 [M, C] @ b16 [N, C]^T for bf16 operands with fp32 accumulation, written in place (a row
+    slice of a grouped buffer): `mm`'s BF16 x BF16 path without a new output per GEMM."""
+    if a16.is_cuda and has_out_dtype_mm(a16.device.type):
+        try:
+            torch.mm(a16, b16.t(), out_dtype=torch.float32, out=out)
+        except (TypeError, RuntimeError, NotImplementedError):
+            out.copy_(mm(Op(a16), Op(b16)))
+        path = BF16_TC
+    else:  # CPU: the fp32 GEMM of the same (bf16-valued) operands, as `mm`
+        torch.mm(a16.float(), b16.float().t(), out=out)
+        path = FP32
+    if stats is not None:
+        stats.add(path)
+    return out
+
+
 def _msg(e: BaseException) -> str:
     """torch's refusal: its first line and its tail (the 'Got ... size/stride' part that says what was wrong)."""
     t = str(e)
@@ -449,14 +482,18 @@ class NativeFp8Gemm:
         self.errors: dict = {}
 
     def __call__(self, a_data, a_scale, a_block, b_data, b_scale, b_block, ea="e4m3", eb="e4m3",
-                 stats: Optional[GemmStats] = None) -> Optional[torch.Tensor]:
+                 stats: Optional[GemmStats] = None, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """fp32 [M, N] = A @ B^T with A = a_data [M, C] (uint8 fp8 bytes) scaled per `a_block` ((1, 128): scale_inv
         [M, C/128]) and B = b_data [N, C] scaled per `b_block` ((128, 128): [N/128, C/128]; (1, 128): [N, C/128]),
         both row-major as our quantizers store them. None when cuBLASLt cannot run this call (the caller emulates it).
 
         The scale layout and output dtype are chosen per (recipe, C, N) on first use, by checking candidates (the
         recipe's last good one first) against the fp32 GEMM of the dequantized operands (rel. error < 1e-2), then
-        reused for every M; a shape refused in every layout is remembered and emulated."""
+        reused for every M; a shape refused in every layout is remembered and emulated.
+
+        `out`: an fp32 [M, N] tensor (a row slice of a grouped buffer, say) the result is written into and returned
+        as; None: a new tensor. Operands may be row slices or column slices of larger row-major buffers (leading
+        dimension = the buffer's row stride, a multiple of 16): cuBLASLt reads them in place, no copy."""
         m, c = a_data.shape
         pad = (-m) % 16
         if pad and a_block == (1, 128):
@@ -467,7 +504,7 @@ class NativeFp8Gemm:
             a_pad = torch.cat([a_data, a_data.new_zeros(pad, c)])
             s_pad = torch.cat([a_scale.float(), a_scale.new_ones(pad, a_scale.shape[1], dtype=torch.float32)])
             y = self(a_pad, s_pad, a_block, b_data, b_scale, b_block, ea, eb, stats)
-            return None if y is None else y[:m]
+            return None if y is None else _into(out, y[:m])
         n = b_data.shape[0]
         key = (a_block, b_block, ea, eb)
         if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
@@ -476,8 +513,8 @@ class NativeFp8Gemm:
         cls = (key, c if b_block == (128, 128) else (c // 128) % 4, n)
         if self.refused.get(cls):
             return None
-        a8 = a_data.contiguous().view(_F8[ea])
-        b8 = b_data.contiguous().view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
+        a8 = _row_major(a_data).view(_F8[ea])
+        b8 = _row_major(b_data).view(_F8[eb]).t()  # [C, N] column-major: the transpose view of the [N, C] bytes
         a_scale, b_scale = a_scale.float(), b_scale.float()
         # a layout torch accepts could be read differently at other block counts: each shape class is checked once
         # (128x128 grids: the weight's (C, N); 1x128 x 1x128 (wgrad, C = tokens): N and C/128 mod 4)
@@ -486,10 +523,14 @@ class NativeFp8Gemm:
             form, dt = state
             sa, sb = _layout(form, a_scale, b_scale, b_block)
             try:
-                y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
+                if out is not None and dt == torch.float32:
+                    y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt, out=out)
+                else:
+                    y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
+                    y = _into(out, y if dt == torch.float32 else y.float())
                 if stats is not None:
                     stats.add(NATIVE_FP8)
-                return y if dt == torch.float32 else y.float()
+                return y
             except (RuntimeError, ValueError, NotImplementedError) as e:
                 self.errors[key] = f"[{m}x{c}x{n} {''.join(form)}] {type(e).__name__}: {_msg(e)}"
         want = _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb)
@@ -510,7 +551,7 @@ class NativeFp8Gemm:
                     self.recipes[key] = self.verified[cls] = (form, dt)  # the recipe's first guess at new shapes
                     if stats is not None:
                         stats.add(NATIVE_FP8)
-                    return y
+                    return _into(out, y)
                 self.errors[key] = (f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math "
                                     f"(rel {rel:.2e})")
         self.refused[cls] = True

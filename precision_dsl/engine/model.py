@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ..errors import PolicycError
+from . import grouped_experts
 
 LinearExecutor = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -243,6 +244,8 @@ class SparseMoeBlock(nn.Module):
             for e in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.prefix = prefix
+        self.trios = [tuple(f"{prefix}.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
+                      for e in range(cfg.num_experts)]
         object.__setattr__(self, "_owner", owner)
 
     def forward(self, x):
@@ -256,6 +259,13 @@ class SparseMoeBlock(nn.Module):
             topw = probs.gather(-1, topi)
         if self.norm_topk:
             topw = topw / topw.sum(-1, keepdim=True)
+        # an executor that runs all experts as one grouped op on this device (grouped_experts.py) gets them whole
+        grouped = getattr(self._owner.linear_executor, "grouped_experts", None)
+        run = grouped(self.trios, flat) if grouped is not None and flat.shape[0] else None
+        if run is not None:
+            d = grouped_experts.dispatch(topi, len(self.experts), run.align)
+            y = run(grouped_experts.gather(flat, self.top_k, d), d)
+            return grouped_experts.combine(y, topw, d).to(x.dtype).view(b, t, h)
         out = torch.zeros_like(flat, dtype=torch.float32)  # combine in fp32 (a bf16 rollout casts back below)
         # token-dropless dispatch, one GEMM group per expert. The (token, slot) pairs are sorted by expert once and
         # the per-expert counts read back in ONE host sync per layer (a nonzero() per expert was one sync each).

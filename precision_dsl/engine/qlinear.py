@@ -32,7 +32,7 @@ from .. import kernels
 from ..formats import fp8_block, fp8_block_pow2
 from ..plan import Plan
 from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
-from . import fastgemm, numerics
+from . import fastgemm, grouped_experts, numerics
 from ..formats.base import QuantizedTensor
 
 BF16_FMT = TensorFormat(kind=FormatKind.BF16, element="bf16")
@@ -464,6 +464,7 @@ class TrainerExecutor:
         # the last GEMM input seen and its SharedInput: consecutive linears reading the same tensor (q/k/v, an
         # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
         self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
+        self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "
@@ -515,6 +516,32 @@ class TrainerExecutor:
                     self._fwd[n] = FastWeight(w16s[n], q=v)
                 else:
                     self._fwd[n] = numerics.dequantize(v, torch.float32)
+
+    def _grouped_kind(self, spec: LinearSpec, fw) -> Optional[str]:
+        if not isinstance(fw, FastWeight) or spec.act_partitions != 1:
+            return None
+        if _native_fp8(spec, self.native) and _native_fp8_grad(spec) and fw.q is not None:
+            return "fp8"
+        if spec.weight.kind == FormatKind.BF16 and spec.activation.kind == FormatKind.BF16 \
+                and not (spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized):
+            return "bf16"
+        return None
+
+    def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional[grouped_experts.TrainerExperts]:
+        """One MoE layer's routed experts (gate, up, down names per expert) as one grouped op, when the fast path runs
+        them all natively in FP8 or all in BF16 with one format per role (grouped_experts.py); None: the loop."""
+        if not grouped_experts.wanted(self.grouped_mode, x) or not self.fast:
+            return None
+        if not self._fwd:
+            self._refresh()
+        fws = [tuple(self._fwd[n] for n in trio) for trio in trios]
+        specs = [tuple(self.specs[n] for n in trio) for trio in trios]
+        kinds = {self._grouped_kind(s, f) for sf, ff in zip(specs, fws) for s, f in zip(sf, ff)}
+        roles = [{(sf[i].activation, sf[i].grad) for sf in specs} for i in (0, 1, 2)]
+        if len(kinds) != 1 or None in kinds or any(len(r) != 1 for r in roles) or roles[0] != roles[1]:
+            return None
+        params = [tuple(self._params[n] for n in trio) for trio in trios]
+        return grouped_experts.TrainerExperts(self, kinds.pop(), fws, specs, params)
 
     def weight_col_op(self, spec: LinearSpec, fw: FastWeight) -> fastgemm.Op:
         """The weight's columnwise copy for a quantized dgrad (from BF16(master), fp32 in as the reference), once

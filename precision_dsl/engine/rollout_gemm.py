@@ -35,6 +35,7 @@ import torch
 
 from ..formats import fp8_block_pow2
 from ..precision import FormatKind, TensorFormat
+from . import grouped_experts
 from . import rollout_quant as rq
 from .numerics import EngineFormatError
 
@@ -284,6 +285,25 @@ class IndependentRolloutExecutor:
         # the last GEMM input's {format: operand}: q/k/v and an expert's gate/up read one tensor, whose activation is
         # quantized once for all of them (as an inference server's fused qkv / gate_up GEMMs)
         self._inputs = LastInput(dict)
+        self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
+
+    def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional[grouped_experts.RolloutExperts]:
+        """One MoE layer's routed experts as one grouped op when all run native 1x128 x 128x128 FP8 or all BF16 with
+        one activation format per role (grouped_experts.py); None: the loop (expert-TP, other formats)."""
+        if not grouped_experts.wanted(self.grouped_mode, x):
+            return None
+        acts = [{self.act[t[i]] for t in trios} for i in (0, 1, 2)]
+        if any(len(a) != 1 for a in acts) or acts[0] != acts[1] or any(self.parts[n] != 1 for t in trios for n in t):
+            return None
+        ops = [tuple(self.weights[n] for n in t) for t in trios]
+        a_up, a_down = next(iter(acts[0])), next(iter(acts[2]))
+        if all(op.kind == "fp8" and op.block == (128, 128) for t in ops for op in t) and all(
+                a.kind == FormatKind.FP8_BLOCK and tuple(a.block or (1, 128)) == (1, 128) for a in (a_up, a_down)):
+            return grouped_experts.RolloutExperts(self, "fp8", ops, (a_up, a_down))
+        if all(op.kind == "bf16" and op.gscale is None for t in ops for op in t) \
+                and not a_up.is_quantized and not a_down.is_quantized:
+            return grouped_experts.RolloutExperts(self, "bf16", ops, (a_up, a_down))
+        return None
 
     def _activation(self, x: torch.Tensor, x2: torch.Tensor, fmt: TensorFormat, what: str) -> Operand:
         ops = self._inputs.get(x)
