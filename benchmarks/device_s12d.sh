@@ -10,6 +10,7 @@
 #   PMODEL=benchmarks/models/moe-h4096:512:6:512   the model the profiles run on (default: moe-h3072's spec below)
 #   KERNEL_TEST=1      also tests/test_kernels.py's fp8_block padded / row+col test (NaN edge rows), after the rest
 #   RUNS=0             skip the side-by-side runs (probes / profiles only)
+#   TINY=1             also every policy on the bundled tiny-moe (64 prompts x 8; the launch-bound reference numbers)
 set -o pipefail
 source benchmarks/device_setup.sh
 D=$OUT/s12; mkdir -p $D; T0=$(date +%s); L=$D/log.txt
@@ -41,5 +42,11 @@ echo "== h4096 [$(( $(date +%s) - T0 ))s]" | tee -a $L
 timeout $(( 470 - ($(date +%s) - T0) )) python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
   --model benchmarks/models/moe-h4096:512:6:512 --policies bf16 fp8-blockwise-hopper bf16 fp8-blockwise-hopper \
   bf16 fp8-blockwise-hopper --out $D/h4096.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback"
+if [ -n "$TINY" ]; then
+  echo "== tiny-moe [$(( $(date +%s) - T0 ))s]" | tee -a $L
+  timeout 150 python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 --policies bf16 mxfp8-e2e \
+    mxfp8-hp-backward mxfp8-dequant-backward nvfp4-pertoken-hp-backward nvfp4-pertoken-dequant-backward \
+    fp8-blockwise-hopper bf16 --out $D/tiny.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback\|: done ("
+fi
 kernel_test
 echo "== done [$(( $(date +%s) - T0 ))s]" | tee -a $L

@@ -20,9 +20,9 @@ def _topi(t=300, e=8, k=2, seed=0):
 @pytest.mark.parametrize("align", [1, 16, 128])
 def test_dispatch_places_each_experts_tokens_in_its_aligned_segment(align):
     topi = _topi()
-    topi[topi == 5] = 6 if True else 5  # expert 5 gets no token (a zero-length segment)
-    topi[:, 1] = torch.where(topi[:, 1] == topi[:, 0], (topi[:, 0] + 1) % 8, topi[:, 1])
-    topi[topi == 5] = 7
+    # expert 5 gets no token (a zero-length segment): its slots move to an expert the token does not have yet
+    free = [torch.tensor([e for e in range(8) if e != 5 and e not in row]) for row in topi.tolist()]
+    topi = torch.stack([torch.where(row == 5, f[0], row) for row, f in zip(topi, free)])
     flat = torch.randn(300, 24)
     d = grouped_experts.dispatch(topi, 8, align)
     x = grouped_experts.gather(flat, 2, d)
