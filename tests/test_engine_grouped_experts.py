@@ -110,7 +110,10 @@ def test_trainer_grouped_experts_equal_the_loop_on_cpu(monkeypatch, policy, nati
     l0, g0, ex0 = _trainer(policy, "off")
     assert not runs
     l1, g1, ex1 = _trainer(policy, "on")
-    assert len(runs) == 4 if policy == "bf16" or native else runs == ["bf16"], runs  # its BF16 layer: grouped
+    if policy == "bf16" or native:
+        assert len(runs) == 4, runs
+    else:  # emulated fp8 keeps the loop; the policy's one BF16 MoE layer is grouped
+        assert runs == ["bf16"], runs
     assert torch.equal(l0, l1)
     assert g0.keys() == g1.keys()
     for n in g0:
@@ -138,6 +141,42 @@ def test_trainer_grouped_experts_under_no_grad(monkeypatch):
         with torch.no_grad():
             out.append(model(IDS))
     assert runs and torch.equal(out[0], out[1])
+
+
+def test_a_format_mix_keeps_the_loop(monkeypatch):
+    """One expert whose down_proj differs from the others (here: BF16 in an FP8 layer) -> no grouped op for that
+    layer, in the trainer and in the rollout; the mode is validated."""
+    import dataclasses
+
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.engine.model import load_model, resolve_model_dir
+    from precision_dsl.engine.plans import load_plan
+    from precision_dsl.precision import BackwardMode, FormatKind, TensorFormat
+
+    monkeypatch.setattr(fastgemm, "native_fp8_available", lambda device: True)
+    plan = load_plan("fp8-blockwise-hopper", load_architecture("tiny-moe"))
+    model = load_model(resolve_model_dir("tiny-moe"))
+    ex = TrainerExecutor(plan, model, gemm="fast")
+    ex.grouped_mode = "on"
+    trios = model.model.layers[0].mlp.trios
+    x = torch.zeros(4, 128)
+    assert ex.grouped_experts(trios, x).kind == "fp8"
+    bf16 = TensorFormat(kind=FormatKind.BF16, element="bf16")
+    ex.specs[trios[3][2]] = dataclasses.replace(ex.specs[trios[3][2]], weight=bf16, activation=bf16, grad=bf16,
+                                                backward=BackwardMode.HIGH_PRECISION)
+    ex.invalidate()
+    assert ex.grouped_experts(trios, x) is None
+    ex.grouped_mode = "off"
+    ex.invalidate()
+    assert ex.grouped_experts(trios, x) is None
+    _, rex = _rollout_logits("fp8-blockwise-hopper", "on")
+    assert rex.grouped_experts(trios, x).kind == "fp8"
+    rex.act[trios[5][0]] = bf16
+    rex._grouped.clear()
+    assert rex.grouped_experts(trios, x) is None
+    monkeypatch.setenv("POLICYC_GROUPED_EXPERTS", "sometimes")
+    with pytest.raises(ValueError, match="POLICYC_GROUPED_EXPERTS"):
+        grouped_experts.mode_from_env()
 
 
 def _rollout_logits(policy, mode, device="cpu"):
@@ -181,12 +220,22 @@ def test_rollout_grouped_experts_equal_the_loop_on_cpu(monkeypatch, policy):
 @pytest.mark.parametrize("policy", ["bf16", "fp8-blockwise-hopper"])
 def test_grouped_experts_on_gpu_equal_the_loop(monkeypatch, policy):
     """On the H200: the trainer's grouped experts (native FP8 GEMMs on slices of the grouped buffers, written in
-    place) against the loop, and the rollout's; every FP8 GEMM native, nothing emulated."""
+    place) against the loop, and the rollout's; the experts' FP8 GEMMs all native (the only emulated GEMMs are the
+    loop's too: tiny-moe's k/v dgrad, contraction 64 < 128); the dispatch never waits for the GPU."""
     _need_sm90()
+    topi = _topi().cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync in the dispatch or the gather raises
+    try:
+        d = grouped_experts.dispatch(topi, 8, 128)
+        grouped_experts.gather(torch.randn(300, 64, device="cuda"), 2, d)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [n for _, n, _ in d.segments()] == torch.bincount(topi.reshape(-1).cpu(), minlength=8).tolist()
     runs = _count_grouped(monkeypatch)
     l0, g0, ex0 = _trainer(policy, "off", "cuda")
     l1, g1, ex1 = _trainer(policy, "on", "cuda")
-    assert len(runs) == 4
+    assert len(runs) == 4 and g0.keys() == g1.keys()
     p1 = ex1.gemm_report()
     print(policy, "grouped trainer GEMMs:", p1, "loop:", ex0.gemm_report(), ex1.fp8.errors)
     if policy != "bf16":
@@ -195,8 +244,14 @@ def test_grouped_experts_on_gpu_equal_the_loop(monkeypatch, policy):
     assert _rel(l1.float(), l0.float()) < 1e-5, _rel(l1.float(), l0.float())
     for n in g0:
         assert _rel(g1[n], g0[n]) < 1e-4 if g0[n].norm() > 0 else torch.equal(g1[n], g0[n]), (n, _rel(g1[n], g0[n]))
+    rruns = []
+    real = grouped_experts.RolloutExperts.__call__
+    monkeypatch.setattr(grouped_experts.RolloutExperts, "__call__",
+                        lambda self, x, d: rruns.append(self.kind) or real(self, x, d))
     r0, rex0 = _rollout_logits(policy, "off", "cuda")
+    assert not rruns
     r1, rex1 = _rollout_logits(policy, "on", "cuda")
+    assert len(rruns) == 4, rruns
     print(policy, "rollout paths grouped:", rex1.paths, "loop:", rex0.paths)
     assert "fp8-blocked-emulated" not in rex1.paths or policy == "bf16", rex1.paths
     assert _rel(r1.float(), r0.float()) < 1e-3, _rel(r1.float(), r0.float())

@@ -228,6 +228,7 @@ def mm(a: Op, b: Op, stats: Optional[GemmStats] = None) -> torch.Tensor:
 # QuantizedTensor -> Op (decode to bf16 elements; second-level scales kept apart)
 # ---------------------------------------------------------------------------------------------------------------
 _F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+F8_ELEMENT = {v: k for k, v in _F8.items()}  # torch fp8 dtype -> element name
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # code -> value
 
 
@@ -429,7 +430,7 @@ def _ref_blocked(a_data, a_scale, a_block, b_data, b_scale, b_block, ea, eb) -> 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     """t itself when cuBLASLt can read it in place as a row-major matrix (unit column stride, 16-aligned leading
     dimension: a row or column slice of a grouped buffer), else a contiguous copy."""
-    if t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.stride(0) >= t.shape[1]:
+    if t.stride(-1) == 1 and t.stride(0) % 16 == 0 and t.stride(0) >= t.shape[1] and t.data_ptr() % 16 == 0:
         return t
     return t.contiguous()
 
@@ -448,9 +449,11 @@ def mm_bf16_into(out: torch.Tensor, a16: torch.Tensor, b16: torch.Tensor, stats:
     if a16.is_cuda and has_out_dtype_mm(a16.device.type):
         try:
             torch.mm(a16, b16.t(), out_dtype=torch.float32, out=out)
-        except (TypeError, RuntimeError, NotImplementedError):
-            out.copy_(mm(Op(a16), Op(b16)))
+        except (TypeError, RuntimeError, NotImplementedError):  # a layout this build refuses in place: `mm`'s way
+            return out.copy_(mm(Op(a16), Op(b16), stats))
         path = BF16_TC
+    elif a16.is_cuda:  # no fp32-output bf16 GEMM in this torch
+        return out.copy_(mm(Op(a16), Op(b16), stats))
     else:  # CPU: the fp32 GEMM of the same (bf16-valued) operands, as `mm`
         torch.mm(a16.float(), b16.float().t(), out=out)
         path = FP32

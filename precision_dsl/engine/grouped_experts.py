@@ -95,7 +95,9 @@ def dispatch(topi: torch.Tensor, num_experts: int, align: int) -> Dispatch:
     pairs = topi.reshape(-1)
     p = pairs.numel()
     order = pairs.argsort(stable=True)
-    counts = torch.bincount(pairs, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the maximum back to size its output (a host sync, two on the H200)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=pairs.device).scatter_add_(0, pairs,
+                                                                                         torch.ones_like(pairs))
     ready = None
     if counts.is_cuda:
         host = torch.empty(num_experts, dtype=counts.dtype, pin_memory=True)
@@ -126,11 +128,11 @@ def combine(y: torch.Tensor, topw: torch.Tensor, d: Dispatch) -> torch.Tensor:
     inv = torch.empty_like(d.order)
     inv[d.order] = torch.arange(d.order.numel(), device=d.order.device)
     srt = inv.view(t, k).sort(-1).values  # each token's sorted-pair indices, ascending = ascending expert
-    rows = d.pos[srt]
     w = topw.reshape(-1)[d.order][srt]
+    ys = y[d.pos[srt].reshape(-1)].view(t, k, y.shape[1])  # one gather (one gradient buffer in the backward)
     out = torch.zeros(t, y.shape[1], dtype=torch.float32, device=y.device)
     for j in range(k):
-        out = out + (y[rows[:, j]] * w[:, j, None]).float()
+        out = out + (ys[:, j] * w[:, j, None]).float()
     return out
 
 
@@ -143,7 +145,7 @@ class TrainerExperts:
 
     def __init__(self, ex, kind: str, fws: list, specs: list, params: list):
         self.ex, self.kind, self.fws, self.specs, self.params = ex, kind, fws, specs, params
-        self.backward = False
+        self.wants_backward = False  # set per call: whether autograd will run this op's backward
 
     @property
     def align(self) -> int:
@@ -152,13 +154,15 @@ class TrainerExperts:
         return 128 if torch.is_grad_enabled() else 16  # 128: whole columnwise blocks per expert for wgrad
 
     def __call__(self, x_pad: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        self.backward = torch.is_grad_enabled()
         flat_params = [p for trio in self.params for p in trio]
+        self.wants_backward = torch.is_grad_enabled() and (x_pad.requires_grad
+                                                           or any(p.requires_grad for p in flat_params))
         return GroupedExpertsFunction.apply(x_pad, self, d, *flat_params)
 
 
 def _fp8_into(ex, out, a_data, a_scale, w_q, stats, ea, ew):
-    """out = A (1x128) @ W (128x128 tiles)^T natively, or emulated (fp32 GEMM of the dequantized operands)."""
+    """out = A (1x128) @ W (128x128 tiles)^T natively; where cuBLASLt refuses the shape, emulated as the fp32 GEMM
+    of the dequantized operands (the loop's fallback is the same contract, its GEMM split differently)."""
     y = ex.fp8(a_data, a_scale, (1, 128), w_q.data, w_q.scale, (128, 128), ea, ew, stats, out=out)
     if y is None:
         out.copy_(fastgemm._ref_blocked(a_data, a_scale, (1, 128), w_q.data, w_q.scale, (128, 128), ea, ew))
@@ -202,7 +206,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
         fp8 = run.kind == "fp8"
         if fp8:
             act = run.specs[0][0].activation
-            xd, xs, x_col = _rows(x16, act, run.backward)
+            xd, xs, x_col = _rows(x16, act, run.wants_backward)
         segs = d.segments()
         used = d.used_rows
         inter = run.fws[0][0].w16.shape[0] if run.fws else 0
@@ -213,7 +217,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             if not n:
                 continue
             fg, fu, _ = run.fws[e]
-            stats.flops += 2 * n * hidden * inter * (9 if run.backward else 3)
+            stats.flops += 2 * n * hidden * inter * (9 if run.wants_backward else 3)
             if fp8:
                 sg, su = run.specs[e][0], run.specs[e][1]
                 sa = _seg_scale(xs, s, r)
@@ -223,9 +227,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 fastgemm.mm_bf16_into(g[s:s + r], x16[s:s + r], fg.w16, stats)
                 fastgemm.mm_bf16_into(u[s:s + r], x16[s:s + r], fu.w16, stats)
         h16 = (F.silu(g) * u).to(torch.bfloat16)  # the down_proj's BF16 input (zero on pad rows: silu(0) * 0)
-        y = x_pad.new_empty(x_pad.shape[0], hidden, dtype=torch.float32)
+        y = x_pad.new_empty(used, hidden, dtype=torch.float32)  # combine reads rows < used only
         if fp8:
-            hd, hs, h_col = _rows(h16, run.specs[0][2].activation, run.backward)
+            hd, hs, h_col = _rows(h16, run.specs[0][2].activation, run.wants_backward)
         for e, (s, n, r) in enumerate(segs):
             if not n:
                 continue
@@ -236,8 +240,8 @@ class GroupedExpertsFunction(torch.autograd.Function):
                           sd.weight.element)
             else:
                 fastgemm.mm_bf16_into(y[s:s + r], h16[s:s + r], fd.w16, stats)
-        ctx.run, ctx.d = run, d
-        if run.backward:
+        ctx.run, ctx.d, ctx.rows = run, d, x_pad.shape[0]
+        if run.wants_backward:
             ctx.saved = (x_col, h_col) if fp8 else (x16, h16)
             ctx.save_for_backward(g, u)
         return y
@@ -262,7 +266,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 continue
             fd, sd = run.fws[e][2], run.specs[e][2]
             if fp8:
-                _fp8_into(ex, dh[s:s + r], gd[s:s + r], _seg_scale(gs, s, r), _col_q(fd), stats,
+                _fp8_into(ex, dh[s:s + r], gd[s:s + r], _seg_scale(gs, s, r), fd.col_tiles(), stats,
                           sd.grad.element, sd.weight.element)
                 grads[3 * e + 2] = _fp8_wgrad(ex, g_col, h_saved, s, r, stats, sd.grad.element,
                                               sd.activation.element)
@@ -284,9 +288,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 continue
             (fg, fu, _), (sg, su, _) = run.fws[e], run.specs[e]
             if fp8:
-                _fp8_into(ex, dxg[s:s + r], dgd[s:s + r], _seg_scale(dgs, s, r), _col_q(fg), stats,
+                _fp8_into(ex, dxg[s:s + r], dgd[s:s + r], _seg_scale(dgs, s, r), fg.col_tiles(), stats,
                           sg.grad.element, sg.weight.element)
-                _fp8_into(ex, dxu[s:s + r], dud[s:s + r], _seg_scale(dus, s, r), _col_q(fu), stats,
+                _fp8_into(ex, dxu[s:s + r], dud[s:s + r], _seg_scale(dus, s, r), fu.col_tiles(), stats,
                           su.grad.element, su.weight.element)
                 grads[3 * e] = _fp8_wgrad(ex, dg_col, a_saved, s, r, stats, sg.grad.element, sg.activation.element)
                 grads[3 * e + 1] = _fp8_wgrad(ex, du_col, a_saved, s, r, stats, su.grad.element,
@@ -297,18 +301,10 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 xe = fastgemm.Op(a_saved[s:s + r].t())
                 grads[3 * e] = fastgemm.mm(fastgemm.Op(dg16[s:s + r].t()), xe, stats)
                 grads[3 * e + 1] = fastgemm.mm(fastgemm.Op(du16[s:s + r].t()), xe, stats)
-        dx = gy.new_empty(gy.shape)  # rows past `used` hold no token: the gather's backward never reads them
+        dx = gy.new_empty(ctx.rows, hidden)
         torch.add(dxg, dxu, out=dx[:used])  # the gate's and the up's dx, summed as autograd sums them
+        dx[used:].zero_()  # rows past the segments hold no token
         return (dx, None, None, *grads)
-
-
-def _col_q(fw):
-    """The weight's columnwise 128x128 copy for dgrad: its tiles transposed, once per step (as the per-linear path)."""
-    if fw.col_q is None:
-        from ..formats import fp8_block
-
-        fw.col_q = fp8_block.transpose_tiles(fw.q)
-    return fw.col_q
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -328,14 +324,13 @@ class RolloutExperts:
         ex = self.ex
         if self.kind == "fp8":
             data, scale = a
-            ea, ew = fmt.element, _ELEMENT[w.values.dtype]
+            ea, ew = fmt.element, fastgemm.F8_ELEMENT[w.values.dtype]
             y = ex.fp8(data, scale, (1, 128), w.values.view(torch.uint8), w.scale_inv, w.block, ea, ew, out=out)
             path = "fp8-scaled_mm"
             if y is None:  # the loop's emulation of the block-scaled GEMM (CPU; shapes cuBLASLt refuses)
                 from .rollout_gemm import Operand, _fp8_blocked_cpu
 
-                a_op = Operand("fp8", data.view(w.values.dtype if ea == ew else fastgemm._F8[ea]),
-                               scale_inv=scale.float(), block=(1, 128))
+                a_op = Operand("fp8", data.view(fastgemm._F8[ea]), scale_inv=scale.float(), block=(1, 128))
                 out.copy_(_fp8_blocked_cpu(a_op, w))
                 path = "fp8-blocked-emulated"
         else:
@@ -376,5 +371,3 @@ class RolloutExperts:
                 self._gemm_into(y[s:s + r], self._seg(qh, h16, s, r), self.ops[e][2], self.acts[1])
         return y.to(torch.bfloat16)
 
-
-_ELEMENT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

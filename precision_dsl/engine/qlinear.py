@@ -213,6 +213,13 @@ class FastWeight:
         self.col_op: Optional[fastgemm.Op] = None
         self._dequant_op: Optional[fastgemm.Op] = None
 
+    def col_tiles(self):
+        """The weight's columnwise 128x128 copy for a native dgrad: its rowwise tiles transposed (the same bytes as
+        quantizing BF16(master) columnwise; formats/fp8_block.py), once per step."""
+        if self.col_q is None:
+            self.col_q = fp8_block.transpose_tiles(self.q)
+        return self.col_q
+
     @property
     def dequant_op(self) -> fastgemm.Op:
         """The weight's BF16 dequantization for a dequantized dgrad (TE: `dequantize(dtype=bf16)`), once per step."""
@@ -414,13 +421,12 @@ def _native_fp8_backward(g: torch.Tensor, xs: SharedInput, fw: FastWeight, spec:
     m = g.shape[0]
     # g's rowwise (dgrad) and columnwise (wgrad, tokens zero-padded to whole 128-blocks) copies from one read of g
     qg, g_data, g_scale, qgc = fastgemm.fp8_rowcol16(g, spec.grad)
-    if fw.col_q is None:  # W's columnwise copy, once per step: its 128x128 tiles transposed (the same bytes as
-        fw.col_q = fp8_block.transpose_tiles(fw.q)  # quantizing BF16(master) columnwise; formats/fp8_block.py)
-    dx = ex.fp8(g_data, g_scale, (1, 128), fw.col_q.data, fw.col_q.scale, (128, 128), eg, ew, stats)
+    w_col = fw.col_tiles()
+    dx = ex.fp8(g_data, g_scale, (1, 128), w_col.data, w_col.scale, (128, 128), eg, ew, stats)
     if dx is not None:
         dx = dx[:m]
     else:
-        dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(fw.col_q).t())
+        dx = fastgemm.mm(fastgemm.decode_op(qg), fastgemm.decode_op(w_col).t())
         stats.add(fastgemm.FP8_FALLBACK)
     # x's columnwise copy [K, Mp] (zero rows never raise a block amax and add nothing to the sum over M), once for
     # every linear that reads x, quantized without a padded copy of x
@@ -465,6 +471,7 @@ class TrainerExecutor:
         # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
         self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
         self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
+        self._grouped: dict = {}  # first expert's gate name -> its layer's runner (or None: the loop), per step
         missing = [n for n in model.linear_names() if n not in self.specs]
         if missing:
             raise KeyError(f"plan {plan.policy_name!r} has no entry for {missing[0]} (plan/model mismatch: was the "
@@ -497,6 +504,7 @@ class TrainerExecutor:
         self.quantized.clear()
         self._fwd.clear()
         self._inputs.clear()
+        self._grouped.clear()
 
     def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
         """The SharedInput of `x` (x2: its [M, K] view): the last one if `x` is the last input seen, else a new one."""
@@ -534,6 +542,12 @@ class TrainerExecutor:
             return None
         if not self._fwd:
             self._refresh()
+        key = trios[0][0]
+        if key not in self._grouped:  # decided once per layer and step (the weights' FastWeights change per step)
+            self._grouped[key] = self._grouped_runner(trios)
+        return self._grouped[key]
+
+    def _grouped_runner(self, trios: list) -> Optional[grouped_experts.TrainerExperts]:
         fws = [tuple(self._fwd[n] for n in trio) for trio in trios]
         specs = [tuple(self.specs[n] for n in trio) for trio in trios]
         kinds = {self._grouped_kind(s, f) for sf, ff in zip(specs, fws) for s, f in zip(sf, ff)}

@@ -37,6 +37,7 @@ from ..formats import fp8_block_pow2
 from ..precision import FormatKind, TensorFormat
 from . import grouped_experts
 from . import rollout_quant as rq
+from .fastgemm import F8_ELEMENT as _ELEMENT
 from .numerics import EngineFormatError
 
 
@@ -222,7 +223,6 @@ def _fp8_blocked_cpu(a: Operand, b: Operand) -> torch.Tensor:
     return out
 
 
-_ELEMENT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def _fp8_native(a: Operand, b: Operand, fp8) -> Optional[torch.Tensor]:
@@ -286,12 +286,20 @@ class IndependentRolloutExecutor:
         # quantized once for all of them (as an inference server's fused qkv / gate_up GEMMs)
         self._inputs = LastInput(dict)
         self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
+        self._grouped: dict = {}  # first expert's gate name -> its layer's runner (or None), per weight update
 
     def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional[grouped_experts.RolloutExperts]:
-        """One MoE layer's routed experts as one grouped op when all run native 1x128 x 128x128 FP8 or all BF16 with
-        one activation format per role (grouped_experts.py); None: the loop (expert-TP, other formats)."""
+        """One MoE layer's routed experts as one grouped op when all run 1x128 x 128x128 FP8 or all run BF16 GEMMs
+        (unquantized activations x bf16 weight operands: BF16 weights, or MXFP8 ones decoded to bf16 without an
+        epilogue scale), one activation format per role (grouped_experts.py); None: the loop (expert-TP, others)."""
         if not grouped_experts.wanted(self.grouped_mode, x):
             return None
+        key = trios[0][0]
+        if key not in self._grouped:
+            self._grouped[key] = self._grouped_runner(trios)
+        return self._grouped[key]
+
+    def _grouped_runner(self, trios: list) -> Optional[grouped_experts.RolloutExperts]:
         acts = [{self.act[t[i]] for t in trios} for i in (0, 1, 2)]
         if any(len(a) != 1 for a in acts) or acts[0] != acts[1] or any(self.parts[n] != 1 for t in trios for n in t):
             return None
@@ -315,6 +323,7 @@ class IndependentRolloutExecutor:
     def load(self, name: str, received, device) -> None:
         self.weights[name] = weight_operand(received, device)
         self._inputs.clear()
+        self._grouped.clear()
 
     def __call__(self, hf_name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # noqa: ARG002
         wop = self.weights[hf_name]

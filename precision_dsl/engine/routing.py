@@ -39,8 +39,18 @@ class RoutingReplay:
     def __init__(self, recorded: dict[str, torch.Tensor], mask: torch.Tensor, replay: bool = True):
         self.recorded, self.replay = recorded, replay
         self.mask = mask.bool()
-        self.differ = 0
-        self.total = 0
+        # counted on the device and read once, when asked (two int() per MoE layer were two host syncs, each draining
+        # the GPU queue in the middle of the trainer's forward)
+        self._differ: Optional[torch.Tensor] = None
+        self._total: Optional[torch.Tensor] = None
+
+    @property
+    def differ(self) -> int:
+        return 0 if self._differ is None else int(self._differ)
+
+    @property
+    def total(self) -> int:
+        return 0 if self._total is None else int(self._total)
 
     def __call__(self, prefix: str, topi: torch.Tensor) -> torch.Tensor:
         rec: Optional[torch.Tensor] = self.recorded.get(prefix)
@@ -50,9 +60,11 @@ class RoutingReplay:
         rec = rec.to(topi.device)
         same = (rec.sort(-1).values == topi.sort(-1).values).all(-1)
         m = self.mask.to(topi.device)
-        self.differ += int((~same & m).sum())
-        self.total += int(m.sum())
+        d, t = (~same & m).sum(), m.sum()
+        self._differ = d if self._differ is None else self._differ + d
+        self._total = t if self._total is None else self._total + t
         return rec if self.replay else topi
 
     def disagreement(self) -> Optional[float]:
-        return self.differ / self.total if self.total else None
+        total = self.total
+        return self.differ / total if total else None
