@@ -4,8 +4,8 @@ elementwise pass, one combine, and per expert only its GEMMs.
 The per-expert loop (model.SparseMoeBlock) gathers each expert's tokens, runs its three linears through the executor
 (each quantizing its own input: a kernel launch plus Python per expert and per operand, in the forward and again in
 the backward) and adds its output back. On the H200 that host work, not the GPU, set the pace of native FP8 at
-hidden 4096 (session 13 profile: fp8-blockwise-hopper had LESS kernel time than BF16 in every phase and more wall
-time). Megatron runs the same experts as a grouped GEMM with one input quantization for all experts (TE
+hidden 4096 (session 13 profile: fp8-blockwise-hopper spent LESS kernel time than BF16 in the rollout and the train
+phase, and more wall time; benchmarks/RESULTS.md "RL step, session 13"). Megatron runs the same experts as a grouped GEMM with one input quantization for all experts (TE
 GroupedLinear); this module does the same with per-expert GEMMs over one grouped buffer:
 
 * dispatch: the (token, slot) pairs sorted by expert (stable), each expert's rows placed at a segment of a padded
@@ -16,7 +16,9 @@ GroupedLinear); this module does the same with per-expert GEMMs over one grouped
   the bytes of its own rows; with `align` = 128 each 128-token column block lies inside one expert's segment (zero
   rows pad it), so the columnwise copy of the grouped buffer IS each expert's columnwise copy zero-padded to whole
   128-token blocks - the bytes the per-expert path quantizes (tests/test_engine_grouped_experts.py).
-* GEMMs: per expert, over its whole segment (zero rows give zero outputs), written in place into grouped outputs.
+* GEMMs: per expert, over its whole segment, written in place into grouped outputs. Zero rows give zero outputs;
+  they are up to align - 1 rows more than the expert's tokens (with 128: ~2% more GEMM rows at ~3k tokens per expert),
+  which keeps every grouped buffer's pad rows zero for the next columnwise quantization without a clearing pass.
 * combine: each token's expert outputs summed in fp32 in ascending expert order, as the loop's sequence of
   index_add_ calls does (bitwise the same sum).
 
