@@ -4,7 +4,7 @@ dispatch, same operand bytes, same forward and gradients; on the H200 natively."
 import pytest
 import torch
 
-from precision_dsl.engine import fastgemm, grouped_experts
+from precision_dsl.engine import fastgemm, grouped_experts, rollout_gemm
 from precision_dsl.engine.qlinear import TrainerExecutor
 
 from test_engine_fastgemm import _fake_scaled_mm, _need_sm90, _rel
@@ -203,8 +203,8 @@ def _rollout_logits(policy, mode, device="cpu"):
 def test_rollout_grouped_experts_equal_the_loop_on_cpu(monkeypatch, policy):
     """The independent rollout's experts, grouped: the loop's logits bit for bit (bf16 model, fp8 emulated on CPU)."""
     runs = []
-    real = grouped_experts.RolloutExperts.__call__
-    monkeypatch.setattr(grouped_experts.RolloutExperts, "__call__",
+    real = rollout_gemm.RolloutExperts.__call__
+    monkeypatch.setattr(rollout_gemm.RolloutExperts, "__call__",
                         lambda self, x, d: runs.append(self.kind) or real(self, x, d))
     l0, _ = _rollout_logits(policy, "off")
     assert not runs
@@ -245,8 +245,8 @@ def test_grouped_experts_on_gpu_equal_the_loop(monkeypatch, policy):
     for n in g0:
         assert _rel(g1[n], g0[n]) < 1e-4 if g0[n].norm() > 0 else torch.equal(g1[n], g0[n]), (n, _rel(g1[n], g0[n]))
     rruns = []
-    real = grouped_experts.RolloutExperts.__call__
-    monkeypatch.setattr(grouped_experts.RolloutExperts, "__call__",
+    real = rollout_gemm.RolloutExperts.__call__
+    monkeypatch.setattr(rollout_gemm.RolloutExperts, "__call__",
                         lambda self, x, d: rruns.append(self.kind) or real(self, x, d))
     r0, rex0 = _rollout_logits(policy, "off", "cuda")
     assert not rruns

@@ -178,16 +178,18 @@ def has_out_dtype_mm(device_type: str = "cuda") -> bool:
         return False
 
 
-def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor) -> Optional[torch.Tensor]:
-    """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y); None
-    when this torch has no fp32-output bf16 GEMM (the caller then runs the fp32 GEMM: same contract, slower)."""
+def _mm_bf16_f32(a16: torch.Tensor, b16: torch.Tensor, out: Optional[torch.Tensor] = None
+                 ) -> Optional[torch.Tensor]:
+    """a16 [M, C] @ b16 [N, C]^T, bf16 operands, fp32 accumulation AND fp32 output (no bf16 rounding of y), into
+    `out` if given; None when this torch has no fp32-output bf16 GEMM (the caller then runs the fp32 GEMM: same
+    contract, slower)."""
     if not has_out_dtype_mm(a16.device.type):
         return None
     try:
-        return torch.mm(a16, b16.t(), out_dtype=torch.float32)
+        return torch.mm(a16, b16.t(), out_dtype=torch.float32, out=out)
     except (TypeError, RuntimeError, NotImplementedError):
         # a layout this build refuses (transposed views): the same GEMM on contiguous copies
-        return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32)
+        return torch.mm(a16.contiguous(), b16.t().contiguous(), out_dtype=torch.float32, out=out)
 
 
 def _mm_tc(a: Op, b: Op) -> tuple[Optional[torch.Tensor], str]:
@@ -435,7 +437,8 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+def write_into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """y itself (out None) or y copied into out (a GEMM result for a slice of a grouped buffer)."""
     if out is None:
         return y
     out.copy_(y)
@@ -446,14 +449,10 @@ def mm_bf16_into(out: torch.Tensor, a16: torch.Tensor, b16: torch.Tensor, stats:
                  ) -> torch.Tensor:
     """out (fp32 [M, N]) = a16 [M, C] @ b16 [N, C]^T for bf16 operands with fp32 accumulation, written in place (a row
     slice of a grouped buffer): `mm`'s BF16 x BF16 path without a new output per GEMM."""
-    if a16.is_cuda and has_out_dtype_mm(a16.device.type):
-        try:
-            torch.mm(a16, b16.t(), out_dtype=torch.float32, out=out)
-        except (TypeError, RuntimeError, NotImplementedError):  # a layout this build refuses in place: `mm`'s way
+    if a16.is_cuda:
+        if _mm_bf16_f32(a16, b16, out) is None:  # no fp32-output bf16 GEMM in this torch: `mm`'s fp32 GEMM
             return out.copy_(mm(Op(a16), Op(b16), stats))
         path = BF16_TC
-    elif a16.is_cuda:  # no fp32-output bf16 GEMM in this torch
-        return out.copy_(mm(Op(a16), Op(b16), stats))
     else:  # CPU: the fp32 GEMM of the same (bf16-valued) operands, as `mm`
         torch.mm(a16.float(), b16.float().t(), out=out)
         path = FP32
@@ -507,7 +506,7 @@ class NativeFp8Gemm:
             a_pad = torch.cat([a_data, a_data.new_zeros(pad, c)])
             s_pad = torch.cat([a_scale.float(), a_scale.new_ones(pad, a_scale.shape[1], dtype=torch.float32)])
             y = self(a_pad, s_pad, a_block, b_data, b_scale, b_block, ea, eb, stats)
-            return None if y is None else _into(out, y[:m])
+            return None if y is None else write_into(out, y[:m])
         n = b_data.shape[0]
         key = (a_block, b_block, ea, eb)
         if c % 128 or n % 16 or a_block != (1, 128) or b_block not in ((1, 128), (128, 128)) \
@@ -530,7 +529,7 @@ class NativeFp8Gemm:
                     y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt, out=out)
                 else:
                     y = torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, out_dtype=dt)
-                    y = _into(out, y if dt == torch.float32 else y.float())
+                    y = write_into(out, y if dt == torch.float32 else y.float())
                 if stats is not None:
                     stats.add(NATIVE_FP8)
                 return y
@@ -554,7 +553,7 @@ class NativeFp8Gemm:
                     self.recipes[key] = self.verified[cls] = (form, dt)  # the recipe's first guess at new shapes
                     if stats is not None:
                         stats.add(NATIVE_FP8)
-                    return _into(out, y)
+                    return write_into(out, y)
                 self.errors[key] = (f"[{m}x{c}x{n} {name} {dt}] result differs from the block-scaled math "
                                     f"(rel {rel:.2e})")
         self.refused[cls] = True

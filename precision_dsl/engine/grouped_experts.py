@@ -24,7 +24,8 @@ GroupedLinear); this module does the same with per-expert GEMMs over one grouped
 
 Kinds: "fp8" (fp8-blockwise-hopper's native FP8: 1x128 activations/gradients x 128x128 weights, quantized backward)
 and "bf16" (unquantized linears). Any other mix of formats keeps the per-expert loop (the executor returns no
-runner). Only on CUDA: the loop is the CPU path and the reference.
+runner). Only on CUDA: the loop is the CPU path and the reference. This module holds the dispatch, the combine and
+the trainer's op; the independent rollout's runner (no autograd) is rollout_gemm.RolloutExperts, over its `gemm`.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class Dispatch:
     pos: torch.Tensor  # [P] buffer row of sorted pair i
     rows: int  # buffer rows (a bound the host knows without reading the counts)
     align: int
-    num_experts: int
     _counts: torch.Tensor  # [E] on the host (filled by a non-blocking copy)
     _ready: Optional[object]  # CUDA event after that copy
     _segments: Optional[list] = None
@@ -114,7 +114,7 @@ def dispatch(topi: torch.Tensor, num_experts: int, align: int) -> Dispatch:
     expert = pairs[order]
     pos = starts[expert] + torch.arange(p, device=pairs.device) - first[expert]
     rows = p if align == 1 else _up(p + num_experts * (align - 1), max(align, 16))
-    return Dispatch(order, pos, rows, align, num_experts, host, ready)
+    return Dispatch(order, pos, rows, align, host, ready)
 
 
 def gather(flat: torch.Tensor, top_k: int, d: Dispatch) -> torch.Tensor:
@@ -194,7 +194,7 @@ def _rows(x16: torch.Tensor, fmt, cols: bool):
     return data, scale, None
 
 
-def _seg_scale(scale: torch.Tensor, s: int, r: int) -> torch.Tensor:
+def seg_scale(scale: torch.Tensor, s: int, r: int) -> torch.Tensor:
     """A segment's 1x128 scales in cuBLASLt's outer-dim-major layout (one small copy, shared by the GEMMs that read
     the segment)."""
     return fastgemm.outer_major_m4(scale[s:s + r])
@@ -211,7 +211,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             xd, xs, x_col = _rows(x16, act, run.wants_backward)
         segs = d.segments()
         used = d.used_rows
-        inter = run.fws[0][0].w16.shape[0] if run.fws else 0
+        inter = run.fws[0][0].w16.shape[0]
         hidden = x_pad.shape[1]
         g = x_pad.new_empty(used, inter, dtype=torch.float32)
         u = torch.empty_like(g)
@@ -222,7 +222,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             stats.flops += 2 * n * hidden * inter * (9 if run.wants_backward else 3)
             if fp8:
                 sg, su = run.specs[e][0], run.specs[e][1]
-                sa = _seg_scale(xs, s, r)
+                sa = seg_scale(xs, s, r)
                 _fp8_into(ex, g[s:s + r], xd[s:s + r], sa, fg.q, stats, sg.activation.element, sg.weight.element)
                 _fp8_into(ex, u[s:s + r], xd[s:s + r], sa, fu.q, stats, su.activation.element, su.weight.element)
             else:
@@ -238,7 +238,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
             fd = run.fws[e][2]
             if fp8:
                 sd = run.specs[e][2]
-                _fp8_into(ex, y[s:s + r], hd[s:s + r], _seg_scale(hs, s, r), fd.q, stats, sd.activation.element,
+                _fp8_into(ex, y[s:s + r], hd[s:s + r], seg_scale(hs, s, r), fd.q, stats, sd.activation.element,
                           sd.weight.element)
             else:
                 fastgemm.mm_bf16_into(y[s:s + r], h16[s:s + r], fd.w16, stats)
@@ -259,7 +259,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
         used = d.used_rows
         fp8 = run.kind == "fp8"
         grads: list = [None] * (3 * len(segs))
-        g16 = gy[:used].to(torch.bfloat16)
+        g16 = gy.to(torch.bfloat16)  # [used, H], as the forward's output
         dh = g.new_empty(g.shape)
         if fp8:
             gd, gs, g_col = _rows(g16, run.specs[0][2].grad, True)
@@ -268,7 +268,7 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 continue
             fd, sd = run.fws[e][2], run.specs[e][2]
             if fp8:
-                _fp8_into(ex, dh[s:s + r], gd[s:s + r], _seg_scale(gs, s, r), fd.col_tiles(), stats,
+                _fp8_into(ex, dh[s:s + r], gd[s:s + r], seg_scale(gs, s, r), fd.col_tiles(), stats,
                           sd.grad.element, sd.weight.element)
                 grads[3 * e + 2] = _fp8_wgrad(ex, g_col, h_saved, s, r, stats, sd.grad.element,
                                               sd.activation.element)
@@ -290,9 +290,9 @@ class GroupedExpertsFunction(torch.autograd.Function):
                 continue
             (fg, fu, _), (sg, su, _) = run.fws[e], run.specs[e]
             if fp8:
-                _fp8_into(ex, dxg[s:s + r], dgd[s:s + r], _seg_scale(dgs, s, r), fg.col_tiles(), stats,
+                _fp8_into(ex, dxg[s:s + r], dgd[s:s + r], seg_scale(dgs, s, r), fg.col_tiles(), stats,
                           sg.grad.element, sg.weight.element)
-                _fp8_into(ex, dxu[s:s + r], dud[s:s + r], _seg_scale(dus, s, r), fu.col_tiles(), stats,
+                _fp8_into(ex, dxu[s:s + r], dud[s:s + r], seg_scale(dus, s, r), fu.col_tiles(), stats,
                           su.grad.element, su.weight.element)
                 grads[3 * e] = _fp8_wgrad(ex, dg_col, a_saved, s, r, stats, sg.grad.element, sg.activation.element)
                 grads[3 * e + 1] = _fp8_wgrad(ex, du_col, a_saved, s, r, stats, su.grad.element,
@@ -307,69 +307,4 @@ class GroupedExpertsFunction(torch.autograd.Function):
         torch.add(dxg, dxu, out=dx[:used])  # the gate's and the up's dx, summed as autograd sums them
         dx[used:].zero_()  # rows past the segments hold no token
         return (dx, None, None, *grads)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the rollout's grouped experts (no autograd)
-# ---------------------------------------------------------------------------------------------------------------
-class RolloutExperts:
-    """The routed experts of one layer in the independent rollout (rollout_gemm.IndependentRolloutExecutor): the
-    loop's operands and GEMMs (per linear: activation quantized by the fused kernels, received weight operand,
-    fp32 GEMM output rounded to bf16; silu and the product in bf16), grouped. `ops`: per expert the (gate, up,
-    down) received weight Operands; `acts`: the (gate/up, down) activation formats."""
-
-    def __init__(self, ex, kind: str, ops: list, acts: tuple):
-        self.ex, self.kind, self.ops, self.acts = ex, kind, ops, acts
-        self.align = 16 if kind == "fp8" else 1
-
-    def _gemm_into(self, out, a, w, fmt):
-        ex = self.ex
-        if self.kind == "fp8":
-            data, scale = a
-            ea, ew = fmt.element, fastgemm.F8_ELEMENT[w.values.dtype]
-            y = ex.fp8(data, scale, (1, 128), w.values.view(torch.uint8), w.scale_inv, w.block, ea, ew, out=out)
-            path = "fp8-scaled_mm"
-            if y is None:  # the loop's emulation of the block-scaled GEMM (CPU; shapes cuBLASLt refuses)
-                from .rollout_gemm import Operand, _fp8_blocked_cpu
-
-                a_op = Operand("fp8", data.view(fastgemm._F8[ea]), scale_inv=scale.float(), block=(1, 128))
-                out.copy_(_fp8_blocked_cpu(a_op, w))
-                path = "fp8-blocked-emulated"
-        else:
-            fastgemm.mm_bf16_into(out, a, w.values)
-            path = "bf16-blockscaled"
-        ex.paths[path] = ex.paths.get(path, 0) + 1
-
-    def _operand(self, x16: torch.Tensor, fmt):
-        if self.kind != "fp8":
-            return None
-        _, data, scale = fastgemm.fp8_rows16(x16, fmt)
-        return data, scale
-
-    def _seg(self, q, x16, s, r):
-        if q is None:
-            return x16[s:s + r]
-        data, scale = q
-        return data[s:s + r], _seg_scale(scale, s, r)
-
-    def __call__(self, x_pad: torch.Tensor, d: Dispatch) -> torch.Tensor:
-        x16 = x_pad.to(torch.bfloat16)
-        qx = self._operand(x16, self.acts[0])
-        segs = d.segments()
-        used = d.used_rows
-        inter = self.ops[0][0].values.shape[0]
-        g = x16.new_empty(used, inter, dtype=torch.float32)
-        u = torch.empty_like(g)
-        for e, (s, n, r) in enumerate(segs):
-            if n:
-                a = self._seg(qx, x16, s, r)
-                self._gemm_into(g[s:s + r], a, self.ops[e][0], self.acts[0])
-                self._gemm_into(u[s:s + r], a, self.ops[e][1], self.acts[0])
-        h16 = F.silu(g.to(torch.bfloat16)) * u.to(torch.bfloat16)
-        qh = self._operand(h16, self.acts[1])
-        y = x16.new_empty(used, x16.shape[1], dtype=torch.float32)
-        for e, (s, n, r) in enumerate(segs):
-            if n:
-                self._gemm_into(y[s:s + r], self._seg(qh, h16, s, r), self.ops[e][2], self.acts[1])
-        return y.to(torch.bfloat16)
 

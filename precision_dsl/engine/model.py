@@ -244,8 +244,8 @@ class SparseMoeBlock(nn.Module):
             for e in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.prefix = prefix
-        self.trios = [tuple(f"{prefix}.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))
-                      for e in range(cfg.num_experts)]
+        # per expert its (gate, up, down) weight names: what an executor's grouped op is asked for
+        self.trios = [(x.gate_proj.hf_name, x.up_proj.hf_name, x.down_proj.hf_name) for x in self.experts]
         object.__setattr__(self, "_owner", owner)
 
     def forward(self, x):

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..formats import fp8_block_pow2
 from ..precision import FormatKind, TensorFormat
 from . import grouped_experts
 from . import rollout_quant as rq
 from .fastgemm import F8_ELEMENT as _ELEMENT
+from .fastgemm import write_into
 from .numerics import EngineFormatError
 
 
@@ -182,14 +184,14 @@ def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fuse
 # ---------------------------------------------------------------------------------------------------------------
 # GEMMs: fp32 result (epilogue applied); the caller rounds to bf16
 # ---------------------------------------------------------------------------------------------------------------
-def _mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] x b [N, K]^T with bf16 operands, fp32 accumulation and fp32 result."""
+def _mm_bf16(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """a [M, K] x b [N, K]^T with bf16 operands, fp32 accumulation and fp32 result (into `out` if given)."""
     if a.is_cuda:
         try:
-            return torch.mm(a, b.t(), out_dtype=torch.float32)
+            return torch.mm(a, b.t(), out_dtype=torch.float32, out=out)
         except (TypeError, RuntimeError):
-            return torch.mm(a, b.t()).float()  # older torch: bf16 output (rounded once more)
-    return a.float() @ b.float().t()  # exact bf16 products, fp32 accumulation
+            return write_into(out, torch.mm(a, b.t()).float())  # older torch: bf16 output (rounded once more)
+    return torch.mm(a.float(), b.float().t(), out=out)  # exact bf16 products, fp32 accumulation
 
 
 def _as_bf16(op: Operand) -> Operand:
@@ -225,43 +227,49 @@ def _fp8_blocked_cpu(a: Operand, b: Operand) -> torch.Tensor:
 
 
 
-def _fp8_native(a: Operand, b: Operand, fp8) -> Optional[torch.Tensor]:
+def _fp8_native(a: Operand, b: Operand, fp8, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """torch._scaled_mm (cuBLASLt FP8 tensor cores): per-tensor scales directly; 1x128 x 128x128 blocks (SM90 only)
     through the executor's `fastgemm.NativeFp8Gemm` - the trainer's implementation, with its first-use check of the
     scale layout against the spelled-out math and its zero-row padding of token counts cuBLASLt refuses. None:
-    cuBLASLt cannot run this call (the caller spells the math out)."""
+    cuBLASLt cannot run this call (the caller spells the math out). `out`: written in place when the GEMM runs on
+    the operand's own rows (no padded buffers), else the result is copied there."""
     if a.scale_inv.numel() == 1 and b.scale_inv.numel() == 1:
         return torch._scaled_mm(a.values, b.values.t(), scale_a=a.scale_inv.reshape(()),
-                                scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32)
+                                scale_b=b.scale_inv.reshape(()), out_dtype=torch.float32, out=out)
     if fp8 is None or a.block != (1, 128) or b.block not in ((128, 128), (1, 128)):
         return None
     a_data, a_scale = a.padded or (a.values.view(torch.uint8), a.scale_inv)
+    direct = out is not None and a.padded is None
     y = fp8(a_data, a_scale, a.block, b.values.view(torch.uint8), b.scale_inv, b.block, _ELEMENT[a.values.dtype],
-            _ELEMENT[b.values.dtype])
-    return None if y is None else y[:a.values.shape[0]]
+            _ELEMENT[b.values.dtype], out=out if direct else None)
+    if y is None or direct:
+        return y
+    return write_into(out, y[:a.values.shape[0]])
 
 
-def gemm(a: Operand, b: Operand, paths: Optional[dict] = None, fp8=None) -> torch.Tensor:
-    """fp32 [M, N] = a @ b^T with the epilogue (second-level scales) applied. `fp8`: a fastgemm.NativeFp8Gemm for
-    block-scaled FP8 on CUDA (None: per-tensor FP8 only, blocks spelled out)."""
+def gemm(a: Operand, b: Operand, paths: Optional[dict] = None, fp8=None, out: Optional[torch.Tensor] = None
+         ) -> torch.Tensor:
+    """fp32 [M, N] = a @ b^T with the epilogue (second-level scales) applied, into `out` if given (a slice of a
+    grouped buffer). `fp8`: a fastgemm.NativeFp8Gemm for block-scaled FP8 on CUDA (None: per-tensor FP8 only,
+    blocks spelled out)."""
     if a.kind == "fp8" and b.kind == "fp8":
         y, path = None, "fp8-blocked-emulated"
         if a.values.is_cuda:
             try:
-                y = _fp8_native(a, b, fp8)
+                y = _fp8_native(a, b, fp8, out)
             except RuntimeError:  # shapes/arch cuBLASLt refuses: same math, spelled out
                 y = None
             if y is not None:
                 path = "fp8-scaled_mm"
         if y is None:
-            y = _fp8_blocked_cpu(a, b)
+            y = write_into(out, _fp8_blocked_cpu(a, b))
     else:
         a16, b16 = _as_bf16(a), _as_bf16(b)
-        y, path = _mm_bf16(a16.values, b16.values), "bf16-blockscaled"
-        if a16.gscale is not None:
-            y = y * (a16.gscale[:, None] if a16.gscale.numel() > 1 else a16.gscale)
+        y, path = _mm_bf16(a16.values, b16.values, out), "bf16-blockscaled"
+        if a16.gscale is not None:  # y is this call's own result: the epilogue scales it in place
+            y.mul_(a16.gscale[:, None] if a16.gscale.numel() > 1 else a16.gscale)
         if b16.gscale is not None:
-            y = y * (b16.gscale[None, :] if b16.gscale.numel() > 1 else b16.gscale)
+            y.mul_(b16.gscale[None, :] if b16.gscale.numel() > 1 else b16.gscale)
     if paths is not None:
         paths[path] = paths.get(path, 0) + 1
     return y
@@ -288,7 +296,7 @@ class IndependentRolloutExecutor:
         self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
         self._grouped: dict = {}  # first expert's gate name -> its layer's runner (or None), per weight update
 
-    def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional[grouped_experts.RolloutExperts]:
+    def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional["RolloutExperts"]:
         """One MoE layer's routed experts as one grouped op when all run 1x128 x 128x128 FP8 or all run BF16 GEMMs
         (unquantized activations x bf16 weight operands: BF16 weights, or MXFP8 ones decoded to bf16 without an
         epilogue scale), one activation format per role (grouped_experts.py); None: the loop (expert-TP, others)."""
@@ -299,7 +307,7 @@ class IndependentRolloutExecutor:
             self._grouped[key] = self._grouped_runner(trios)
         return self._grouped[key]
 
-    def _grouped_runner(self, trios: list) -> Optional[grouped_experts.RolloutExperts]:
+    def _grouped_runner(self, trios: list) -> Optional["RolloutExperts"]:
         acts = [{self.act[t[i]] for t in trios} for i in (0, 1, 2)]
         if any(len(a) != 1 for a in acts) or acts[0] != acts[1] or any(self.parts[n] != 1 for t in trios for n in t):
             return None
@@ -307,10 +315,10 @@ class IndependentRolloutExecutor:
         a_up, a_down = next(iter(acts[0])), next(iter(acts[2]))
         if all(op.kind == "fp8" and op.block == (128, 128) for t in ops for op in t) and all(
                 a.kind == FormatKind.FP8_BLOCK and tuple(a.block or (1, 128)) == (1, 128) for a in (a_up, a_down)):
-            return grouped_experts.RolloutExperts(self, "fp8", ops, (a_up, a_down))
+            return RolloutExperts(self, "fp8", ops, (a_up, a_down))
         if all(op.kind == "bf16" and op.gscale is None for t in ops for op in t) \
                 and not a_up.is_quantized and not a_down.is_quantized:
-            return grouped_experts.RolloutExperts(self, "bf16", ops, (a_up, a_down))
+            return RolloutExperts(self, "bf16", ops, (a_up, a_down))
         return None
 
     def _activation(self, x: torch.Tensor, x2: torch.Tensor, fmt: TensorFormat, what: str) -> Operand:
@@ -346,3 +354,52 @@ class IndependentRolloutExecutor:
                 yi = gemm(activation_operand(x2[:, sl], self.act[hf_name], hf_name), part_w, self.paths, self.fp8)
                 y = yi if y is None else y + yi
         return y.to(torch.bfloat16).reshape(*shape[:-1], y.shape[-1])
+
+
+class RolloutExperts:
+    """One MoE layer's routed experts in the independent rollout as one grouped op (grouped_experts.py: dispatch and
+    combine): the loop's operands and `gemm` (activation quantized by the fused kernels, received weight operand,
+    fp32 output rounded to bf16; silu and the product in bf16), with ONE activation quantization per operand for
+    all experts and each expert's GEMM written into its segment of the grouped output. `ops`: per expert the (gate,
+    up, down) weight Operands; `acts`: the (gate/up, down) activation formats. No autograd."""
+
+    def __init__(self, ex: IndependentRolloutExecutor, kind: str, ops: list, acts: tuple):
+        self.ex, self.kind, self.ops, self.acts = ex, kind, ops, acts
+        self.align = 16 if kind == "fp8" else 1  # cuBLASLt's FP8 row count; bf16 needs none
+
+    def _quantized(self, x16: torch.Tensor, fmt: TensorFormat):
+        """The grouped buffer's 1x128 rows (data, scale) from one launch (fp8), or None (bf16)."""
+        if self.kind != "fp8":
+            return None
+        from .fastgemm import fp8_rows16
+
+        _, data, scale = fp8_rows16(x16, fmt)
+        return data, scale
+
+    def _segment(self, q, x16: torch.Tensor, fmt: TensorFormat, s: int, r: int) -> Operand:
+        if q is None:
+            return Operand("bf16", x16[s:s + r])
+        data, scale = q
+        return Operand("fp8", data[s:s + r].view(rq.F8[fmt.element]), scale_inv=grouped_experts.seg_scale(scale, s, r),
+                       block=(1, 128))
+
+    def __call__(self, x_pad: torch.Tensor, d: "grouped_experts.Dispatch") -> torch.Tensor:
+        ex = self.ex
+        x16 = x_pad.to(torch.bfloat16)
+        qx = self._quantized(x16, self.acts[0])
+        segs = d.segments()
+        used = d.used_rows
+        g = x16.new_empty(used, self.ops[0][0].values.shape[0], dtype=torch.float32)
+        u = torch.empty_like(g)
+        for e, (s, n, r) in enumerate(segs):
+            if n:
+                a = self._segment(qx, x16, self.acts[0], s, r)
+                gemm(a, self.ops[e][0], ex.paths, ex.fp8, out=g[s:s + r])
+                gemm(a, self.ops[e][1], ex.paths, ex.fp8, out=u[s:s + r])
+        h16 = F.silu(g.to(torch.bfloat16)) * u.to(torch.bfloat16)
+        qh = self._quantized(h16, self.acts[1])
+        y = x16.new_empty(used, x16.shape[1], dtype=torch.float32)
+        for e, (s, n, r) in enumerate(segs):
+            if n:
+                gemm(self._segment(qh, h16, self.acts[1], s, r), self.ops[e][2], ex.paths, ex.fp8, out=y[s:s + r])
+        return y.to(torch.bfloat16)
