@@ -12,20 +12,20 @@ from typing import List, Optional
 
 import typer
 
-from .common import BACKENDS
+from precision_dsl.backends.common import BACKENDS
 
 
 def _run(body):
     """Run a command body under the one CLI guard (console.guard: every PolicycError -> error + hint + exit code)."""
-    from ..console import guard
+    from precision_dsl.console import guard
 
     return guard(body)
 
 
 def emit_artifacts(plan, backends: Optional[list[str]] = None):
     """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
-    from . import converter, megatron, sglang, weight_update
-    from .common import plan_artifact
+    from precision_dsl.backends import converter, megatron, sglang, weight_update
+    from precision_dsl.backends.common import plan_artifact
 
     mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
     arts = [plan_artifact(plan, "the plan (IR) with its content_hash")]
@@ -35,7 +35,7 @@ def emit_artifacts(plan, backends: Optional[list[str]] = None):
 
 
 def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
-    from ..console import UserError
+    from precision_dsl.console import UserError
 
     bad = [b for b in backend or [] if b not in BACKENDS]
     if bad:
@@ -44,9 +44,9 @@ def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
 
 
 def checked_te_version(v: Optional[str]) -> None:
-    from ..console import UserError
+    from precision_dsl.console import UserError
 
-    from .versions import parse_version
+    from precision_dsl.backends.versions import parse_version
 
     if v is not None:
         try:
@@ -84,11 +84,11 @@ def register(app: typer.Typer) -> None:
         Runs exactly the gate `policyc check` runs: nothing is written unless every check and backend passes."""
 
         def body():
-            from ..commands import build_plan_and_arch
-            from ..console import UserError, console
-            from ..engine.gate import run_gate
+            from precision_dsl.commands import build_plan_and_arch
+            from precision_dsl.console import UserError, console
+            from precision_dsl.engine.gate import run_gate
 
-            from .common import plan_hash, write_tree_atomic
+            from precision_dsl.backends.common import plan_hash, write_tree_atomic
 
             chosen = chosen_backends(backend)
             checked_te_version(te_version)
@@ -123,11 +123,11 @@ def register(app: typer.Typer) -> None:
         """Convert an HF checkpoint into the quantized checkpoint SGLang/vLLM load (resumable, atomic)."""
 
         def body():
-            from ..commands import build_plan
-            from ..console import UserError, console
+            from precision_dsl.commands import build_plan
+            from precision_dsl.console import UserError, console
 
-            from . import converter
-            from .common import plan_hash
+            from precision_dsl.backends import converter
+            from precision_dsl.backends.common import plan_hash
 
             if not Path(src).is_dir():
                 raise UserError(f"source checkpoint '{src}' is not a directory")
@@ -158,11 +158,11 @@ def register(app: typer.Typer) -> None:
         """Re-derive every byte of DST from SOURCE and compare (exit 0 = identical, 1 = differences)."""
 
         def body():
-            from ..commands import build_plan
-            from ..console import console
+            from precision_dsl.commands import build_plan
+            from precision_dsl.console import console
 
-            from . import converter
-            from .common import plan_hash
+            from precision_dsl.backends import converter
+            from precision_dsl.backends.common import plan_hash
 
             expected = None
             if policy is not None:

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Union
 
-from ..plan import Plan, TensorPlan
-from ..errors import PolicycError
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.errors import PolicycError
 
 BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backend` choices, in emit order
 
@@ -189,7 +189,7 @@ def write_tree_atomic(out_dir: Path, files: Iterable[Artifact], force: bool = Fa
     after the rename, so a crash never leaves a half-written directory under the final name)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not force:
-        from .durable import OutputExists
+        from precision_dsl.backends.durable import OutputExists
 
         raise OutputExists(f"output directory '{out_dir}' already exists (pass --force to replace it)")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..plan import Plan
+from precision_dsl.plan import Plan
 
-from .common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
+from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_json_bytes, plan_stamp)
-from .durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
-from .safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
+from precision_dsl.backends.durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
+from precision_dsl.backends.safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
 
 BACKEND = "converter"
 INDEX_FILE = "model.safetensors.index.json"
@@ -135,7 +135,7 @@ _INDEX_LIMIT = 256 << 20
 
 def _read_index(index: Path) -> dict[str, str]:
     """weight_map of a safetensors index, type-checked: {tensor name: shard file name}."""
-    from ..jsonsafe import loads_bounded
+    from precision_dsl.jsonsafe import loads_bounded
 
     try:
         with open(index, "rb") as f:
@@ -152,7 +152,7 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 def _check_source_against_plan(srcc: SourceCheckpoint, plan: Plan) -> None:
-    from . import fp8_source
+    from precision_dsl.backends import fp8_source
 
     by = plan.by_name()
     missing = sorted(set(by) - set(srcc.where))
@@ -176,7 +176,7 @@ def _check_source_against_plan(srcc: SourceCheckpoint, plan: Plan) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 def output_layout(plan: Plan, srcc: SourceCheckpoint) -> dict[str, list[list[str]]]:
     """Output shard (same file name as the source shard) -> ordered work units (lists of HF names)."""
-    from .quantize import work_units
+    from precision_dsl.backends.quantize import work_units
 
     names = {t.hf_name for t in plan.tensors}  # scale_inv grids / buffers of the source are not work units
     order = [n for s in srcc.shards for n in _shard_names(srcc, s) if n in names]
@@ -192,7 +192,7 @@ def _shard_names(srcc: SourceCheckpoint, shard: str) -> list[str]:
 
 def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     """config.json quantization_config and hf_quant_config.json contents (None where not applicable)."""
-    from .sglang import rollout_config
+    from precision_dsl.backends.sglang import rollout_config
 
     try:
         cfg = rollout_config(plan)
@@ -205,7 +205,7 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
 def _specs_for_unit(by: dict, unit: list[str]):
     """(name, dtype, shape) of every output tensor of one work unit, in write order. `by` = plan.by_name(), built
     once by the caller (building it per unit made conversion quadratic in the tensor count)."""
-    from .quantize import output_specs
+    from precision_dsl.backends.quantize import output_specs
 
     out = []
     for n in unit:
@@ -254,7 +254,7 @@ class _DeviceUnits:
     def _spans(self, members) -> list[tuple]:
         """(name, fd, offset, dtype, shape, nbytes) of the unit's source tensors (main thread: header and descriptor
         caches are not shared with the read-ahead thread)."""
-        from . import fp8_source
+        from precision_dsl.backends import fp8_source
 
         names = []
         for t in members:
@@ -292,8 +292,8 @@ class _DeviceUnits:
         of the next device unit, read ahead while this one runs."""
         import torch
 
-        from . import fp8_source
-        from .quantize import checkpoint_tensors
+        from precision_dsl.backends import fp8_source
+        from precision_dsl.backends.quantize import checkpoint_tensors
 
         if self._next is None or self._next[0] != key:  # the first device unit of a shard (or out of order)
             if self._next is not None:
@@ -385,8 +385,8 @@ def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writ
     a non-finite piece re-runs the unit on the normal path, which raises the usual NonFiniteWeight."""
     import torch
 
-    from . import fp8_source
-    from .quantize import checkpoint_tensors
+    from precision_dsl.backends import fp8_source
+    from precision_dsl.backends.quantize import checkpoint_tensors
 
     if len(members) != 1 or len(uspecs) != 1:
         return False
@@ -554,7 +554,7 @@ _STATE_LIMIT = 1 << 20
 def _read_json_marker(path: Path, limit: int):
     """A marker/state file we wrote, parsed; None for anything else (absent, partial, garbage, wrong type): a bad
     marker only ever means "redo this step", never an error."""
-    from ..jsonsafe import loads_bounded
+    from precision_dsl.jsonsafe import loads_bounded
 
     raw = read_small(path, limit)
     if raw is None:
@@ -622,8 +622,8 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
 
 
 def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:
-    from . import fp8_source
-    from .quantize import check_supported, checkpoint_tensors
+    from precision_dsl.backends import fp8_source
+    from precision_dsl.backends.quantize import check_supported, checkpoint_tensors
 
     work = _work_dir(dst)
     srcc = open_source(src)
@@ -771,7 +771,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
 
 def read_source_config(src: Path) -> dict:
     """The source's config.json (regular file inside SRC only), as a dict; {} when there is none."""
-    from ..jsonsafe import loads_bounded
+    from precision_dsl.jsonsafe import loads_bounded
 
     path = Path(src) / "config.json"
     if not os.path.lexists(path):
@@ -849,7 +849,7 @@ def _first_line(err: Exception) -> str:
 
 
 def _read_json_file(path: Path, limit: int = _CONFIG_LIMIT):
-    from ..jsonsafe import loads_bounded
+    from precision_dsl.jsonsafe import loads_bounded
 
     try:
         with open(path, "rb") as f:
@@ -887,7 +887,7 @@ def derive_formats_from_specs(specs: dict[str, str], plan_names: list[str]) -> d
 
 def load_converted(dst: Path, names: Optional[list[str]] = None):
     """(plan, {hf_name: QuantizedTensor | Tensor}) read back from a converted checkpoint (safetensors only)."""
-    from .quantize import output_specs, read_quantized
+    from precision_dsl.backends.quantize import output_specs, read_quantized
 
     plan = read_plan(dst)
     reader = _Reader(open_source(Path(dst)))
@@ -905,8 +905,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     """Re-derive every output byte from the source and compare. Returns a list of problems ([] = verified)."""
     import torch
 
-    from . import fp8_source
-    from .quantize import NonFiniteWeight, checkpoint_tensors
+    from precision_dsl.backends import fp8_source
+    from precision_dsl.backends.quantize import NonFiniteWeight, checkpoint_tensors
 
     dst = Path(dst)
     plan = read_plan(dst)
@@ -971,7 +971,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
 # emit (no checkpoint needed): what the converter WILL write
 # ---------------------------------------------------------------------------------------------------------------
 def emit(plan: Plan) -> list[Artifact]:
-    from .quantize import check_all_supported, plan_output_specs
+    from precision_dsl.backends.quantize import check_all_supported, plan_output_specs
 
     check_all_supported(plan, BACKEND)
     qfiles = quantization_files(plan)

@@ -20,7 +20,7 @@ import shutil
 import stat
 from pathlib import Path
 from typing import Optional
-from ..errors import PolicycError
+from precision_dsl.errors import PolicycError
 
 
 class OutputBusy(PolicycError):

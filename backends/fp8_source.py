@@ -33,11 +33,11 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..plan import Plan, TensorPlan
-from ..precision import FormatKind, TensorFormat
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind, TensorFormat
 
-from .common import module_of
-from .safetensors_io import SOURCE_DTYPES, CheckpointError
+from precision_dsl.backends.common import module_of
+from precision_dsl.backends.safetensors_io import SOURCE_DTYPES, CheckpointError
 
 SCALE_SUFFIX = "weight_scale_inv"
 IGNORED_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -148,7 +148,7 @@ def unit_tensors(units: Sequence[TensorPlan], reader, backend: str, device: str 
     """Output tensors (name -> tensor) of one work unit: pass-through members copied byte for byte, all others
     loaded (dequantized if FP8) and handed to `backends.quantize.checkpoint_tensors` together (share-scale groups
     need all members at once)."""
-    from .quantize import checkpoint_tensors
+    from precision_dsl.backends.quantize import checkpoint_tensors
 
     quantize_fn = quantize_fn or checkpoint_tensors
     out: dict = {}

@@ -47,11 +47,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..plan import Plan, TensorPlan
-from ..precision import BackwardMode, FormatKind, Precision
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import BackwardMode, FormatKind, Precision
 
-from . import versions
-from .common import Artifact, Problems, UnsupportedByBackend, dump_json, per_plan, plan_stamp
+from precision_dsl.backends import versions
+from precision_dsl.backends.common import Artifact, Problems, UnsupportedByBackend, dump_json, per_plan, plan_stamp
 
 BACKEND = "megatron"
 BF16_CONFIG = "bf16"

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from ..plan import Plan, TensorPlan
-from ..precision import HP_DTYPE_NAMES, FormatKind
-from .common import UnsupportedByBackend, module_of, per_plan
-from ..errors import PolicycError
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import HP_DTYPE_NAMES, FormatKind
+from precision_dsl.backends.common import UnsupportedByBackend, module_of, per_plan
+from precision_dsl.errors import PolicycError
 
 if TYPE_CHECKING:
     import torch
@@ -182,8 +182,8 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
     members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
     import torch
 
-    from .. import kernels
-    from ..formats import torch_dtype
+    from precision_dsl import kernels
+    from precision_dsl.formats import torch_dtype
 
     if check_finite:
         for t, x in members:
@@ -193,7 +193,7 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
     needs_group = [t for t, _ in members if t.is_linear and t.weight.kind == FormatKind.NVFP4
                    and t.weight.global_scale == "group"]
     if needs_group:
-        from ..formats.nvfp4 import group_amax as _group_amax
+        from precision_dsl.formats.nvfp4 import group_amax as _group_amax
 
         group_amax = _group_amax([x for t, x in members if t in needs_group])
     for t, x in members:
@@ -273,7 +273,7 @@ def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
     or return the plain tensor for a high-precision one. Used by `verify`, the tests and WeightReceiver."""
     import torch
 
-    from ..formats.base import QuantizedTensor
+    from precision_dsl.formats.base import QuantizedTensor
 
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):

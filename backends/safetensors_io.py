@@ -22,9 +22,9 @@ import stat
 import struct
 from pathlib import Path
 from typing import Optional
-from ..errors import PolicycError
+from precision_dsl.errors import PolicycError
 
-from ..precision import HP_DTYPE_NAMES
+from precision_dsl.precision import HP_DTYPE_NAMES
 
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -67,7 +67,7 @@ def read_header(path: Path) -> dict[str, dict]:
             raw = f.read(n)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
-    from ..jsonsafe import loads_bounded
+    from precision_dsl.jsonsafe import loads_bounded
 
     header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)
     if not isinstance(header, dict):

@@ -43,9 +43,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..plan import Plan, TensorPlan, per_precision
-from ..precision import FormatKind
-from .common import Artifact, UnsupportedByBackend, dump_json, is_quantized, module_of, plan_stamp
+from precision_dsl.plan import Plan, TensorPlan, per_precision
+from precision_dsl.precision import FormatKind
+from precision_dsl.backends.common import Artifact, UnsupportedByBackend, dump_json, is_quantized, module_of, plan_stamp
 
 BACKEND = "sglang"
 SGLANG_VERSION = "0.5.23"
@@ -132,7 +132,7 @@ def _check_experts(plan: Plan) -> None:
 
 
 def _check_tensor(t: TensorPlan, plan: Plan) -> None:
-    from .quantize import check_supported
+    from precision_dsl.backends.quantize import check_supported
 
     if not is_quantized(t):
         return
@@ -287,7 +287,7 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
 
 def rollout_config(plan: Plan) -> RolloutConfig:
     """Validated SGLang configuration of `plan` (memoized per plan object; raises UnsupportedByBackend)."""
-    from .common import per_plan
+    from precision_dsl.backends.common import per_plan
 
     return per_plan(plan, "sglang.rollout_config", _rollout_config)
 

@@ -70,7 +70,7 @@ def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, 
     import torch
     from safetensors.torch import save_file
 
-    from ..formats import quantize
+    from precision_dsl.formats import quantize
 
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..plan import Plan, TensorPlan
-from ..precision import FormatKind
-from .quantize import needs_shared_amax, output_specs
-from .safetensors_io import DTYPE_SIZES
+from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind
+from precision_dsl.backends.quantize import needs_shared_amax, output_specs
+from precision_dsl.backends.safetensors_io import DTYPE_SIZES
 
 _ALIGN = 256
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
@@ -241,7 +241,7 @@ class UpdateProgram:
         reference code may synchronise with the host, stay eager."""
         import torch
 
-        from ..kernels import triton_segments as ks
+        from precision_dsl.kernels import triton_segments as ks
 
         dev = bound.device
         if bound.pool is None or bound.pool[0].numel() < self.max_bucket:
@@ -300,9 +300,9 @@ class UpdateProgram:
     def _fill(self, seg: Segment, x, buf, bad, dev) -> None:
         import torch
 
-        from ..formats import fp8_block_pow2
-        from ..kernels import triton_fp8_block, triton_mxfp8
-        from ..kernels import triton_segments as ks
+        from precision_dsl.formats import fp8_block_pow2
+        from precision_dsl.kernels import triton_fp8_block, triton_mxfp8
+        from precision_dsl.kernels import triton_segments as ks
 
         def region(i, j):
             r = seg.regions[(i, j)]
@@ -324,7 +324,7 @@ class UpdateProgram:
                 ks.check_copy(xi, region(i, 0), bad)
             return
         if seg.kind == "ref":
-            from .quantize import checkpoint_tensors
+            from precision_dsl.backends.quantize import checkpoint_tensors
 
             i0 = 0
             for unit in seg.units:

@@ -53,12 +53,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Sequence
 
-from ..plan import Plan, TensorPlan
+from precision_dsl.plan import Plan, TensorPlan
 
-from .common import PLAN_FILE, PlanMismatch
-from .common import plan_hash as _plan_hash
-from .quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
-from ..errors import PolicycError
+from precision_dsl.backends.common import PLAN_FILE, PlanMismatch
+from precision_dsl.backends.common import plan_hash as _plan_hash
+from precision_dsl.backends.quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax, read_quantized
+from precision_dsl.errors import PolicycError
 
 if TYPE_CHECKING:
     import torch
@@ -544,7 +544,7 @@ class SGLangHTTPTransport:
                                     "is the server running? check the URL/port") from None
         except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
             raise WeightUpdateError(f"SGLang {path}: connection failed ({type(err).__name__}: {err})") from None
-        from ..jsonsafe import loads_bounded
+        from precision_dsl.jsonsafe import loads_bounded
 
         out = loads_bounded(raw, f"SGLang {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
         if isinstance(out, dict) and out.get("success") is False:
@@ -566,7 +566,7 @@ class SGLangHTTPTransport:
         path = Path(str(info.get("model_path", ""))) / PLAN_FILE
         if path.is_file():
             try:
-                from .converter import read_plan
+                from precision_dsl.backends.converter import read_plan
 
                 got = read_plan(path.parent).content_hash()
             except ValueError:  # CheckpointError: unreadable / not a plan
@@ -710,9 +710,9 @@ def atomic_groups(plan: Plan) -> dict[tuple, set[str]]:
 def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
     (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
-    from .common import Artifact, dump_json, plan_stamp
-    from .quantize import check_all_supported, plan_output_specs
-    from .safetensors_io import DTYPE_SIZES
+    from precision_dsl.backends.common import Artifact, dump_json, plan_stamp
+    from precision_dsl.backends.quantize import check_all_supported, plan_output_specs
+    from precision_dsl.backends.safetensors_io import DTYPE_SIZES
 
     check_all_supported(plan, "weight_update")
     params: dict[str, dict] = {}
@@ -820,7 +820,7 @@ class WeightSender:
     def program(self):
         """The plan's update compiled into buckets of grouped launches (built once per sender)."""
         if getattr(self, "_program", None) is None:
-            from .update_program import UpdateProgram
+            from precision_dsl.backends.update_program import UpdateProgram
 
             members = atomic_groups(self.plan)
             by = self.plan.by_name()
@@ -868,7 +868,7 @@ class WeightSender:
             return False
         if not items or not all(getattr(x, "is_cuda", False) for _, x in items):
             return False
-        from .. import kernels
+        from precision_dsl import kernels
 
         return kernels.available()
 
@@ -1157,7 +1157,7 @@ class WeightReceiver:
         must match the bytes that arrived - their per-bucket checksum."""
         import torch
 
-        from ..kernels import triton_segments
+        from precision_dsl.kernels import triton_segments
 
         fps = self.summary.get("fingerprints")
         stride = self.summary.get("fingerprint_stride", 1)
@@ -1179,8 +1179,8 @@ class WeightReceiver:
     def _check_complete(self) -> None:
         """Exactly the plan's checkpoint tensors, with the plan's dtypes and shapes: nothing missing, nothing
         extra, so an update is applied whole or not at all."""
-        from .quantize import output_specs
-        from .safetensors_io import _TORCH_DT
+        from precision_dsl.backends.quantize import output_specs
+        from precision_dsl.backends.safetensors_io import _TORCH_DT
 
         want = {n: (dt, tuple(sh)) for t in self.plan.tensors for n, dt, sh in output_specs(t)}
         missing = sorted(set(want) - set(self.raw))
@@ -1201,7 +1201,7 @@ class WeightReceiver:
     def receive(self, timeout: Optional[float] = 600) -> dict:
         """{hf_name: QuantizedTensor | Tensor} for every plan tensor."""
         raw = self.receive_raw(timeout)
-        from .quantize import output_specs
+        from precision_dsl.backends.quantize import output_specs
 
         out = {}
         for t in self.plan.tensors:
