@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from precision_dsl.backends.common import BACKENDS
+from precision_dsl.backends.registry import backend_names
 
 
 def _run(body):
@@ -22,25 +22,41 @@ def _run(body):
     return guard(body)
 
 
-def emit_artifacts(plan, backends: Optional[list[str]] = None):
-    """All artifacts of `plan` for the chosen backends (+ the plan itself); raises UnsupportedByBackend."""
-    from precision_dsl.backends import converter, megatron, sglang, weight_update
-    from precision_dsl.backends.common import plan_artifact
+def emit_artifacts(plan, backends: Optional[list[str]] = None, options=None):
+    """All artifacts of `plan` for the chosen backends (default: all registered) + the plan itself; raises
+    UnsupportedByBackend (BackendErrors: every problem of the first backend that refuses)."""
+    from precision_dsl.backends.common import Problems, plan_artifact
+    from precision_dsl.backends.registry import EmitOptions, backends as registered_backends
 
-    mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
     arts = [plan_artifact(plan, "the plan (IR) with its content_hash")]
-    for name in backends or BACKENDS:
-        arts.extend(mods[name].emit(plan))
+    for backend in registered_backends(backends or None):
+        problems = Problems()
+        arts.extend(backend.emit(plan, options or EmitOptions(), problems))
+        problems.raise_if_any()
     return arts
 
 
 def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
     from precision_dsl.console import UserError
 
-    bad = [b for b in backend or [] if b not in BACKENDS]
+    names = backend_names()
+    bad = [b for b in backend or [] if b not in names]
     if bad:
-        raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(BACKENDS)}")
+        raise UserError(f"unknown backend '{bad[0]}'", f"choose from {', '.join(names)}")
     return list(backend) if backend else None
+
+
+def backend_help() -> str:
+    """--backend help: the registered names."""
+    return f"{' | '.join(backend_names())} (repeatable; default: all)"
+
+
+def emit_options(te_version: Optional[str]):
+    """EmitOptions of the command line (--te-version checked first)."""
+    from precision_dsl.backends.registry import EmitOptions
+
+    checked_te_version(te_version)
+    return EmitOptions(te_version=te_version)
 
 
 def checked_te_version(v: Optional[str]) -> None:
@@ -72,9 +88,7 @@ def register(app: typer.Typer) -> None:
                  parallel: Optional[str] = typer.Option(
                      None, "--parallel", "-p", help="e.g. 'trainer:tp=2,etp=1,ep=8,pp=2 rollout:tp=8,ep=8'"),
                  out: Path = typer.Option(..., "--out", "-o", help="output directory (written atomically)"),
-                 backend: Optional[List[str]] = typer.Option(
-                     None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
-                                                   "default: all)"),
+                 backend: Optional[List[str]] = typer.Option(None, "--backend", "-b", help=backend_help()),
                  te_version: Optional[str] = typer.Option(
                      None, "--te-version", help="installed TransformerEngine version: refuse a plan that needs a "
                                                 "newer one (default: declare the minimum in the artifacts)"),
@@ -88,12 +102,12 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.console import UserError, console
             from precision_dsl.engine.gate import run_gate
 
-            from precision_dsl.backends.common import plan_hash, write_tree_atomic
+            from precision_dsl.backends.common import write_tree_atomic
 
             chosen = chosen_backends(backend)
-            checked_te_version(te_version)
+            options = emit_options(te_version)
             plan, arch = build_plan_and_arch(policy, model, parallel)
-            res = run_gate(plan, arch, chosen, te_version)
+            res = run_gate(plan, arch, chosen, options)
             con = console()
             if not res.ok(strict):
                 print_diagnostics(res.diagnostics, console(stderr=True))
@@ -103,7 +117,7 @@ def register(app: typer.Typer) -> None:
                                                    "backends with --backend", 1)
             write_tree_atomic(out, res.artifacts, force=force)
             print_diagnostics(res.diagnostics, con)
-            con.print(f"wrote {len(res.artifacts)} files to {out} (plan {plan_hash(plan)[:19]}...)")
+            con.print(f"wrote {len(res.artifacts)} files to {out} (plan {plan.content_hash()[:19]}...)")
             for a in res.artifacts:
                 con.print(f"  {a.path:<42} {a.description}", markup=False)
 
@@ -127,7 +141,6 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.console import UserError, console
 
             from precision_dsl.backends import converter
-            from precision_dsl.backends.common import plan_hash
 
             if not Path(src).is_dir():
                 raise UserError(f"source checkpoint '{src}' is not a directory")
@@ -142,7 +155,7 @@ def register(app: typer.Typer) -> None:
             rep = converter.convert(src, plan, out, force=force, progress=progress, device=device)
             console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
                              f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
-                             f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan_hash(plan)[:19]}...")
+                             f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan.content_hash()[:19]}...")
             if rep.skipped_files:
                 console().print(f"not copied (pickle files are never read): {', '.join(rep.skipped_files)}")
 
@@ -162,11 +175,10 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.console import console
 
             from precision_dsl.backends import converter
-            from precision_dsl.backends.common import plan_hash
 
             expected = None
             if policy is not None:
-                expected = plan_hash(build_plan(policy, model or str(source), parallel))
+                expected = build_plan(policy, model or str(source), parallel).content_hash()
             from rich.markup import escape
 
             problems = converter.verify(dst, source, expected_hash=expected)
@@ -178,6 +190,6 @@ def register(app: typer.Typer) -> None:
                     con.print(f"... and {len(problems) - 50} more")
                 raise typer.Exit(1)
             con.print(f"verified: {dst} matches {source} under plan "
-                      f"{plan_hash(converter.read_plan(dst))[:19]}...")
+                      f"{converter.read_plan(dst).content_hash()[:19]}...")
 
         _run(body)

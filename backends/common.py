@@ -1,10 +1,11 @@
-"""Shared vocabulary of the backends: the error a backend raises when it cannot express a plan exactly, the
-artifact container every emitter returns, atomic writing of artifact directories, and small plan helpers.
+"""Shared vocabulary of the backends: the error a backend records when it cannot express a plan exactly, the
+collector of those errors, the artifact container every emitter returns, atomic writing of artifact directories, and
+small plan helpers.
 
-Design rule (like sqlglot's dialect generators): each backend module is a pure function `emit(plan) -> [Artifact]`
-that either expresses the plan EXACTLY or raises `UnsupportedByBackend(backend, tensor, capability)`. There is no
-"closest approximation" mode: an RL loop whose trainer and rollout silently disagree on one tensor's format is the bug
-policyc exists to prevent.
+Design rule (like sqlglot's dialect generators): each backend (backends/registry.py `Backend`) either expresses the
+plan EXACTLY or records `UnsupportedByBackend(backend, tensor, capability)` in a `Problems` - every problem it finds,
+not only the first. There is no "closest approximation" mode: an RL loop whose trainer and rollout silently disagree
+on one tensor's format is the bug policyc exists to prevent.
 
 Every artifact carries the plan's content hash (`plan_stamp`) so a consumer can refuse a mismatched contract.
 No torch import here (the CLI imports this module's users lazily, but keep it light anyway).
@@ -18,12 +19,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Union
+from typing import Callable, Iterable, Iterator, Mapping, Optional, TypeVar, Union
 
 from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.precision import FormatKind, TensorFormat
 from precision_dsl.errors import PolicycError
 
-BACKENDS = ("megatron", "sglang", "converter", "weight_update")  # the `--backend` choices, in emit order
+_T = TypeVar("_T")
 
 # File every backend writes next to its artifacts: the full plan JSON (with content_hash) so a consumer can verify.
 PLAN_FILE = "policyc_plan.json"
@@ -44,10 +46,25 @@ class UnsupportedByBackend(PolicycError):
         super().__init__(f"backend '{backend}' cannot express the plan for tensor '{tensor}': {capability}")
 
 
+def unsupported_kind(backend: str, tensor: str, kind: FormatKind) -> UnsupportedByBackend:
+    """The refusal for a format kind missing from a backend's format table."""
+    return UnsupportedByBackend(backend, tensor, f"{kind.value} is unsupported by {backend}")
+
+
+def kind_handler(table: Mapping[FormatKind, _T], kind: FormatKind, backend: str, tensor: str) -> _T:
+    """`table[kind]`: a backend's handler for one format kind; a kind the table lacks raises `unsupported_kind`."""
+    try:
+        return table[kind]
+    except KeyError:
+        raise unsupported_kind(backend, tensor, kind) from None
+
+
 class Problems:
-    """Collects UnsupportedByBackend findings instead of stopping at the first (sqlglot's ErrorLevel.RAISE: every
-    problem of an emitter is reported together). Findings with one cause (same backend + capability) over many
-    tensors are folded into one, naming the first tensor and how many more share it."""
+    """Collects every UnsupportedByBackend of an emitter instead of stopping at the first (sqlglot's
+    ErrorLevel.IMMEDIATE vs RAISE: here always RAISE, all problems reported together). A backend either `add`s a
+    finding or calls a check through `run`; the caller (the gate) reads `folded()`, a raising API calls
+    `raise_if_any()`. Findings with one cause (same backend + capability) over many tensors are folded into one,
+    naming the first tensor and how many more share it."""
 
     def __init__(self):
         self.items: list[UnsupportedByBackend] = []
@@ -126,32 +143,19 @@ class Artifact:
         return b"".join(self.chunks())
 
 
-_MEMO: dict[int, dict] = {}
-
-
-def per_plan(plan: Plan, what: str, compute):
-    """Memoize a pure function of a (frozen, immutable) Plan object: content_hash walks every tensor (46k on
-    DeepSeek-V3) and every backend stamps it; the SGLang rollout config is needed by sglang, the converter and verify. Entries die
-    with the plan (weakref.finalize), so this is a cache, not state."""
-    import weakref
-
-    key = id(plan)
-    slot = _MEMO.get(key)
-    if slot is None:
-        slot = _MEMO[key] = {}
-        weakref.finalize(plan, _MEMO.pop, key, None)
-    if what not in slot:
-        slot[what] = compute(plan)
-    return slot[what]
+def per_plan(plan: Plan, what: str, compute: Callable[[Plan], _T]) -> _T:
+    """`plan.memo(what, ...)` for callers written as a function of the plan (kept until backends/quantize.py calls
+    plan.memo itself)."""
+    return plan.memo(what, lambda: compute(plan))
 
 
 def plan_hash(plan: Plan) -> str:
-    return per_plan(plan, "content_hash", lambda p: p.content_hash())
+    return plan.content_hash()  # kept until weight_update moves to plan.content_hash()
 
 
 def plan_json_pieces(plan: Plan) -> Iterator[str]:
     """policyc_plan.json: the plan's compact JSON (its content hash first) and a newline, in pieces."""
-    yield from plan.json_pieces(plan_hash(plan))
+    yield from plan.json_pieces(plan.content_hash())
     yield "\n"
 
 
@@ -172,7 +176,7 @@ def plan_stamp(plan: Plan) -> dict:
         "policyc_version": plan.policyc_version,
         "policy": plan.policy_name,
         "model": plan.model,
-        "content_hash": plan_hash(plan),
+        "content_hash": plan.content_hash(),
     }
 
 
@@ -236,7 +240,7 @@ def check_artifacts(out_dir: Path, plan: Plan) -> list[str]:
     plan's. Returns the artifact paths checked; raises PlanMismatch naming the first file that disagrees."""
     import re
 
-    want = plan_hash(plan)
+    want = plan.content_hash()
     checked = []
     for p in sorted(Path(out_dir).rglob("*")):
         if not p.is_file() or p.suffix not in (".json", ".yaml", ".sh"):
@@ -248,3 +252,57 @@ def check_artifacts(out_dir: Path, plan: Plan) -> list[str]:
         if found:
             checked.append(str(p.relative_to(out_dir)))
     return checked
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# derive_formats helpers: the format an engine reads, as the plan writes it (TensorFormat.short())
+# ---------------------------------------------------------------------------------------------------------------
+def engine_format(kind: str, *, block: Optional[tuple[int, int]] = None, scale_dtype: Optional[str] = None,
+                  shared: bool = False) -> str:
+    """`TensorFormat.short()` of a weight an engine reads as `kind`, with the fields the engine fixes for that kind
+    (every engine here runs E4M3 FP8 weights, 1x32 MXFP8, 128x128 FP8-block and 1x16 NVFP4 unless the artifacts say
+    otherwise) and those read from the artifacts: `block`, the FP8-block `scale_dtype`, and whether an NVFP4 weight
+    shares its global scale with the other members of its fused module (`shared`)."""
+    k = FormatKind(kind)
+    if k in (FormatKind.BF16, FormatKind.FP16, FormatKind.FP32):
+        return k.value
+    fields = {
+        FormatKind.FP8: dict(element="e4m3"),
+        FormatKind.MXFP8: dict(element="e4m3", block=block or (1, 32), scale_dtype="e8m0"),
+        FormatKind.FP8_BLOCK: dict(element="e4m3", block=block or (128, 128), scale_dtype=scale_dtype or "fp32"),
+        FormatKind.NVFP4: dict(element="e2m1", block=block or (1, 16), scale_dtype="e4m3",
+                               global_scale="group" if shared else "tensor"),
+    }[k]
+    return TensorFormat(kind=k, **fields).short()
+
+
+def fused_module_sizes(arch) -> dict[str, int]:
+    """{hf_name: how many checkpoint tensors its fused module holds} (1 outside fused modules): q/k/v, gate/up, one
+    expert's gate/up, q_a/kv_a are one GEMM weight in the engines (FUSED_SIBLINGS)."""
+    count: dict[tuple, int] = {}
+    for t in arch.tensors:
+        if t.fused_key is not None:
+            count[t.fused_key] = count.get(t.fused_key, 0) + 1
+    return {t.hf_name: count.get(t.fused_key, 1) if t.fused_key is not None else 1 for t in arch.tensors}
+
+
+class ArtifactError(PolicycError):
+    """An emitted artifact a backend reads back (derive_formats) is missing or unreadable."""
+
+    code = 2
+
+    def __init__(self, message: str, hint: str = "re-run `policyc emit` for this backend"):
+        super().__init__(message)
+        self.hint = hint
+
+
+def read_json_artifact(artifacts: Mapping[str, bytes], path: str):
+    """The JSON document of one emitted artifact (derive_formats reads files we wrote, but an audit may be handed
+    edited or partial ones: ArtifactError naming the file, never a traceback)."""
+    raw = artifacts.get(path)
+    if raw is None:
+        raise ArtifactError(f"artifact {path} is missing")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"artifact {path} is not JSON: {err}") from None

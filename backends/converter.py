@@ -35,8 +35,9 @@ Public API:
   convert(src, plan, dst, force=False, progress=False) -> ConvertReport
   verify(dst, src, expected_hash=None) -> list[str]         # [] = OK; re-derives every byte from the source
   load_converted(dst) -> (Plan, {hf_name: QuantizedTensor | Tensor})
-  derive_formats_from_specs({out_name: dtype}) -> {hf_name: kind}
+  derive_formats_from_specs({out_name: dtype}, arch) -> {hf_name: format}
   emit(plan) -> [Artifact]                                   # converter/manifest.json (+ configs)
+  ConverterBackend (registered "converter"): emit(plan, options, problems), derive_formats(artifacts, arch)
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ from typing import Callable, Optional
 
 from precision_dsl.plan import Plan
 
-from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
-                     plan_json_bytes, plan_stamp)
+from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, Problems, UnsupportedByBackend, dump_json,
+                                          engine_format, fused_module_sizes, module_of, plan_json_bytes, plan_stamp,
+                                          read_json_artifact)
+from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 from precision_dsl.backends.durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
 from precision_dsl.backends.safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
 
@@ -194,11 +197,14 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     """config.json quantization_config and hf_quant_config.json contents (None where not applicable)."""
     from precision_dsl.backends.sglang import rollout_config
 
+    probs = Problems()
     try:
         cfg = rollout_config(plan)
     except UnsupportedByBackend as err:
-        raise UnsupportedByBackend(BACKEND, err.tensor, f"the checkpoint's quantization_config is SGLang's: "
-                                                        f"{err.capability}", err.hint) from None
+        for e in getattr(err, "errors", None) or [err]:
+            probs.add(UnsupportedByBackend(BACKEND, e.tensor, f"the checkpoint's quantization_config is SGLang's: "
+                                                              f"{e.capability}", e.hint))
+    probs.raise_if_any()
     return {"quantization_config": cfg.quantization_config, "hf_quant_config": cfg.hf_quant_config}
 
 
@@ -627,7 +633,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
 
     work = _work_dir(dst)
     srcc = open_source(src)
-    state = {"plan_hash": plan_hash(plan), "source": str(src), "fingerprint": srcc.fingerprint()}
+    state = {"plan_hash": plan.content_hash(), "source": str(src), "fingerprint": srcc.fingerprint()}
     report = ConvertReport(dst=dst)
     if _recover(dst, work, state):
         report.shards_resumed = list(srcc.shards)
@@ -668,7 +674,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
             unit_specs = [_specs_for_unit(by, u) for u in units]
             tmp_path = work / f"{shard}.writing"
             writer = StreamingWriter(tmp_path, [s for us in unit_specs for s in us],
-                                     metadata={"format": "pt", "policyc_plan": plan_hash(plan)})
+                                     metadata={"format": "pt", "policyc_plan": plan.content_hash()})
             try:
                 # device units of this shard -> the next one after it (read ahead while the current one runs)
                 dev_units = [i for i, u in enumerate(units) if _unit_device([by[n] for n in u], device) != "cpu"]
@@ -723,7 +729,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         total_size += (out_dir / shard).stat().st_size
     report.bytes_out = total_size
     files: dict[str, bytes] = {
-        INDEX_FILE: dump_json({"metadata": {"total_size": total_size, "policyc_plan": plan_hash(plan)},
+        INDEX_FILE: dump_json({"metadata": {"total_size": total_size, "policyc_plan": plan.content_hash()},
                                "weight_map": dict(sorted(weight_map.items()))}, compact=True).encode()}
     config = read_source_config(src)
     if qfiles["quantization_config"] is not None:
@@ -869,17 +875,21 @@ def _dst_tensors(dst: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
-def derive_formats_from_specs(specs: dict[str, str], plan_names: list[str]) -> dict[str, str]:
-    """{hf_name: kind} from output tensor names + dtypes only (what a loader sees): `X.weight_scale_2` -> nvfp4,
-    `X.weight_scale_inv` U8 -> mxfp8, F32 -> fp8_block, otherwise the stored dtype."""
+def derive_formats_from_specs(specs: dict[str, str], arch) -> dict[str, str]:
+    """{hf_name: TensorFormat.short()} from output tensor names + dtypes only (what a loader sees): `X.weight_scale_2`
+    -> nvfp4 (1x16; one weight_scale_2 per fused module where the loader fuses: SGLang requires gate == up for w13),
+    `X.weight_scale_inv` U8 -> mxfp8 1x32, F32 -> fp8_block 128x128 with fp32 scales (what the loader multiplies
+    by), otherwise the stored dtype ("missing" for a tensor with no output)."""
     dt_kind = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
+    fused = fused_module_sizes(arch)
     out: dict[str, str] = {}
-    for n in plan_names:
+    for t in arch.tensors:
+        n = t.hf_name
         mod = module_of(n)
         if n.endswith(".weight") and f"{mod}.weight_scale_2" in specs:
-            out[n] = "nvfp4"
+            out[n] = engine_format("nvfp4", shared=fused.get(n, 1) > 1)
         elif n.endswith(".weight") and f"{mod}.weight_scale_inv" in specs:
-            out[n] = "mxfp8" if specs[f"{mod}.weight_scale_inv"] == "U8" else "fp8_block"
+            out[n] = engine_format("mxfp8" if specs[f"{mod}.weight_scale_inv"] == "U8" else "fp8_block")
         else:
             out[n] = dt_kind.get(specs.get(n, ""), specs.get(n, "missing"))
     return out
@@ -911,8 +921,8 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     dst = Path(dst)
     plan = read_plan(dst)
     problems: list[str] = []
-    if expected_hash is not None and expected_hash != plan_hash(plan):
-        raise PlanMismatch(f"{dst / PLAN_FILE}", expected_hash, plan_hash(plan))
+    if expected_hash is not None and expected_hash != plan.content_hash():
+        raise PlanMismatch(f"{dst / PLAN_FILE}", expected_hash, plan.content_hash())
     srcc = open_source(Path(src))
     _check_source_against_plan(srcc, plan)
     layout = output_layout(plan, srcc)
@@ -983,3 +993,22 @@ def emit(plan: Plan) -> list[Artifact]:
                 "tensors": {t.hf_name: specs for t, specs in zip(plan.tensors, plan_output_specs(plan))}}
     return [Artifact("converter/manifest.json", dump_json(manifest, compact=True),
                      "every output tensor (name, dtype, shape) per plan tensor + checkpoint configs")]
+
+
+def specs_of_manifest(doc: dict) -> dict[str, str]:
+    """{output tensor name: dtype} of converter/manifest.json."""
+    return {n: dt for specs in (doc.get("tensors") or {}).values() for n, dt, _ in specs}
+
+
+@register_backend
+class ConverterBackend(Backend):
+    name = BACKEND
+    description = "the quantized checkpoint `policyc convert` writes: every output tensor and the configs"
+
+    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
+        return problems.run(emit, plan) or []
+
+    def derive_formats(self, artifacts, arch) -> dict[str, str]:
+        """The checkpoint's weight formats from the output tensors converter/manifest.json announces."""
+        return derive_formats_from_specs(specs_of_manifest(read_json_artifact(artifacts, "converter/manifest.json")),
+                                         arch)

@@ -37,7 +37,8 @@ Public API:
   trainer_config(plan, te_version=None) -> TrainerConfig
   emit(plan, te_version=None) -> list[Artifact]   # megatron/args.txt, flags.json, env.sh, te_precision.yaml
   pipeline_split(num_layers, pp) -> None | (first, last);  stage_ranges(num_layers, pp) -> [range per PP rank]
-  derive_formats(flags, yamls, arch, pp) -> {hf_name: kind}   # uses megatron-core's own loader when available
+  derive_kinds(flags, yamls, arch, pp) -> {hf_name: kind}   # uses megatron-core's own loader when asked
+  MegatronBackend (registered "megatron"): emit(plan, options, problems), derive_formats(artifacts, arch)
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ from __future__ import annotations
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan
 from precision_dsl.precision import BackwardMode, FormatKind, Precision
 
 from precision_dsl.backends import versions
-from precision_dsl.backends.common import Artifact, Problems, UnsupportedByBackend, dump_json, per_plan, plan_stamp
+from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
+                                          engine_format, fused_module_sizes, kind_handler, plan_stamp,
+                                          read_json_artifact)
+from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "megatron"
 BF16_CONFIG = "bf16"
@@ -160,33 +164,44 @@ def _recipe_for(t: TensorPlan) -> Recipe:
                                                        f"{w.kind.value} recipe: TE uses the recipe's own format")
     if quant_bwd and g.element == "e5m2":
         fmt = "hybrid"
-    if w.kind == FormatKind.MXFP8:
-        if w.block != (1, 32) or a.block != (1, 32) or w.element != "e4m3":
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"TE MXFP8BlockScaling is 1x32 e4m3 forward; plan says "
-                                                           f"W {w.short()} A {a.short()}")
-        return Recipe("mxfp8", fmt)
-    if w.kind == FormatKind.FP8_BLOCK:
-        if w.block != (128, 128) or a.block != (1, 128):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, "TE Float8BlockScaling is 128x128 weights / 1x128 "
-                                                           f"activations; plan says W {w.block} A {a.block}")
-        return Recipe("blockwise", fmt)
-    if w.kind == FormatKind.FP8:
-        return Recipe("tensorwise", fmt)
-    if w.kind == FormatKind.NVFP4:
-        if quant_bwd:
-            raise UnsupportedByBackend(BACKEND, t.hf_name, "quantized NVFP4 backward (TE's NVFP4 gradients use RHT "
-                                                           "and stochastic rounding, which policyc turns off)")
-        if w.block not in ((1, 16), (16, 16)) or a.block != (1, 16):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"TE NVFP4 is 1x16 (or 16x16 weights); plan says "
-                                                           f"W {w.block} A {a.block}")
-        if w.global_scale not in (None, "tensor", "group"):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{w.global_scale}' weight global scale: TE keeps one "
-                                                           "amax per weight tensor")
-        if a.global_scale not in (None, "tensor", "row"):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.global_scale}' activation global scale: TE supports "
-                                                           "per-tensor or row-scaled (per-token) activations")
-        return Recipe("nvfp4")
-    raise UnsupportedByBackend(BACKEND, t.hf_name, f"no TE recipe for {w.short()}")
+    return kind_handler(_TE_FORMATS, w.kind, BACKEND, t.hf_name).recipe(t, fmt, quant_bwd)
+
+
+def _mxfp8_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
+    w, a = t.precision.weight, t.precision.activation
+    if w.block != (1, 32) or a.block != (1, 32) or w.element != "e4m3":
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"TE MXFP8BlockScaling is 1x32 e4m3 forward; plan says "
+                                                       f"W {w.short()} A {a.short()}")
+    return Recipe("mxfp8", fmt)
+
+
+def _fp8_block_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
+    w, a = t.precision.weight, t.precision.activation
+    if w.block != (128, 128) or a.block != (1, 128):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, "TE Float8BlockScaling is 128x128 weights / 1x128 "
+                                                       f"activations; plan says W {w.block} A {a.block}")
+    return Recipe("blockwise", fmt)
+
+
+def _fp8_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
+    return Recipe("tensorwise", fmt)
+
+
+def _nvfp4_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
+    w, a = t.precision.weight, t.precision.activation
+    if quant_bwd:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, "quantized NVFP4 backward (TE's NVFP4 gradients use RHT "
+                                                       "and stochastic rounding, which policyc turns off)")
+    if w.block not in ((1, 16), (16, 16)) or a.block != (1, 16):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"TE NVFP4 is 1x16 (or 16x16 weights); plan says "
+                                                       f"W {w.block} A {a.block}")
+    if w.global_scale not in (None, "tensor", "group"):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{w.global_scale}' weight global scale: TE keeps one "
+                                                       "amax per weight tensor")
+    if a.global_scale not in (None, "tensor", "row"):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.global_scale}' activation global scale: TE supports "
+                                                       "per-tensor or row-scaled (per-token) activations")
+    return Recipe("nvfp4")
 
 
 def _module_tensors(plan: Plan, probs: Problems) -> dict[str, list[TensorPlan]]:
@@ -298,31 +313,76 @@ def _env(plan: Plan, probs: Problems, reqs: list) -> dict[str, str]:
         reqs.append(versions.requirement("te.backward_override"))
         if bwd == "dequantized":
             reqs.append(versions.requirement("te.dequantized_drops_saved_input"))
-    nv = [t for t in quant if t.weight.kind == FormatKind.NVFP4]
-    if nv:
-        act = _uniform(plan, "NVFP4 activation global scales", {t.hf_name: t.activation.global_scale or "tensor"
-                                                                 for t in nv},
-                       "per-module NVFP4 activation scaling", probs)
-        w2d = _uniform(plan, "NVFP4 weight blocks", {t.hf_name: t.weight.block for t in nv}, "per-module NVFP4 2D",
-                       probs)
-        env["NVTE_NVFP4_DISABLE_2D_QUANTIZATION"] = "0" if w2d == (16, 16) else "1"
-        env["NVTE_NVFP4_DISABLE_RHT"] = "1"
-        env["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
-        reqs.append(versions.requirement("te.nvfp4_formula"))
-        if act == "row":
-            env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1"
-            reqs.append(versions.requirement("te.nvfp4_row_scaled_activation"))
-    fb = [t for t in quant if t.weight.kind == FormatKind.FP8_BLOCK]
-    if fb:
-        sd = _uniform(plan, "FP8-block scale dtypes",
-                      {t.hf_name: (t.weight.scale_dtype or "fp32") for t in fb}
-                      | {t.hf_name + " (activation)": (t.activation.scale_dtype or "fp32") for t in fb},
-                      "per-module FP8-block scale dtype", probs)
-        # TE default is power-of-2 scales; =1 keeps exact fp32 scales (Hopper only: Blackwell emulates blockwise
-        # with MXFP8 and requires pow2, quantizers.md §6.2).
-        env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1" if sd == "fp32" else "0"
-        reqs.append(versions.requirement("te.fp8_block_fp32_scales"))
+    for kind, rules in _TE_FORMATS.items():
+        of_kind = [t for t in quant if t.weight.kind == kind]
+        if of_kind and rules.env is not None:
+            rules.env(plan, of_kind, env, probs, reqs)
     return env
+
+
+def _nvfp4_env(plan: Plan, nv: list[TensorPlan], env: dict[str, str], probs: Problems, reqs: list) -> None:
+    act = _uniform(plan, "NVFP4 activation global scales", {t.hf_name: t.activation.global_scale or "tensor"
+                                                             for t in nv},
+                   "per-module NVFP4 activation scaling", probs)
+    w2d = _uniform(plan, "NVFP4 weight blocks", {t.hf_name: t.weight.block for t in nv}, "per-module NVFP4 2D",
+                   probs)
+    env["NVTE_NVFP4_DISABLE_2D_QUANTIZATION"] = "0" if w2d == (16, 16) else "1"
+    env["NVTE_NVFP4_DISABLE_RHT"] = "1"
+    env["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
+    reqs.append(versions.requirement("te.nvfp4_formula"))
+    if act == "row":
+        env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1"
+        reqs.append(versions.requirement("te.nvfp4_row_scaled_activation"))
+
+
+def _fp8_block_env(plan: Plan, fb: list[TensorPlan], env: dict[str, str], probs: Problems, reqs: list) -> None:
+    sd = _uniform(plan, "FP8-block scale dtypes",
+                  {t.hf_name: (t.weight.scale_dtype or "fp32") for t in fb}
+                  | {t.hf_name + " (activation)": (t.activation.scale_dtype or "fp32") for t in fb},
+                  "per-module FP8-block scale dtype", probs)
+    # TE default is power-of-2 scales; =1 keeps exact fp32 scales (Hopper only: Blackwell emulates blockwise
+    # with MXFP8 and requires pow2).
+    env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = "1" if sd == "fp32" else "0"
+    reqs.append(versions.requirement("te.fp8_block_fp32_scales"))
+
+
+@dataclass(frozen=True)
+class _TeFormat:
+    """How the trainer runs one quantized format kind: its TE recipe (checked against the plan's format) and the
+    process-wide TE env vars it sets (None: none). Derivation reads the same table back (`_derived_weight`)."""
+
+    recipe: Callable[[TensorPlan, str, bool], Recipe]
+    env: Optional[Callable[[Plan, list, dict, Problems, list], None]]
+    derived: Callable[[dict, bool], str]  # (env of the emitted flags.json, fused module?) -> weight format short()
+
+
+def _mxfp8_derived(env: dict, fused: bool) -> str:
+    return engine_format("mxfp8")
+
+
+def _nvfp4_derived(env: dict, fused: bool) -> str:
+    # TE takes one amax per TE weight tensor: the members of a fused module (fc1 = [gate; up]) share it
+    block = (16, 16) if env.get("NVTE_NVFP4_DISABLE_2D_QUANTIZATION") == "0" else (1, 16)
+    return engine_format("nvfp4", block=block, shared=fused)
+
+
+def _fp8_block_derived(env: dict, fused: bool) -> str:
+    return engine_format("fp8_block", scale_dtype="fp32" if env.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES") == "1"
+                         else "pow2")
+
+
+def _fp8_derived(env: dict, fused: bool) -> str:
+    return engine_format("fp8")
+
+
+# THE format table of the Megatron/TE backend: a quantized kind not here is refused (common.kind_handler). Order
+# matters only for the env: the NVFP4 variables are written before the FP8-block one.
+_TE_FORMATS = {
+    FormatKind.MXFP8: _TeFormat(_mxfp8_recipe, None, _mxfp8_derived),
+    FormatKind.NVFP4: _TeFormat(_nvfp4_recipe, _nvfp4_env, _nvfp4_derived),
+    FormatKind.FP8_BLOCK: _TeFormat(_fp8_block_recipe, _fp8_block_env, _fp8_block_derived),
+    FormatKind.FP8: _TeFormat(_fp8_recipe, None, _fp8_derived),
+}
 
 
 def _high_precision_flags(plan: Plan, probs: Problems) -> list[str]:
@@ -462,13 +522,13 @@ def trainer_config(plan: Plan, te_version: Optional[str] = None) -> TrainerConfi
     """Flags, env and YAML that make Megatron run the plan; every problem is collected and raised together.
     Memoized per plan object (check, emit and the Miles launch all ask for it)."""
 
-    def compute(p):
+    def compute():
         try:
-            return _trainer_config(p, te_version)
+            return _trainer_config(plan, te_version)
         except UnsupportedByBackend as err:
             return err
 
-    res = per_plan(plan, f"megatron.trainer_config:{te_version}", compute)
+    res = plan.memo(f"megatron.trainer_config:{te_version}", compute)
     if isinstance(res, UnsupportedByBackend):
         raise res
     return res
@@ -684,10 +744,10 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
     return out
 
 
-def derive_formats(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
-                   use_megatron: bool = True) -> dict[str, str]:
+def derive_kinds(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
+                 use_megatron: bool = True) -> dict[str, str]:
     """{hf_name: kind} the trainer runs, derived from the emitted flags + YAML for the architecture's tensors
-    (independent of the plan). Non-TE tensors are bf16."""
+    (independent of the plan). Non-TE tensors are bf16. `MegatronBackend.derive_formats` adds the format fields."""
     modules = {t.hf_name: megatron_module(t.megatron_name) for t in arch.tensors
                if t.is_linear and t.megatron_name and (t.megatron_name.startswith("decoder.")
                                                        or t.megatron_name.startswith("mtp."))
@@ -695,3 +755,44 @@ def derive_formats(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
     resolved = resolve_modules(flags, yamls, sorted(set(modules.values())), arch.num_layers, pp,
                                use_megatron=use_megatron)
     return {t.hf_name: resolved.get(modules.get(t.hf_name, ""), "bf16") for t in arch.tensors}
+
+
+def _derived_weight(kind: str, env: dict, fused: bool) -> str:
+    if kind in ("bf16", "fp16", "fp32"):
+        return kind
+    return _TE_FORMATS[FormatKind(kind)].derived(env, fused)
+
+
+@register_backend
+class MegatronBackend(Backend):
+    name = BACKEND
+    description = "Megatron-LM flags, TransformerEngine per-module precision YAML and NVTE_* env (trainer)"
+
+    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
+        return problems.run(emit, plan, te_version=options.te_version) or []
+
+    def derive_formats(self, artifacts, arch) -> dict[str, str]:
+        """The trainer's weight formats from megatron/flags.json (flags + env) and the TE YAML it names, resolved
+        with megatron-core's own loader and glob matcher when megatron-core is installed (else the same first-match
+        glob rule, reimplemented)."""
+        import importlib.util
+
+        import yaml
+
+        doc = read_json_artifact(artifacts, "megatron/flags.json")
+        flags, env = list(doc.get("flags") or []), dict(doc.get("env") or {})
+        yamls = {}
+        for name in doc.get("te_precision_files") or []:
+            raw = artifacts.get(f"megatron/{name}")
+            if raw is None:
+                raise ArtifactError(f"artifact megatron/{name} (named by megatron/flags.json) is missing")
+            try:
+                yamls[name] = yaml.safe_load(raw)
+            except yaml.YAMLError as err:
+                raise ArtifactError(f"artifact megatron/{name} is not YAML: {str(err).splitlines()[0]}") from None
+        pp = int(_flag(flags, "--pipeline-model-parallel-size") or 1)
+        use_megatron = importlib.util.find_spec("megatron") is not None \
+            and importlib.util.find_spec("megatron.core") is not None
+        kinds = derive_kinds(flags, yamls, arch, pp=pp, use_megatron=use_megatron)
+        fused = fused_module_sizes(arch)
+        return {n: _derived_weight(k, env, fused.get(n, 1) > 1) for n, k in kinds.items()}

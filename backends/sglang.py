@@ -1,7 +1,7 @@
 """SGLang 0.5.23 rollout backend: server args, env vars, and the checkpoint `quantization_config` (with the
 exemption list in SGLang module prefixes) that makes the server run exactly the plan.
 
-Facts used (SGLang 0.5.23 wheel; see ../shared/research/backends.md §C):
+Facts used (read from the SGLang 0.5.23 wheel, python/sglang/srt/layers/quantization/):
   * The quant method is read from the checkpoint (config.json `quantization_config`, else hf_quant_config.json).
     `--quantization` must equal it (`_verify_quantization`), so we pass exactly the checkpoint's method.
   * mxfp8 -> `Fp8Config(use_mxfp8)`: keys quant_method/activation_scheme/fmt/weight_block_size [1,32]/scale_fmt,
@@ -31,7 +31,8 @@ Public API:
   rollout_config(plan) -> RolloutConfig      # validated; raises UnsupportedByBackend
   emit(plan) -> list[Artifact]                # sglang/server_args.json, sglang/launch_args.txt, sglang/env.sh,
                                               # sglang/quantization_config.json (+ hf_quant_config.json for NVFP4)
-  derive_formats(quant_config, arch) -> {hf_name: kind}   # what SGLang would run, from a quantization_config
+  derive_kinds(quant_config, arch) -> {hf_name: kind}     # what SGLang would run, from a quantization_config
+  SGLangBackend (registered "sglang"): emit(plan, options, problems), derive_formats(artifacts, arch)
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.precision import FormatKind
-from precision_dsl.backends.common import Artifact, UnsupportedByBackend, dump_json, is_quantized, module_of, plan_stamp
+from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, engine_format,
+                                          fused_module_sizes, is_quantized, kind_handler, module_of, plan_stamp,
+                                          read_json_artifact)
+from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "sglang"
 SGLANG_VERSION = "0.5.23"
@@ -63,7 +67,6 @@ _NEVER_QUANTIZED_ROLES = {"lm_head": "ParallelLMHead is not quantized by fp8/mxf
                           "mtp.eh_proj": "deepseek_nextn builds eh_proj as a plain nn.Linear (not quantizable)"}
 # Row-parallel roles: their K (input) dim is split across TP ranks; the others split N.
 _ROW_PARALLEL = {"attn.o", "mlp.down", "routed_experts.down", "shared_experts.down"}
-_BLOCK_K = {FormatKind.MXFP8: 32, FormatKind.NVFP4: 16, FormatKind.FP8_BLOCK: 128}
 
 
 @dataclass
@@ -81,30 +84,34 @@ def _sglang_prefix(t: TensorPlan) -> str:
     return t.sglang_prefix or module_of(t.hf_name)
 
 
-def _check_fused(plan: Plan) -> None:
-    """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang."""
+def _check_fused(plan: Plan, probs: Problems) -> None:
+    """Fused modules (qkv, gate_up, q_a+kv_a, shared gate_up, one expert's gate_up) are one GEMM in SGLang. Each
+    kind of finding is recorded once, at its first fused module (the same cause repeats over layers and experts)."""
     groups = {m: g for g in plan.share_scale_groups for m in g.members}
     serving_key = per_precision(_serving_key)
+    found: set[str] = set()
     for key, members in plan.fused_members().items():
         first = members[0]
         for t in members[1:]:
-            if serving_key(t) != serving_key(first):
-                raise UnsupportedByBackend(
+            if serving_key(t) != serving_key(first) and "siblings" not in found:
+                found.add("siblings")
+                probs.add(UnsupportedByBackend(
                     BACKEND, t.hf_name,
                     f"SGLang fuses {', '.join(module_of(m.hf_name).rsplit('.', 1)[-1] for m in members)} into one "
                     f"GEMM ({_sglang_prefix(first)}): all shards need one precision, but {first.hf_name} is "
                     f"{first.precision.short()} and this one is {t.precision.short()}",
-                    hint="give the fused siblings the same format in the policy")
-        if first.is_linear and first.weight.kind == FormatKind.NVFP4:
+                    hint="give the fused siblings the same format in the policy"))
+        if first.is_linear and first.weight.kind == FormatKind.NVFP4 and "nvfp4_scale" not in found:
             gids = {groups[m.hf_name].id if m.hf_name in groups else None for m in members}
             if len(members) > 1 and (len(gids) != 1 or None in gids
                                      or set(groups[first.hf_name].members) != {m.hf_name for m in members}):
-                raise UnsupportedByBackend(
+                found.add("nvfp4_scale")
+                probs.add(UnsupportedByBackend(
                     BACKEND, first.hf_name,
                     f"SGLang keeps one NVFP4 weight_scale_2 for the fused module {_sglang_prefix(first)} (it takes "
                     "gate's / the max and does not requantize the others), so its members must share one global "
                     "scale",
-                    hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))")
+                    hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))"))
 
 
 def _serving_key(t: TensorPlan) -> tuple:
@@ -116,6 +123,7 @@ def _serving_key(t: TensorPlan) -> tuple:
 
 
 def _check_experts(plan: Plan) -> None:
+    """Raises at the first routed expert whose serving format differs from its layer's first (one cause)."""
     per_layer: dict[tuple, TensorPlan] = {}
     serving_key = per_precision(_serving_key)
     for t in plan.tensors:
@@ -139,33 +147,42 @@ def _check_tensor(t: TensorPlan, plan: Plan) -> None:
     if t.role in _NEVER_QUANTIZED_ROLES:
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"quantized {t.role}: {_NEVER_QUANTIZED_ROLES[t.role]}")
     check_supported(t, BACKEND)
-    w, a = t.precision.weight, t.precision.activation
-    if w.kind == FormatKind.MXFP8:
-        if a.kind != FormatKind.MXFP8 or a.block != (1, 32):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang mxfp8 is W8A8 with dynamic 1x32 MXFP8 "
-                                                           f"activations; plan has activations {a.short()}")
-    elif w.kind == FormatKind.FP8_BLOCK:
-        if a.kind != FormatKind.FP8_BLOCK or a.block != (1, 128):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang block FP8 quantizes activations dynamically "
-                                                           f"1x128; plan has activations {a.short()}")
-        if a.scale_dtype not in (None, "fp32"):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.scale_dtype}' activation scales: SGLang's triton "
-                                                           "block-FP8 path computes fp32 1x128 scales; its UE8M0 "
-                                                           "(DeepGEMM) rounding is not verified equal to TE pow2",
-                                       hint="use fp8_block(scales=fp32) for a Hopper rollout")
-    elif w.kind == FormatKind.NVFP4:
-        if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name,
-                f"NVFP4 activations {a.short()}: SGLang either needs a calibrated static input_scale (per-tensor) "
-                "or per-token scales (SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION); only per_token is supported",
-                hint="use nvfp4(act_scale=per_token)")
-        if not t.role.startswith("routed_experts."):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name,
-                "per-token NVFP4 activations outside routed experts: SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION "
-                "applies to the FlashInfer MoE runner; the dense ModelOpt FP4 linear uses the static input_scale",
-                hint="keep NVFP4 on routed experts only (Miles does the same)")
+    kind_handler(_SERVING, t.weight.kind, BACKEND, t.hf_name).check(t)
+
+
+def _check_mxfp8(t: TensorPlan) -> None:
+    a = t.precision.activation
+    if a.kind != FormatKind.MXFP8 or a.block != (1, 32):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang mxfp8 is W8A8 with dynamic 1x32 MXFP8 "
+                                                       f"activations; plan has activations {a.short()}")
+
+
+def _check_fp8_block(t: TensorPlan) -> None:
+    a = t.precision.activation
+    if a.kind != FormatKind.FP8_BLOCK or a.block != (1, 128):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang block FP8 quantizes activations dynamically "
+                                                       f"1x128; plan has activations {a.short()}")
+    if a.scale_dtype not in (None, "fp32"):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.scale_dtype}' activation scales: SGLang's triton "
+                                                       "block-FP8 path computes fp32 1x128 scales; its UE8M0 "
+                                                       "(DeepGEMM) rounding is not verified equal to TE pow2",
+                                   hint="use fp8_block(scales=fp32) for a Hopper rollout")
+
+
+def _check_nvfp4(t: TensorPlan) -> None:
+    a = t.precision.activation
+    if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name,
+            f"NVFP4 activations {a.short()}: SGLang either needs a calibrated static input_scale (per-tensor) "
+            "or per-token scales (SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION); only per_token is supported",
+            hint="use nvfp4(act_scale=per_token)")
+    if not t.role.startswith("routed_experts."):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name,
+            "per-token NVFP4 activations outside routed experts: SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION "
+            "applies to the FlashInfer MoE runner; the dense ModelOpt FP4 linear uses the static input_scale",
+            hint="keep NVFP4 on routed experts only (Miles does the same)")
 
 
 def _check_shapes(t: TensorPlan, plan: Plan) -> None:
@@ -175,8 +192,11 @@ def _check_shapes(t: TensorPlan, plan: Plan) -> None:
     tp, ep = (side.tp, side.ep) if side else (1, 1)
     split = max(tp // ep, 1) if t.role.startswith("routed_experts.") else tp
     kind = t.weight.kind
+    rules = _SERVING.get(kind)
+    if rules is None:
+        return  # a kind SGLang does not serve: refused by _check_tensor
     n, k = t.shape
-    bk = _BLOCK_K[kind]
+    bk = rules.block_k
     k_part = k // split if t.role in _ROW_PARALLEL else k
     n_part = n // split if t.role not in _ROW_PARALLEL else n
     if (t.role in _ROW_PARALLEL and k % split) or (t.role not in _ROW_PARALLEL and n % split):
@@ -223,13 +243,15 @@ def _exclusions(plan: Plan, modelopt: bool) -> list[str]:
     return out
 
 
-def _check_high_precision(plan: Plan) -> dict:
+def _check_high_precision(plan: Plan, probs: Problems) -> dict:
     """FP32/FP16 exceptions must reach SGLang or be refused by name. SGLang 0.5.23 builds every weight in the model
     dtype (`--dtype auto` -> config torch_dtype, bf16 for the bundled models), so a checkpoint fp32/fp16 tensor would
     be cast on load, except: DeepSeek-V2/V3 `MoEGate.weight` is fp32 when the HF config says `router_fp32`
     (models/deepseek_v2.py MoEGate), which we set with `--json-model-override-args`; the noaux_tc router bias
-    (`e_score_correction_bias`) is fp32 anyway. Returns the model-config overrides to pass."""
+    (`e_score_correction_bias`) is fp32 anyway. Returns the model-config overrides to pass; a refusal is recorded
+    once per (role, dtype), at its first tensor."""
     overrides: dict = {}
+    refused: set[tuple] = set()
     for t in plan.tensors:
         kind = t.precision.weight.kind
         if kind not in (FormatKind.FP32, FormatKind.FP16):
@@ -244,8 +266,11 @@ def _check_high_precision(plan: Plan) -> dict:
                 "router.weight": f"the {plan.model_type} router is a ReplicatedLinear in the model dtype (no "
                                  "router-dtype option in SGLang 0.5.23)"}.get(
             t.role, "SGLang builds this weight in the model dtype (bf16) and casts the checkpoint tensor on load")
-        raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} {t.role}: {what}",
-                                   hint=f"keep {t.role} in bf16 for the rollout, or serve with another engine")
+        if (t.role, kind) not in refused:
+            refused.add((t.role, kind))
+            probs.add(UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} {t.role}: {what}",
+                                           hint=f"keep {t.role} in bf16 for the rollout, or serve with another "
+                                                "engine"))
     return overrides
 
 
@@ -286,26 +311,41 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
 
 
 def rollout_config(plan: Plan) -> RolloutConfig:
-    """Validated SGLang configuration of `plan` (memoized per plan object; raises UnsupportedByBackend)."""
-    from precision_dsl.backends.common import per_plan
+    """Validated SGLang configuration of `plan` (memoized on the plan; raises UnsupportedByBackend naming every
+    problem found, BackendErrors when there are several)."""
 
-    return per_plan(plan, "sglang.rollout_config", _rollout_config)
+    def compute():
+        try:
+            return _rollout_config(plan)
+        except UnsupportedByBackend as err:
+            return err
+
+    res = plan.memo("sglang.rollout_config", compute)
+    if isinstance(res, UnsupportedByBackend):
+        raise res
+    return res
 
 
 def _rollout_config(plan: Plan) -> RolloutConfig:
-    _check_rollout_etp(plan)
-    model_overrides = _check_high_precision(plan)
+    probs = Problems()
+    probs.run(_check_rollout_etp, plan)
+    model_overrides = _check_high_precision(plan, probs)
     # The per-tensor checks read only (role, precision, linear?, shape) besides the name they report: run them once
-    # per distinct combination (a few dozen on DeepSeek-V3's 46k tensors); the first failing tensor in plan order
-    # is still the one reported.
+    # per distinct combination (a few dozen on DeepSeek-V3's 46k tensors); the first tensor in plan order of each is
+    # the one reported.
     distinct = list({(t.role, id(t.precision), t.is_linear, t.shape): t for t in reversed(plan.tensors)}.values())
     distinct.reverse()
-    for t in distinct:
-        _check_tensor(t, plan)
-    _check_fused(plan)
-    _check_experts(plan)
-    for t in distinct:
-        _check_shapes(t, plan)
+    refused: set[int] = set()
+    for i, t in enumerate(distinct):
+        before = len(probs.items)
+        probs.run(_check_tensor, t, plan)
+        if len(probs.items) > before:
+            refused.add(i)
+    _check_fused(plan, probs)
+    probs.run(_check_experts, plan)
+    for i, t in enumerate(distinct):
+        if i not in refused:  # a tensor SGLang cannot serve at all has no shape constraint worth adding
+            probs.run(_check_shapes, t, plan)
 
     quant = [t for t in plan.tensors if is_quantized(t)]
     kinds: dict[FormatKind, TensorPlan] = {}
@@ -314,11 +354,12 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
     if len(kinds) > 1:
         names = sorted(k.value for k in kinds)
         minority = min(kinds, key=lambda k: sum(1 for t in quant if t.weight.kind == k))
-        raise UnsupportedByBackend(
+        probs.add(UnsupportedByBackend(
             BACKEND, kinds[minority].hf_name,
             f"one checkpoint mixing {' + '.join(names)}: SGLang {SGLANG_VERSION} has no quant method for this mix "
             "(modelopt_mixed covers FP8 + NVFP4 only)",
-            hint="use one quantized format for the rollout and keep the rest bf16")
+            hint="use one quantized format for the rollout and keep the rest bf16"))
+    probs.raise_if_any()
     side = plan.parallel.rollout if plan.parallel else None
     tp, ep = (side.tp, side.ep) if side else (1, 1)
     has_moe = any(t.role.startswith("routed_experts.") for t in plan.tensors)
@@ -332,52 +373,16 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
         args += ["--ep-size", str(ep)]
     args += ["--kv-cache-dtype", "bf16"]  # explicit: `auto` follows the checkpoint's kv_cache_quant_algo
     kind = next(iter(kinds), None)
-    hf_quant = None
     if kind is None:
-        method, qcfg, exclude = None, None, []
+        q = _Quant(method=None, quantization_config=None, exclude=[])
         if has_moe:
             args += ["--moe-runner-backend", "auto"]
-    elif kind == FormatKind.MXFP8:
-        method = "mxfp8"
-        exclude = _exclusions(plan, modelopt=False)
-        qcfg = {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [1, 32],
-                "scale_fmt": "ue8m0", "modules_to_not_convert": exclude}
-        args += ["--quantization", "mxfp8", "--fp8-gemm-backend", "triton"]
-        if has_moe:
-            # cutlass MXFP8 MoE has no EP (Miles run_qwen3_30b_a3b.py); flashinfer_trtllm supports EP.
-            args += ["--moe-runner-backend", ("flashinfer_trtllm" if ep > 1 else "cutlass") if experts_quantized
-                     else "auto"]
-        notes.append("MXFP8 GEMMs need SM100 (Blackwell); on Hopper SGLang would convert MXFP8 to 128-block FP8 "
-                     "(not bit-exact) - do not serve this checkpoint on Hopper")
-    elif kind == FormatKind.FP8_BLOCK:
-        method = "fp8"
-        exclude = _exclusions(plan, modelopt=False)
-        qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
-                "modules_to_not_convert": exclude}
-        # DeepGEMM on Blackwell requantizes scales to UE8M0; the triton path keeps the fp32 scales of the plan.
-        args += ["--quantization", "fp8", "--fp8-gemm-backend", "triton"]
-        if has_moe:
-            args += ["--moe-runner-backend", "triton" if experts_quantized else "auto"]
-    elif kind == FormatKind.NVFP4:
-        method = "modelopt_fp4"
-        exclude = _exclusions(plan, modelopt=True)
-        qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": exclude,
-                "kv_cache_scheme": None, "producer": MODELOPT_PRODUCER,
-                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
-                                              "input_activations": {"num_bits": 4, "type": "float",
-                                                                    "group_size": 16, "dynamic": True},
-                                              "targets": ["Linear"]}}}
-        hf_quant = {"policyc": plan_stamp(plan), "producer": MODELOPT_PRODUCER,
-                    "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
-                                     "exclude_modules": exclude}}
-        args += ["--quantization", "modelopt_fp4", "--moe-runner-backend", "flashinfer_trtllm_routed"]
-        env.update({"SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION": "1",
-                    "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH": "1",
-                    "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH": "1"})
-        notes.append("NVFP4 GEMMs need SM100 (Blackwell)")
     else:
-        raise UnsupportedByBackend(BACKEND, kinds[kind].hf_name, f"{kind.value} weights: the converter/SGLang path "
-                                                                 "supports mxfp8, nvfp4 and fp8_block 128x128")
+        q = kind_handler(_SERVING, kind, BACKEND, kinds[kind].hf_name).config(
+            plan, _Layout(ep=ep, has_moe=has_moe, experts_quantized=experts_quantized))
+        args += q.args
+        env.update(q.env)
+        notes += q.notes
     unfusable = _shared_expert_fusion_changes_formats(plan)
     if unfusable is not None:
         # also where SGLang would not fuse anyway (ep > 1, trtllm runners): the flag pins the decision
@@ -386,8 +391,110 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
                      f"{unfusable.precision.short()}, unlike the routed experts of its layer)")
     if model_overrides:
         args += ["--json-model-override-args", json.dumps(model_overrides, sort_keys=True, separators=(",", ":"))]
-    return RolloutConfig(method=method, quantization_config=qcfg, hf_quant_config=hf_quant, exclude=exclude,
-                         server_args=args, env=env, notes=notes)
+    return RolloutConfig(method=q.method, quantization_config=q.quantization_config, hf_quant_config=q.hf_quant_config,
+                         exclude=q.exclude, server_args=args, env=env, notes=notes)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a format's serving config reads from the rollout layout besides the plan."""
+
+    ep: int
+    has_moe: bool
+    experts_quantized: bool
+
+
+@dataclass
+class _Quant:
+    """One format's part of the SGLang configuration: the checkpoint's quant method and config, and the server
+    args / env / notes that method needs."""
+
+    method: Optional[str]
+    quantization_config: Optional[dict]
+    exclude: list[str]
+    hf_quant_config: Optional[dict] = None
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _mxfp8_config(plan: Plan, lay: _Layout) -> _Quant:
+    exclude = _exclusions(plan, modelopt=False)
+    q = _Quant("mxfp8", {"quant_method": "mxfp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                         "weight_block_size": [1, 32], "scale_fmt": "ue8m0", "modules_to_not_convert": exclude},
+               exclude, args=["--quantization", "mxfp8", "--fp8-gemm-backend", "triton"])
+    if lay.has_moe:
+        # cutlass MXFP8 MoE has no EP (Miles run_qwen3_30b_a3b.py); flashinfer_trtllm supports EP.
+        q.args += ["--moe-runner-backend", ("flashinfer_trtllm" if lay.ep > 1 else "cutlass")
+                   if lay.experts_quantized else "auto"]
+    q.notes.append("MXFP8 GEMMs need SM100 (Blackwell); on Hopper SGLang would convert MXFP8 to 128-block FP8 "
+                   "(not bit-exact) - do not serve this checkpoint on Hopper")
+    return q
+
+
+def _fp8_block_config(plan: Plan, lay: _Layout) -> _Quant:
+    exclude = _exclusions(plan, modelopt=False)
+    # DeepGEMM on Blackwell requantizes scales to UE8M0; the triton path keeps the fp32 scales of the plan.
+    q = _Quant("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                       "weight_block_size": [128, 128], "modules_to_not_convert": exclude},
+               exclude, args=["--quantization", "fp8", "--fp8-gemm-backend", "triton"])
+    if lay.has_moe:
+        q.args += ["--moe-runner-backend", "triton" if lay.experts_quantized else "auto"]
+    return q
+
+
+def _nvfp4_config(plan: Plan, lay: _Layout) -> _Quant:
+    exclude = _exclusions(plan, modelopt=True)
+    qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": exclude,
+            "kv_cache_scheme": None, "producer": MODELOPT_PRODUCER,
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                          "input_activations": {"num_bits": 4, "type": "float",
+                                                                "group_size": 16, "dynamic": True},
+                                          "targets": ["Linear"]}}}
+    hf_quant = {"policyc": plan_stamp(plan), "producer": MODELOPT_PRODUCER,
+                "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                 "exclude_modules": exclude}}
+    return _Quant("modelopt_fp4", qcfg, exclude, hf_quant,
+                  args=["--quantization", "modelopt_fp4", "--moe-runner-backend", "flashinfer_trtllm_routed"],
+                  env={"SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION": "1",
+                       "FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH": "1",
+                       "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH": "1"},
+                  notes=["NVFP4 GEMMs need SM100 (Blackwell)"])
+
+
+def _mxfp8_derived(qcfg: dict, fused: bool) -> str:
+    return engine_format("mxfp8", block=tuple(qcfg.get("weight_block_size") or (1, 32)))
+
+
+def _fp8_block_derived(qcfg: dict, fused: bool) -> str:
+    # Fp8Config reads float32 weight_scale_inv: the engine sees fp32 scales (power-of-two values are still fp32)
+    return engine_format("fp8_block", block=tuple(qcfg.get("weight_block_size") or (128, 128)), scale_dtype="fp32")
+
+
+def _nvfp4_derived(qcfg: dict, fused: bool) -> str:
+    # ModelOpt FP4: 1 x group_size blocks; a fused module (w13 = gate+up, qkv) keeps one weight_scale_2
+    return engine_format("nvfp4", block=(1, int(qcfg.get("group_size") or 16)), shared=fused)
+
+
+@dataclass(frozen=True)
+class _ServingFormat:
+    """How SGLang serves one quantized format kind: the per-tensor check, the quant method's configuration, the
+    checkpoint `quant_method` it is read back from, and the weight format SGLang runs for a module it quantizes
+    ((quantization_config, fused module?) -> TensorFormat.short())."""
+
+    check: Callable[[TensorPlan], None]
+    config: Callable[[Plan, _Layout], _Quant]
+    quant_method: str
+    derived: Callable[[dict, bool], str]
+    block_k: int  # K elements per scale block: K per TP rank must be a multiple
+
+
+# THE format table of the SGLang backend: a quantized kind not here is refused (common.kind_handler).
+_SERVING = {
+    FormatKind.MXFP8: _ServingFormat(_check_mxfp8, _mxfp8_config, "mxfp8", _mxfp8_derived, 32),
+    FormatKind.FP8_BLOCK: _ServingFormat(_check_fp8_block, _fp8_block_config, "fp8", _fp8_block_derived, 128),
+    FormatKind.NVFP4: _ServingFormat(_check_nvfp4, _nvfp4_config, "modelopt", _nvfp4_derived, 16),
+}
 
 
 def emit(plan: Plan) -> list[Artifact]:
@@ -457,9 +564,10 @@ class _ModelOptMatcher:
         return False
 
 
-def derive_formats(quant_config: Optional[dict], arch) -> dict[str, str]:
+def derive_kinds(quant_config: Optional[dict], arch) -> dict[str, str]:
     """{hf_name: kind} SGLang would run for `arch` under a checkpoint `quantization_config` (None: unquantized).
-    Independent of the plan: reads only the config, with SGLang's own matching rules."""
+    Independent of the plan: reads only the config, with SGLang's own matching rules. `SGLangBackend.derive_formats`
+    adds the format fields."""
     out: dict[str, str] = {}
     if not quant_config:
         return {t.hf_name: "bf16" for t in arch.tensors}
@@ -480,3 +588,29 @@ def derive_formats(quant_config: Optional[dict], arch) -> dict[str, str]:
             memo[t.sglang_prefix] = skipped(t.sglang_prefix)
         out[t.hf_name] = "bf16" if memo[t.sglang_prefix] else kind
     return out
+
+
+def derive_formats_of_config(quant_config: Optional[dict], arch) -> dict[str, str]:
+    """{hf_name: TensorFormat.short()} of the weight SGLang runs for each tensor under `quant_config`."""
+    kinds = derive_kinds(quant_config, arch)
+    fused = fused_module_sizes(arch)
+    out = {}
+    for n, k in kinds.items():
+        rules = _SERVING.get(FormatKind(k)) if k not in ("bf16", "fp16", "fp32") else None
+        out[n] = rules.derived(quant_config or {}, fused.get(n, 1) > 1) if rules is not None else k
+    return out
+
+
+@register_backend
+class SGLangBackend(Backend):
+    name = BACKEND
+    description = f"SGLang {SGLANG_VERSION} server args, env and the checkpoint quantization_config (rollout)"
+
+    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
+        return problems.run(emit, plan) or []
+
+    def derive_formats(self, artifacts, arch) -> dict[str, str]:
+        """The rollout's weight formats from sglang/quantization_config.json, matched with SGLang's exemption
+        rules (Fp8Config is_layer_skipped / ModelOpt is_layer_excluded)."""
+        doc = read_json_artifact(artifacts, "sglang/quantization_config.json")
+        return derive_formats_of_config(doc.get("quantization_config"), arch)

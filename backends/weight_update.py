@@ -1211,3 +1211,28 @@ class WeightReceiver:
                 raise WeightUpdateMismatch(f"tensor '{missing[0]}' of plan tensor '{t.hf_name}' was not received")
             out[t.hf_name] = read_quantized(t, {n: raw[n] for n in names})
         return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the registered backend (backends/registry.py): the manifest emitter above and its reading
+# ---------------------------------------------------------------------------------------------------------------
+from precision_dsl.backends.registry import Backend, EmitOptions, register_backend  # noqa: E402
+
+
+@register_backend
+class WeightUpdateBackend(Backend):
+    name = "weight_update"
+    description = "the live weight update: per Megatron parameter the rollout tensors it sends, atomic groups, buckets"
+
+    def emit(self, plan: Plan, options: EmitOptions, problems) -> list:
+        return problems.run(emit, plan, bucket_bytes=options.bucket_bytes) or []
+
+    def derive_formats(self, artifacts, arch) -> dict[str, str]:
+        """The rollout's weight formats from the tensors weight_update/manifest.json says the update sends (read
+        like the converter's checkpoint: the receiver loads the same tensors)."""
+        from precision_dsl.backends.common import read_json_artifact
+        from precision_dsl.backends.converter import derive_formats_from_specs
+
+        doc = read_json_artifact(artifacts, "weight_update/manifest.json")
+        specs = {n: dt for p in (doc.get("params") or {}).values() for n, dt, _ in p["outputs"]}
+        return derive_formats_from_specs(specs, arch)

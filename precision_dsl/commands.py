@@ -388,6 +388,8 @@ PARALLEL_OPT = typer.Option(None, "--parallel", "-p",
 
 
 def register(app: typer.Typer) -> None:
+    from .backends.cli import backend_help  # the --backend choices come from the backend registry
+
     @app.command("plan")
     def plan_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
                  parallel: Optional[str] = PARALLEL_OPT,
@@ -460,9 +462,7 @@ def register(app: typer.Typer) -> None:
     @app.command("check")
     def check_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
                   parallel: Optional[str] = PARALLEL_OPT,
-                  backend: Optional[List[str]] = typer.Option(
-                      None, "--backend", "-b", help="megatron | sglang | converter | weight_update (repeatable; "
-                                                    "default: all)"),
+                  backend: Optional[List[str]] = typer.Option(None, "--backend", "-b", help=backend_help()),
                   te_version: Optional[str] = typer.Option(None, "--te-version",
                                                            help="installed TransformerEngine version"),
                   strict: bool = typer.Option(False, "--strict", help="treat warnings as errors")) -> None:
@@ -471,13 +471,13 @@ def register(app: typer.Typer) -> None:
         clean, 1 when any error is found; all problems are reported together."""
 
         def body():
-            from .backends.cli import chosen_backends, checked_te_version, print_diagnostics
+            from .backends.cli import chosen_backends, emit_options, print_diagnostics
             from .engine.gate import run_gate
 
             chosen = chosen_backends(backend)
-            checked_te_version(te_version)
+            options = emit_options(te_version)
             plan, arch = build_plan_and_arch(policy, model, parallel)
-            res = run_gate(plan, arch, chosen, te_version)
+            res = run_gate(plan, arch, chosen, options)
             diags = res.diagnostics
             con = console()
             n_err = sum(1 for d in diags if d.severity == "error")

@@ -13,9 +13,9 @@ import json
 import re
 from enum import Enum
 from functools import lru_cache
-from typing import Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from . import __version__
 from .arch.base import CheckpointTensor, unvalidated_constructor
@@ -136,8 +136,37 @@ new_share_scale_group = unvalidated_constructor(ShareScaleGroup, dict(
     id="model.layers.0.mlp.experts.1.{gate_proj,up_proj}", members=("a", "b"), declared_at=None))
 
 
+_T = TypeVar("_T")
+
+
+class _Memo:
+    """Values derived from one plan instance (its content hash, a backend's validated config), kept on the instance.
+    It is not part of the plan: every _Memo compares equal (so a plan that has computed its hash equals one that has
+    not), and a copy or a pickle starts empty (a `model_copy(update=...)` is another plan)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self):
+        self.values: dict[str, Any] = {}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Memo)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __copy__(self) -> "_Memo":
+        return _Memo()
+
+    def __deepcopy__(self, memo) -> "_Memo":
+        return _Memo()
+
+    def __reduce__(self):
+        return (_Memo, ())
+
+
 class Plan(BaseModel):
     model_config = ConfigDict(frozen=True)
+    _memo: _Memo = PrivateAttr(default_factory=_Memo)
 
     policy_name: str
     policy_files: tuple[str, ...]  # the root file first, then imports in resolution order
@@ -152,9 +181,38 @@ class Plan(BaseModel):
     policyc_version: str = __version__
     notes: tuple[str, ...] = Field(default=())
 
+    # -- derived values, cached on the instance ----------------------------------------------------------------
+    def memo(self, key: str, compute: Callable[[], _T]) -> _T:
+        """`compute()` once per plan instance and `key`: for pure functions of this (frozen) plan that several
+        consumers ask for (the content hash that every artifact stamps, a backend's validated config that check,
+        emit and the Miles launch all need). The cache lives and dies with the instance."""
+        priv = self.__pydantic_private__
+        memo = priv.get("_memo") if priv is not None else None
+        if not isinstance(memo, _Memo):  # built without pydantic's private-attribute init
+            memo = _Memo()
+            if priv is None:
+                object.__setattr__(self, "__pydantic_private__", {"_memo": memo})
+            else:
+                priv["_memo"] = memo
+        values = memo.values
+        if key not in values:
+            values[key] = compute()
+        return values[key]
+
+    def __copy__(self):
+        # model_copy(update=...) is a shallow copy plus new field values: the copy must not inherit the cache
+        copied = super().__copy__()
+        if copied.__pydantic_private__ is not None:
+            copied.__pydantic_private__["_memo"] = _Memo()
+        return copied
+
     # -- contract ------------------------------------------------------------------------------------------------
     def content_hash(self) -> str:
-        """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes."""
+        """sha256 over the byte-relevant contract: target, formats, backward modes, groups, names, shapes. Computed
+        once per plan instance (it walks every tensor: 46k on DeepSeek-V3, and every artifact stamps it)."""
+        return self.memo("content_hash", self._content_hash)
+
+    def _content_hash(self) -> str:
         # One line per tensor; the precision JSON is cached per Precision *object* (a plan shares a handful of them
         # across thousands of tensors; keying by value would hash the nested pydantic models 46k times, ~0.5 s on
         # DeepSeek-V3). The ids stay valid: the plan holds every Precision for the duration.

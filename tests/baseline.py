@@ -89,14 +89,14 @@ def plan_figures() -> tuple[dict, dict]:
 def emitted(model: str = CONVERT_MODEL) -> dict:
     from precision_dsl.arch import load_architecture
     from precision_dsl.backends import cli as backend_cli
-    from precision_dsl.backends.common import BACKENDS
+    from precision_dsl.backends.registry import backend_names
     from precision_dsl.resolve import resolve
 
     arch = load_architecture(model)
     out = {}
     for pol in policies():
         plan = resolve(pol, arch, None)
-        for backend in BACKENDS:
+        for backend in backend_names():
             try:
                 arts = backend_cli.emit_artifacts(plan, [backend])
             except Exception as err:

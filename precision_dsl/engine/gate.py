@@ -10,6 +10,8 @@ emitter, and collects all findings (sqlglot's ErrorLevel idea: report everything
   * what an emitter would refuse (UnsupportedByBackend), `check` reports as an error `unsupported-by-<backend>`,
     naming the tensor and the capability;
   * `emit` writes nothing unless the gate passes (errors; warnings too with --strict).
+
+The backends come from the registry (backends/registry.py): the gate names none of them.
 """
 
 from __future__ import annotations
@@ -17,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..backends.common import BACKENDS, Artifact, UnsupportedByBackend, plan_artifact
+from ..backends.common import Artifact, Problems, UnsupportedByBackend, plan_artifact
+from ..backends.registry import EmitOptions, backends as registered_backends
 from ..diagnostics import Diagnostic
-
-BACKEND_CHOICES = BACKENDS
 
 
 @dataclass
@@ -43,18 +44,19 @@ def refusal_diagnostics(err: UnsupportedByBackend) -> list[Diagnostic]:
             for e in (getattr(err, "errors", None) or [err])]
 
 
-def run_gate(plan, arch, backends: Optional[list[str]] = None, te_version: Optional[str] = None) -> GateResult:
-    from ..backends import converter, megatron, sglang, weight_update
+def run_gate(plan, arch, backends: Optional[list[str]] = None, options: Optional[EmitOptions] = None) -> GateResult:
+    """Static checks + every chosen backend (default: all registered, in emit order) under `options`."""
     from ..checks import check
 
-    mods = {"megatron": megatron, "sglang": sglang, "converter": converter, "weight_update": weight_update}
+    options = options or EmitOptions()
     res = GateResult(diagnostics=list(check(plan, arch, plan.parallel)))
     res.artifacts.append(plan_artifact(plan, "the plan (IR) with its content_hash"))
-    for name in backends or BACKEND_CHOICES:
-        try:
-            arts = megatron.emit(plan, te_version=te_version) if name == "megatron" else mods[name].emit(plan)
-        except UnsupportedByBackend as err:
-            res.diagnostics += refusal_diagnostics(err)
+    for backend in registered_backends(backends or None):
+        problems = Problems()
+        arts = backend.emit(plan, options, problems)
+        if problems.items:
+            for err in problems.folded():
+                res.diagnostics += refusal_diagnostics(err)
             continue
         res.artifacts.extend(arts)
     return res

@@ -31,6 +31,7 @@ from ..errors import PolicycError
 from ..arch import load_architecture
 from ..backends import megatron, sglang, versions
 from ..backends.common import plan_artifact
+from ..backends.registry import EmitOptions
 from ..parallel import parse_parallel
 from .gate import run_gate
 from .plans import load_plan, policy_path
@@ -163,7 +164,7 @@ def emit_miles_launch(policy: Optional[str], model: str, parallel: Optional[str]
     path = policy_path(policy)
     arch = load_architecture(model)
     plan = load_plan(str(path), arch, parse_parallel(parallel))
-    res = run_gate(plan, arch, ["megatron", "sglang"], te_version)
+    res = run_gate(plan, arch, ["megatron", "sglang"], EmitOptions(te_version=te_version))
     if not res.ok():
         msgs = "; ".join(d.message for d in res.errors()[:3])
         raise MilesError(f"the plan does not pass `policyc check` ({len(res.errors())} error(s)): {msgs}",

@@ -1,0 +1,97 @@
+"""The one backend interface and the registry of backends.
+
+A backend turns a plan into the artifacts one engine reads (sqlglot dialect style: exactly, or a refusal naming the
+tensor and the capability). Every backend is a registered `Backend` subclass with:
+
+  * `name` (the `--backend` choice) and `description`;
+  * `emit(plan, options, problems) -> [Artifact]`: records EVERY refusal in `problems` (common.Problems) instead of
+    raising at the first; the artifacts are complete only when it recorded none;
+  * `derive_formats(artifacts, arch) -> {hf_name: format}`: how the engine reads what was emitted (artifact
+    relative path -> file bytes in; per HF tensor the `TensorFormat.short()` of the weight the engine will use
+    out), independently of the plan: the fast self-check and what an audit of emitted files reads.
+
+The gate and the CLI ask this module for the backends; they never name one. The backend modules are listed once,
+below, and imported only when a backend is asked for (so `policyc plan` does not import them); each registers its
+class with `@register_backend` when imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping, Optional
+
+if TYPE_CHECKING:  # pragma: no cover
+    from precision_dsl.backends.common import Artifact, Problems
+
+# The backend modules, in emit order (a backend's name is its module's last component).
+_MODULES = {
+    "megatron": "precision_dsl.backends.megatron",
+    "sglang": "precision_dsl.backends.sglang",
+    "converter": "precision_dsl.backends.converter",
+    "weight_update": "precision_dsl.backends.weight_update",
+}
+
+
+@dataclass(frozen=True)
+class EmitOptions:
+    """Engine versions and emitter options (every field has a default: `EmitOptions()` emits for the newest
+    engines the backends know)."""
+
+    te_version: Optional[str] = None  # installed TransformerEngine: refuse what it lacks (None: declare the minimum)
+    vllm_version: Optional[str] = None  # vLLM to emit for (None: the backend's default)
+    bucket_bytes: int = 512 << 20  # weight-update bucket size
+
+
+class Backend:
+    """Base class of every backend (see the module docstring). Subclasses set `name` and `description` and
+    implement `emit` and `derive_formats`."""
+
+    name: str = ""
+    description: str = ""
+
+    def emit(self, plan, options: EmitOptions, problems: "Problems") -> list["Artifact"]:
+        raise NotImplementedError
+
+    def derive_formats(self, artifacts: Mapping[str, bytes], arch) -> dict[str, str]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"
+
+
+_REGISTERED: dict[str, Backend] = {}
+
+
+def register_backend(cls: type) -> type:
+    """Class decorator: register one instance of `cls` under `cls.name` (registering a name again replaces it)."""
+    if not (isinstance(cls, type) and issubclass(cls, Backend)) or not cls.name:
+        raise TypeError(f"register_backend: {cls!r} is not a Backend subclass with a name")
+    _REGISTERED[cls.name] = cls()
+    return cls
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a registered backend (tests that register their own)."""
+    _REGISTERED.pop(name, None)
+
+
+def backend_names() -> list[str]:
+    """Every backend name, in emit order (the known modules first, then any registered from elsewhere), without
+    importing the backend modules."""
+    return list(_MODULES) + [n for n in _REGISTERED if n not in _MODULES]
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend `name` (its module imported on first use); KeyError if there is none."""
+    if name not in _REGISTERED and name in _MODULES:
+        importlib.import_module(_MODULES[name])
+    try:
+        return _REGISTERED[name]
+    except KeyError:
+        raise KeyError(f"no backend named {name!r} (backends: {', '.join(backend_names())})") from None
+
+
+def backends(names: Optional[list[str]] = None) -> list[Backend]:
+    """The backends `names` in the order given (default: all, in emit order)."""
+    return [get_backend(n) for n in (backend_names() if names is None else names)]
