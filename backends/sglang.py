@@ -331,21 +331,15 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
     probs.run(_check_rollout_etp, plan)
     model_overrides = _check_high_precision(plan, probs)
     # The per-tensor checks read only (role, precision, linear?, shape) besides the name they report: run them once
-    # per distinct combination (a few dozen on DeepSeek-V3's 46k tensors); the first tensor in plan order of each is
-    # the one reported.
+    # per distinct combination (a few dozen on DeepSeek-V3's 46k tensors). Each distinct finding is recorded once,
+    # at the first tensor in plan order that has it (the representatives are a sample, not a count of tensors).
     distinct = list({(t.role, id(t.precision), t.is_linear, t.shape): t for t in reversed(plan.tensors)}.values())
     distinct.reverse()
-    refused: set[int] = set()
-    for i, t in enumerate(distinct):
-        before = len(probs.items)
-        probs.run(_check_tensor, t, plan)
-        if len(probs.items) > before:
-            refused.add(i)
+    refused = _per_tensor(_check_tensor, distinct, plan, probs)
     _check_fused(plan, probs)
     probs.run(_check_experts, plan)
-    for i, t in enumerate(distinct):
-        if i not in refused:  # a tensor SGLang cannot serve at all has no shape constraint worth adding
-            probs.run(_check_shapes, t, plan)
+    # a tensor SGLang cannot serve at all has no shape constraint worth adding
+    _per_tensor(_check_shapes, [t for t in distinct if t.hf_name not in refused], plan, probs)
 
     quant = [t for t in plan.tensors if is_quantized(t)]
     kinds: dict[FormatKind, TensorPlan] = {}
@@ -393,6 +387,21 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
         args += ["--json-model-override-args", json.dumps(model_overrides, sort_keys=True, separators=(",", ":"))]
     return RolloutConfig(method=q.method, quantization_config=q.quantization_config, hf_quant_config=q.hf_quant_config,
                          exclude=q.exclude, server_args=args, env=env, notes=notes)
+
+
+def _per_tensor(check, tensors: list[TensorPlan], plan: Plan, probs: Problems) -> set[str]:
+    """Run `check(t, plan)` for each tensor; record each distinct capability once. Returns the refused tensors."""
+    seen = {e.capability for e in probs.items}
+    refused: set[str] = set()
+    for t in tensors:
+        found = Problems()
+        found.run(check, t, plan)
+        for e in found.items:
+            refused.add(t.hf_name)
+            if e.capability not in seen:
+                seen.add(e.capability)
+                probs.add(e)
+    return refused
 
 
 @dataclass(frozen=True)
