@@ -43,8 +43,9 @@ def plan_from_text(tmp_path, text, model="tiny-moe", parallel=None):
     return resolve(p, arch_of(model), parse_parallel(parallel))
 
 
-def plan_kinds(plan):
-    return {t.hf_name: (t.weight.kind.value if t.is_linear and t.weight.is_quantized else "bf16")
+def plan_formats(plan):
+    """The weight format (TensorFormat.short()) SGLang must run for each tensor: bf16 where it is not quantized."""
+    return {t.hf_name: (t.weight.short() if t.is_linear and t.weight.is_quantized else "bf16")
             for t in plan.tensors}
 
 
@@ -60,7 +61,7 @@ def test_exemptions_rederived_with_sglang_rules_match_plan(seed, model):
     manifest = json.loads(arts["sglang/server_args.json"].content)
     assert manifest["policyc"]["content_hash"] == plan.content_hash()
     qcfg = json.loads(arts["sglang/quantization_config.json"].content)["quantization_config"]
-    assert sglang.derive_formats(qcfg, arch_of(model)) == plan_kinds(plan)
+    assert sglang.derive_formats_of_config(qcfg, arch_of(model)) == plan_formats(plan)
     args = manifest["server_args"]
     assert arg(args, "--kv-cache-dtype") == "bf16"
     if qcfg is None:
@@ -84,7 +85,7 @@ def test_exemptions_rederived_with_sglang_rules_match_plan(seed, model):
 def test_deepseek_mla_fused_and_mtp_prefixes(seed):
     plan = plan_of(seed, "deepseek-v3")
     cfg = sglang.rollout_config(plan)
-    assert sglang.derive_formats(cfg.quantization_config, arch_of("deepseek-v3")) == plan_kinds(plan)
+    assert sglang.derive_formats_of_config(cfg.quantization_config, arch_of("deepseek-v3")) == plan_formats(plan)
     if seed == "mxfp8-e2e":
         assert "model.layers.0.self_attn.kv_b_proj" in cfg.exclude  # keep-bf16: attn.kv_b
         assert "model.layers.3.mlp.shared_experts.gate_proj" in cfg.exclude
@@ -144,10 +145,10 @@ def test_block_fp8_moe_tp_divisibility(tmp_path):
     ok = plan_from_text(tmp_path, text, "qwen3-30b-a3b", "rollout:tp=8,ep=8")
     cfg = sglang.rollout_config(ok)
     assert cfg.quantization_config["weight_block_size"] == [128, 128] and cfg.method == "fp8"
-    assert sglang.derive_formats(cfg.quantization_config, arch_of("qwen3-30b-a3b")) == plan_kinds(ok)
+    assert sglang.derive_formats_of_config(cfg.quantization_config, arch_of("qwen3-30b-a3b")) == plan_formats(ok)
 
 
 def test_partially_exempt_fused_module_is_rejected_like_sglang():
     cfg = {"quant_method": "mxfp8", "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}
     with pytest.raises(ValueError, match="same precision"):
-        sglang.derive_formats(cfg, arch_of("tiny-moe"))
+        sglang.derive_formats_of_config(cfg, arch_of("tiny-moe"))

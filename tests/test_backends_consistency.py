@@ -1,12 +1,13 @@
 """The four consumers agree: for every shipped seed policy and bundled architecture, `policyc emit` writes artifacts
-from which the set of quantized tensors (and their format) is derived back INDEPENDENTLY per backend -
+from which the weight format of every tensor is derived back INDEPENDENTLY per backend, each through its registered
+`Backend.derive_formats(artifacts, arch)` (backends/registry.py) -
 
   megatron       flags + TE precision YAML(s), resolved through megatron-core's own loader/matcher
   sglang         the checkpoint quantization_config, matched with SGLang's exemption rules
   converter      the announced output tensors (X.weight_scale_inv U8 -> mxfp8, X.weight_scale_2 -> nvfp4, ...)
   weight_update  the per-Megatron-parameter rollout tensors of the update manifest
 
-- and all four sets are equal to each other and to the plan. Every artifact carries the plan's content hash."""
+- and all four are equal to each other and to the plan. Every artifact carries the plan's content hash."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import json
 import re
 from pathlib import Path
 
+import megatron.core.quantization.quant_config  # noqa: F401  the megatron reading below must use megatron-core
 import pytest
-import yaml
 
-from precision_dsl.backends import converter, megatron, sglang
 from precision_dsl.backends.cli import emit_artifacts
 from precision_dsl.backends.common import PLAN_FILE, write_tree_atomic
+from precision_dsl.backends.registry import backend_names, get_backend
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 
@@ -36,27 +37,17 @@ def arch_of(name):
     return load_architecture(name)
 
 
-def quantized(kinds: dict[str, str]) -> dict[str, str]:
-    return {n: k for n, k in kinds.items() if k not in ("bf16", "fp16", "fp32")}
+def quantized(formats: dict[str, str]) -> dict[str, str]:
+    return {n: f for n, f in formats.items() if f not in ("bf16", "fp16", "fp32")}
+
+
+def read_tree(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
 
 def derive_all(out: Path, arch) -> dict[str, dict[str, str]]:
-    names = [t.hf_name for t in arch.tensors]
-    mflags = json.loads((out / "megatron/flags.json").read_text())
-    yamls = {p.name: yaml.safe_load(p.read_text()) for p in (out / "megatron").glob("*.yaml")}
-    pp = int(mflags["flags"][mflags["flags"].index("--pipeline-model-parallel-size") + 1]) \
-        if "--pipeline-model-parallel-size" in mflags["flags"] else 1
-    qcfg = json.loads((out / "sglang/quantization_config.json").read_text())["quantization_config"]
-    conv = json.loads((out / "converter/manifest.json").read_text())
-    conv_specs = {n: dt for specs in conv["tensors"].values() for n, dt, _ in specs}
-    wu = json.loads((out / "weight_update/manifest.json").read_text())
-    wu_specs = {n: dt for p in wu["params"].values() for n, dt, _ in p["outputs"]}
-    return {
-        "megatron": megatron.derive_formats(mflags["flags"], yamls, arch, pp=pp, use_megatron=True),
-        "sglang": sglang.derive_formats(qcfg, arch),
-        "converter": converter.derive_formats_from_specs(conv_specs, names),
-        "weight_update": converter.derive_formats_from_specs(wu_specs, names),
-    }
+    files = read_tree(out)
+    return {name: get_backend(name).derive_formats(files, arch) for name in backend_names()}
 
 
 def hashes_in(out: Path) -> set[str]:
@@ -78,7 +69,7 @@ def test_all_backends_agree_on_every_seed_policy(model, tmp_path):
         plan = resolve(REPO / "policies" / f"{seed}.policy", arch, None)
         out = tmp_path / seed
         write_tree_atomic(out, emit_artifacts(plan))
-        want = quantized({t.hf_name: t.weight.kind.value for t in plan.tensors if t.is_linear})
+        want = quantized({t.hf_name: t.weight.short() for t in plan.tensors if t.is_linear})
         derived = {b: quantized(k) for b, k in derive_all(out, arch).items()}
         for backend, got in derived.items():
             assert got == want, (f"{seed} on {model}: {backend} disagrees with the plan on "
