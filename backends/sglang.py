@@ -101,7 +101,8 @@ def _check_fused(plan: Plan, probs: Problems) -> None:
                     f"GEMM ({_sglang_prefix(first)}): all shards need one precision, but {first.hf_name} is "
                     f"{first.precision.short()} and this one is {t.precision.short()}",
                     hint="give the fused siblings the same format in the policy"))
-        if first.is_linear and first.weight.kind == FormatKind.NVFP4 and "nvfp4_scale" not in found:
+        rules = _SERVING.get(first.weight.kind) if first.is_linear else None
+        if rules is not None and rules.fused_one_global_scale and "nvfp4_scale" not in found:
             gids = {groups[m.hf_name].id if m.hf_name in groups else None for m in members}
             if len(members) > 1 and (len(gids) != 1 or None in gids
                                      or set(groups[first.hf_name].members) != {m.hf_name for m in members}):
@@ -204,7 +205,7 @@ def _check_shapes(t: TensorPlan, plan: Plan) -> None:
     if k_part % bk:
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {bk} == 0; "
                                                        f"K per rank is {k_part} (shape {t.shape}, split {split})")
-    if kind == FormatKind.FP8_BLOCK and split > 1 and n_part % 128 and t.role.startswith("routed_experts."):
+    if rules.moe_block_n and split > 1 and n_part % rules.moe_block_n and t.role.startswith("routed_experts."):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 MoE needs moe_intermediate/moe_tp % 128 == 0; "
                                                        f"got {n_part} (moe_tp={split})",
                                    hint="use expert parallelism (ep) instead of expert TP for the rollout")
@@ -496,13 +497,17 @@ class _ServingFormat:
     quant_method: str
     derived: Callable[[dict, bool], str]
     block_k: int  # K elements per scale block: K per TP rank must be a multiple
+    moe_block_n: Optional[int] = None  # FusedMoE needs N per expert-TP rank % this (block FP8's 128-row blocks)
+    fused_one_global_scale: bool = False  # one global scale per fused module (ModelOpt NVFP4 weight_scale_2)
 
 
 # THE format table of the SGLang backend: a quantized kind not here is refused (common.kind_handler).
 _SERVING = {
     FormatKind.MXFP8: _ServingFormat(_check_mxfp8, _mxfp8_config, "mxfp8", _mxfp8_derived, 32),
-    FormatKind.FP8_BLOCK: _ServingFormat(_check_fp8_block, _fp8_block_config, "fp8", _fp8_block_derived, 128),
-    FormatKind.NVFP4: _ServingFormat(_check_nvfp4, _nvfp4_config, "modelopt", _nvfp4_derived, 16),
+    FormatKind.FP8_BLOCK: _ServingFormat(_check_fp8_block, _fp8_block_config, "fp8", _fp8_block_derived, 128,
+                                         moe_block_n=128),
+    FormatKind.NVFP4: _ServingFormat(_check_nvfp4, _nvfp4_config, "modelopt", _nvfp4_derived, 16,
+                                     fused_one_global_scale=True),
 }
 
 
@@ -585,7 +590,9 @@ def derive_kinds(quant_config: Optional[dict], arch) -> dict[str, str]:
         kind = {"NVFP4": "nvfp4"}[quant_config["quant_algo"]]
         skipped = _ModelOptMatcher(list(quant_config.get("ignore") or quant_config.get("exclude_modules") or []))
     else:
-        kind = "mxfp8" if method == "mxfp8" else "fp8_block"
+        kind = next((k.value for k, r in _SERVING.items() if r.quant_method == method), None)
+        if kind is None:
+            raise ValueError(f"quant_method {method!r}: not one SGLang {SGLANG_VERSION} method policyc emits")
         entries = set(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or [])
         skipped = lambda p: _fp8_skipped(p, entries)  # noqa: E731
     memo: dict[str, bool] = {}  # one answer per SGLang module (all experts of a layer share one prefix)
