@@ -101,6 +101,7 @@ class FormatSpec:
     blackwell_only: bool = False  # GEMMs run natively only on Blackwell (SM100); emulated on Hopper
     quantized_backward: bool = False  # wgrad/dgrad GEMMs on quantized operands (TE recipes exist for these only)
     takes_global_amax: bool = False  # the quantizer accepts a caller-given second-level amax
+    whole_blocks: bool = False  # the quantizer needs the blocked dims to divide into blocks (no partial blocks)
     # display
     short_element: bool = False  # `fp8/e4m3` rather than `fp8`
     # (torch / config.json dtype name, safetensors dtype name) of a high-precision storage kind
@@ -138,6 +139,10 @@ class FormatSpec:
         if fmt.block is None:
             return float(elem_bits)
         return elem_bits + SCALE_BITS.get(fmt.scale_dtype, 8) / (fmt.block[0] * fmt.block[1])
+
+    def block_rows(self, fmt, axis: str) -> int:
+        """Rows one scale block spans over the [M, K] view quantized along `axis` (M must divide into them)."""
+        return 1
 
     def nbytes(self, fmt, m: int, k: int, axis: str) -> int:
         """Stored bytes of an [M, K] tensor quantized along `axis`; partial blocks count as whole blocks."""
@@ -182,6 +187,9 @@ class _FP8Block(FormatSpec):
     def short_parts(self, fmt):
         return super().short_parts(fmt) + ([fmt.scale_dtype] if fmt.scale_dtype else [])
 
+    def block_rows(self, fmt, axis):
+        return 128 if axis == "col" or tuple(fmt.block or (1, 128)) == (128, 128) else 1
+
     def nbytes(self, fmt, m, k, axis):
         rows, cols = (m, k) if axis == "row" else (k, m)
         br, bc = fmt.block or (1, 128)
@@ -210,6 +218,9 @@ class _MXFP8(FormatSpec):
         f = {"kind": self.kind, "scale_dtype": "e8m0"}
         return (dict(f, element=elem, block=_dims(args["weight_block"])), dict(f, element=elem, block=(1, 32)),
                 dict(f, element=grad_elem, block=(1, 32)))
+
+    def block_rows(self, fmt, axis):
+        return 32 if axis == "col" or tuple(fmt.block or (1, 32)) in ((32, 32), (32, 1)) else 1
 
     def nbytes(self, fmt, m, k, axis):
         block = tuple(fmt.block or (1, 32))
@@ -246,6 +257,9 @@ class _NVFP4(FormatSpec):
 
     def short_parts(self, fmt):
         return super().short_parts(fmt) + ([_SCOPE_LABEL[fmt.global_scale]] if fmt.global_scale else [])
+
+    def block_rows(self, fmt, axis):
+        return 16 if axis == "col" or tuple(fmt.block or (1, 16)) == (16, 16) else 1
 
     def nbytes(self, fmt, m, k, axis):
         rows, cols = (m, k) if axis == "row" else (k, m)
@@ -287,7 +301,7 @@ NVFP4_SPEC = _NVFP4(
           "weight_block": ("1x16", "16x16")},
     arg_operand={"act_scale": "act", "weight_scale": "weight", "weight_block": "weight"},
     example="nvfp4(act_scale=per_token)", default_backward="high_precision", blackwell_only=True,
-    takes_global_amax=True,
+    takes_global_amax=True, whole_blocks=True,
     no_grad_hint="NVFP4 recipes keep gradients in bf16 (Miles/TE high-precision or dequantized backward): "
                  "drop grad=nvfp4",
     no_quantized_backward_hint="NVFP4 recipes run the backward in bf16: use backward=high_precision or "
@@ -303,7 +317,8 @@ MXFP8_SPEC = _MXFP8(
     # TE MXFP8BlockScaling: 32-element E8M0 blocks; enable_2d_quantization = 32x32 forward weight blocks.
     args={"elem": ("e4m3", "e5m2"), "grad_elem": ("e4m3", "e5m2"), "weight_block": ("1x32", "32x32")},
     positional="elem", arg_operand={"weight_block": "weight", "grad_elem": "grad"}, example="mxfp8(elem=e4m3)",
-    default_backward="quantized", blackwell_only=True, quantized_backward=True, short_element=True)
+    default_backward="quantized", blackwell_only=True, quantized_backward=True, short_element=True,
+    whole_blocks=True)
 FP8_SPEC = _FP8Tensor(
     FormatKind.FP8,
     # TE Float8CurrentScaling: HYBRID = E4M3 forward, E5M2 gradients.

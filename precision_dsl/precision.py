@@ -25,6 +25,7 @@ from .format_specs import (  # noqa: F401  (re-exported vocabulary)
     SPECS,
     FormatKind,
     Scope,
+    is_per_token,
     kinds_where,
     matrix_dims,
     spec_of,
