@@ -44,9 +44,13 @@ IGNORED_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
 CAST_DTYPE = "bfloat16"  # see the cast rule above
 
 
+# The quantized source formats this module reads (dequantizes exactly or passes through), by kind.
+READABLE_SOURCE_KINDS = frozenset({FormatKind.FP8_BLOCK})
+
+
 def is_fp8_block_source(t: TensorPlan) -> bool:
     sp = t.source_precision
-    return sp is not None and sp.kind == FormatKind.FP8_BLOCK
+    return sp is not None and sp.kind in READABLE_SOURCE_KINDS
 
 
 def scale_name(t: TensorPlan) -> str:

@@ -22,10 +22,12 @@ modelopt_quant.py ~l.2740). A caller must therefore hand over all members of a g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from precision_dsl.format_specs import NVFP4_SPEC
 from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import HP_DTYPE_NAMES, FormatKind
+from precision_dsl.precision import HP_DTYPE_NAMES, FormatKind, Scope, TensorFormat
 from precision_dsl.backends.common import UnsupportedByBackend, module_of, per_plan
 from precision_dsl.errors import PolicycError
 
@@ -35,12 +37,6 @@ if TYPE_CHECKING:
 # torch (and precision_dsl.formats, which imports it) are imported inside the functions that move data: `policyc
 # emit` uses only the metadata helpers (check_supported, output_specs) and must not pay torch's ~2 s import.
 
-# Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
-SUFFIXES = {
-    FormatKind.MXFP8: ("weight", "weight_scale_inv"),
-    FormatKind.NVFP4: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-    FormatKind.FP8_BLOCK: ("weight", "weight_scale_inv"),
-}
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
 
 
@@ -66,28 +62,13 @@ def check_supported(t: TensorPlan, backend: str) -> None:
         if w.is_quantized:
             raise UnsupportedByBackend(backend, t.hf_name, f"quantized non-linear tensor ({w.short()})")
         return
-    if t.weight.kind == FormatKind.MXFP8:
-        if w.element != "e4m3" or w.block != (1, 32):
-            raise UnsupportedByBackend(backend, t.hf_name, f"MXFP8 checkpoint weights are e4m3 1x32; plan says "
-                                                           f"{w.short()} ({w.element}, block {w.block})")
-    elif t.weight.kind == FormatKind.NVFP4:
-        if w.block != (1, 16):
-            raise UnsupportedByBackend(backend, t.hf_name, f"ModelOpt NVFP4 stores 1x16 weight blocks; plan says "
-                                                           f"block {w.block}")
-        if w.global_scale not in (None, "tensor", "group"):
-            raise UnsupportedByBackend(backend, t.hf_name, f"ModelOpt NVFP4 has one weight_scale_2 per tensor; "
-                                                           f"plan asks for a '{w.global_scale}' weight global scale")
-    elif t.weight.kind == FormatKind.FP8_BLOCK:
-        if w.block != (128, 128) or w.element != "e4m3":
-            raise UnsupportedByBackend(backend, t.hf_name, f"FP8-block checkpoints are e4m3 128x128; plan says "
-                                                           f"{w.short()} block {w.block}")
-        if w.scale_dtype not in (None, "fp32", "pow2"):
-            raise UnsupportedByBackend(backend, t.hf_name, "DeepSeek FP8 checkpoints store fp32 weight_scale_inv; "
-                                                           f"plan asks for '{w.scale_dtype}' scales")
-        # pow2 scales are stored exactly as fp32 weight_scale_inv values (powers of two are fp32-representable).
-    else:
+    dialect = DIALECT.get(w.kind)
+    if dialect is None:
         raise UnsupportedByBackend(backend, t.hf_name, f"no checkpoint format for {w.short()} weights "
                                                        "(supported: mxfp8, nvfp4, fp8_block 128x128)")
+    problem = dialect.problem(w)
+    if problem:
+        raise UnsupportedByBackend(backend, t.hf_name, problem)
     if len(t.shape) != 2:
         raise UnsupportedByBackend(backend, t.hf_name, f"quantized weight must be 2-D, has shape {t.shape}")
 
@@ -123,15 +104,7 @@ def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
     if not (t.is_linear and w.is_quantized):
         return [(t.hf_name, HP_DTYPE_NAMES[w.kind][1], tuple(t.shape))]
     n, k = t.shape
-    if w.kind == FormatKind.MXFP8:
-        return [(f"{mod}.weight", "F8_E4M3", (n, k)), (f"{mod}.weight_scale_inv", "U8", (n, k // 32))]
-    if w.kind == FormatKind.NVFP4:
-        return [(f"{mod}.weight", "U8", (n, k // 2)), (f"{mod}.weight_scale", "F8_E4M3", (n, k // 16)),
-                (f"{mod}.weight_scale_2", "F32", ()), (f"{mod}.input_scale", "F32", ())]
-    if w.kind == FormatKind.FP8_BLOCK:
-        return [(f"{mod}.weight", "F8_E4M3", (n, k)),
-                (f"{mod}.weight_scale_inv", "F32", (-(-n // 128), -(-k // 128)))]
-    raise AssertionError(w.kind)
+    return DIALECT[w.kind].specs(mod, n, k)
 
 
 def _assert_finite(name: str, x: torch.Tensor, after: str = "") -> None:
@@ -190,8 +163,7 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
             _assert_finite(t.hf_name, x)
     out: dict[str, torch.Tensor] = {}
     group_amax: Optional[torch.Tensor] = None
-    needs_group = [t for t, _ in members if t.is_linear and t.weight.kind == FormatKind.NVFP4
-                   and t.weight.global_scale == "group"]
+    needs_group = [t for t, _ in members if needs_shared_amax(t)]
     if needs_group:
         from precision_dsl.formats.nvfp4 import group_amax as _group_amax
 
@@ -209,28 +181,14 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
             continue
         check_supported(t, backend)
         mod = module_of(t.hf_name)
-        ga = group_amax if (w.kind == FormatKind.NVFP4 and w.global_scale == "group") else None
-        if w.kind == FormatKind.NVFP4 and w.global_scale == "group" and t.share_scale_group is None:
+        ga = group_amax if needs_shared_amax(t) else None
+        if ga is not None and t.share_scale_group is None:
             raise UnsupportedByBackend(backend, t.hf_name, "NVFP4 'group' weight scale without a share-scale group")
         # Rowwise (blocks along K, the forward copy). kernels.quantize: the fused Triton kernel for CUDA tensors
         # (byte for byte the reference, tests/test_kernels.py), the readable reference otherwise, or as `kernel` says.
         q = kernels.quantize(x, w, axis="row", global_amax=ga, kernel=kernel)
         n, k = t.shape
-        if w.kind == FormatKind.MXFP8:
-            out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
-            out[f"{mod}.weight_scale_inv"] = q.scale.reshape(n, k // 32).contiguous()
-        elif w.kind == FormatKind.NVFP4:
-            out[f"{mod}.weight"] = q.data.reshape(n, k // 2).contiguous()
-            out[f"{mod}.weight_scale"] = q.scale[:n, : k // 16].contiguous().view(torch.float8_e4m3fn)
-            out[f"{mod}.weight_scale_2"] = q.global_scale.reshape(()).to(torch.float32).clone()
-            # ModelOpt's static activation scale. With per-token activations (the only NVFP4 activation mode the
-            # SGLang backend accepts) the kernel computes scales per token and this value is unused; Miles writes
-            # 1.0 too (tools/convert_hf_to_nvfp4.py).
-            out[f"{mod}.input_scale"] = torch.ones((), dtype=torch.float32)
-        elif w.kind == FormatKind.FP8_BLOCK:
-            nb, kb = -(-n // 128), -(-k // 128)
-            out[f"{mod}.weight"] = q.data.reshape(n, k).view(torch.float8_e4m3fn)
-            out[f"{mod}.weight_scale_inv"] = q.scale[:nb, :kb].to(torch.float32).contiguous()
+        out.update(DIALECT[w.kind].write(q, mod, n, k))
         if check_finite:
             _assert_outputs_finite(t, {n: y for n, y in out.items() if n.startswith(mod + ".")})
     return out
@@ -265,7 +223,8 @@ def work_units(plan: Plan, names: Sequence[str]) -> list[list[str]]:
 
 
 def needs_shared_amax(t: TensorPlan) -> bool:
-    return t.is_linear and t.weight.kind == FormatKind.NVFP4 and t.weight.global_scale == "group"
+    """A share-scale group member whose second-level scale is the group's (NVFP4 `Scope.GROUP`)."""
+    return t.is_linear and t.weight.spec.takes_global_amax and t.weight.global_scale == Scope.GROUP
 
 
 def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
@@ -280,15 +239,109 @@ def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
         return tensors[t.hf_name]
     mod = module_of(t.hf_name)
     n, k = t.shape
-    if w.kind == FormatKind.MXFP8:
-        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"].view(torch.uint8),
-                               scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
-    if w.kind == FormatKind.NVFP4:
-        s2 = tensors[f"{mod}.weight_scale_2"].reshape(1).to(torch.float32)
-        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"],
-                               scale=tensors[f"{mod}.weight_scale"].view(torch.uint8), global_scale=s2,
-                               axis="row")
-    if w.kind == FormatKind.FP8_BLOCK:
-        return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"].view(torch.uint8),
-                               scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
-    raise AssertionError(w.kind)
+    return DIALECT[w.kind].read(w, mod, n, k, tensors)
+
+
+# ---- the checkpoint dialect: one entry per quantized kind a checkpoint stores --------------------------------------
+@dataclass(frozen=True)
+class Dialect:
+    """How a checkpoint stores one quantized kind's Linear weight `X` (HF module path `mod`, weight [N, K])."""
+
+    suffixes: tuple[str, ...]  # after the module path, in write order (readers, manifests and verify use them)
+    problem: Callable[[TensorFormat], str]  # why the checkpoint cannot store this weight format exactly ("" = it can)
+    specs: Callable[[str, int, int], list]  # (mod, N, K) -> [(name, safetensors dtype, shape)], write order
+    write: Callable  # (QuantizedTensor rowwise, mod, N, K) -> {name: tensor}
+    read: Callable  # (fmt, mod, N, K, tensors) -> QuantizedTensor
+
+
+def _mxfp8_problem(w: TensorFormat) -> str:
+    if w.element != "e4m3" or w.block != (1, 32):
+        return f"MXFP8 checkpoint weights are e4m3 1x32; plan says {w.short()} ({w.element}, block {w.block})"
+    return ""
+
+
+def _nvfp4_problem(w: TensorFormat) -> str:
+    if w.block != (1, 16):
+        return f"ModelOpt NVFP4 stores 1x16 weight blocks; plan says block {w.block}"
+    if not NVFP4_SPEC.one_weight_scale_per_tensor(w.global_scale):
+        return (f"ModelOpt NVFP4 has one weight_scale_2 per tensor; plan asks for a '{w.global_scale}' weight global "
+                "scale")
+    return ""
+
+
+def _fp8_block_problem(w: TensorFormat) -> str:
+    if w.block != (128, 128) or w.element != "e4m3":
+        return f"FP8-block checkpoints are e4m3 128x128; plan says {w.short()} block {w.block}"
+    if w.scale_dtype not in (None, "fp32", "pow2"):
+        return f"DeepSeek FP8 checkpoints store fp32 weight_scale_inv; plan asks for '{w.scale_dtype}' scales"
+    # pow2 scales are stored exactly as fp32 weight_scale_inv values (powers of two are fp32-representable).
+    return ""
+
+
+def _mxfp8_write(q, mod: str, n: int, k: int) -> dict:
+    import torch
+
+    return {f"{mod}.weight": q.data.reshape(n, k).view(torch.float8_e4m3fn),
+            f"{mod}.weight_scale_inv": q.scale.reshape(n, k // 32).contiguous()}
+
+
+def _nvfp4_write(q, mod: str, n: int, k: int) -> dict:
+    import torch
+
+    return {f"{mod}.weight": q.data.reshape(n, k // 2).contiguous(),
+            f"{mod}.weight_scale": q.scale[:n, : k // 16].contiguous().view(torch.float8_e4m3fn),
+            f"{mod}.weight_scale_2": q.global_scale.reshape(()).to(torch.float32).clone(),
+            # ModelOpt's static activation scale. With per-token activations (the only NVFP4 activation mode the
+            # SGLang backend accepts) the kernel computes scales per token and this value is unused; Miles writes
+            # 1.0 too (tools/convert_hf_to_nvfp4.py).
+            f"{mod}.input_scale": torch.ones((), dtype=torch.float32)}
+
+
+def _fp8_block_write(q, mod: str, n: int, k: int) -> dict:
+    import torch
+
+    nb, kb = -(-n // 128), -(-k // 128)
+    return {f"{mod}.weight": q.data.reshape(n, k).view(torch.float8_e4m3fn),
+            f"{mod}.weight_scale_inv": q.scale[:nb, :kb].to(torch.float32).contiguous()}
+
+
+def _fp8_bytes_read(w: TensorFormat, mod: str, n: int, k: int, tensors: dict):
+    """MXFP8 and FP8-block: FP8 bytes + the block-scale tensor as stored."""
+    import torch
+
+    from precision_dsl.formats.base import QuantizedTensor
+
+    return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"].view(torch.uint8),
+                           scale=tensors[f"{mod}.weight_scale_inv"], axis="row")
+
+
+def _nvfp4_read(w: TensorFormat, mod: str, n: int, k: int, tensors: dict):
+    import torch
+
+    from precision_dsl.formats.base import QuantizedTensor
+
+    s2 = tensors[f"{mod}.weight_scale_2"].reshape(1).to(torch.float32)
+    return QuantizedTensor(fmt=w, shape=(n, k), data=tensors[f"{mod}.weight"],
+                           scale=tensors[f"{mod}.weight_scale"].view(torch.uint8), global_scale=s2, axis="row")
+
+
+#   mxfp8: SGLang 0.5.23 `Fp8Config` (use_mxfp8), Miles convert_hf_to_mxfp8; nvfp4: ModelOpt 0.47 export / SGLang
+#   `ModelOptFp4Config`; fp8_block: DeepSeek-V3 README_WEIGHTS / SGLang `Fp8Config` block (the module docstring).
+DIALECT: dict[FormatKind, Dialect] = {
+    FormatKind.MXFP8: Dialect(
+        ("weight", "weight_scale_inv"), _mxfp8_problem,
+        lambda mod, n, k: [(f"{mod}.weight", "F8_E4M3", (n, k)), (f"{mod}.weight_scale_inv", "U8", (n, k // 32))],
+        _mxfp8_write, _fp8_bytes_read),
+    FormatKind.NVFP4: Dialect(
+        ("weight", "weight_scale", "weight_scale_2", "input_scale"), _nvfp4_problem,
+        lambda mod, n, k: [(f"{mod}.weight", "U8", (n, k // 2)), (f"{mod}.weight_scale", "F8_E4M3", (n, k // 16)),
+                           (f"{mod}.weight_scale_2", "F32", ()), (f"{mod}.input_scale", "F32", ())],
+        _nvfp4_write, _nvfp4_read),
+    FormatKind.FP8_BLOCK: Dialect(
+        ("weight", "weight_scale_inv"), _fp8_block_problem,
+        lambda mod, n, k: [(f"{mod}.weight", "F8_E4M3", (n, k)),
+                           (f"{mod}.weight_scale_inv", "F32", (-(-n // 128), -(-k // 128)))],
+        _fp8_block_write, _fp8_bytes_read),
+}
+# Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
+SUFFIXES = {kind: d.suffixes for kind, d in DIALECT.items()}

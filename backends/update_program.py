@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.format_specs import NVFP4_SPEC
 from precision_dsl.precision import FormatKind
 from precision_dsl.backends.quantize import needs_shared_amax, output_specs
 from precision_dsl.backends.safetensors_io import DTYPE_SIZES
@@ -73,17 +74,21 @@ class Bucket:
                 "nbytes": [r.nbytes for r in self.regions], "total": self.nbytes}
 
 
+# The weight layouts the fused segment kernels write, by kind (the kind's name is the segment kind); anything
+# else goes through the reference path ("ref").
+_FUSED_LAYOUTS = {
+    FormatKind.NVFP4: lambda w: w.block == (1, 16) and NVFP4_SPEC.one_weight_scale_per_tensor(w.global_scale),
+    FormatKind.MXFP8: lambda w: w.block == (1, 32) and w.element == "e4m3",
+    FormatKind.FP8_BLOCK: lambda w: w.block == (128, 128) and w.element == "e4m3",
+}
+
+
 def _kind(t: TensorPlan) -> str:
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):
         return "hp"
-    if w.kind == FormatKind.NVFP4 and w.block == (1, 16) and w.global_scale in (None, "tensor", "group"):
-        return "nvfp4"
-    if w.kind == FormatKind.MXFP8 and w.block == (1, 32) and w.element == "e4m3":
-        return "mxfp8"
-    if w.kind == FormatKind.FP8_BLOCK and w.block == (128, 128) and w.element == "e4m3":
-        return "fp8_block"
-    return "ref"
+    fits = _FUSED_LAYOUTS.get(w.kind)
+    return w.kind.value if fits is not None and fits(w) else "ref"
 
 
 def _unit_kind(unit: list) -> str:

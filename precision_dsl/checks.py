@@ -35,7 +35,7 @@ from typing import Optional
 from .arch.base import Architecture
 from .diagnostics import Diagnostic
 from .plan import ParallelLayout, ParallelSide, Plan, TensorPlan, per_precision
-from .precision import BLACKWELL_ONLY_KINDS, FormatKind, TensorFormat
+from .precision import BLACKWELL_ONLY_KINDS, FormatKind, Scope, TensorFormat, is_per_token
 
 COLUMN_PARALLEL = frozenset({
     "attn.q", "attn.k", "attn.v", "attn.q_b", "attn.kv_b", "mlp.gate", "mlp.up", "shared_experts.gate",
@@ -96,30 +96,51 @@ def _dim_problems(n: int, k: int, w: TensorFormat, a: TensorFormat, g: TensorFor
                   shard_axis: Optional[str] = None) -> list[str]:
     """Problems of one [n, k] weight (a whole tensor or one shard). `shard_axis` (N|K) marks a TP-split dim,
     where FP8-block tiles must not be cut."""
-    probs = []
-    if w.kind == FormatKind.MXFP8:
-        if k % 32:
-            probs.append(f"K={k} is not a multiple of 32 (MXFP8 rowwise 1x32 blocks)")
-        if n % 32:
-            probs.append(f"N={n} is not a multiple of 32 (MXFP8 columnwise copy for training / 32x32 blocks)")
-    elif w.kind == FormatKind.NVFP4:
-        if k % 16:
-            probs.append(f"K={k} is not a multiple of 16 (NVFP4 1x16 blocks)")
-        if w.block and w.block[0] == 16 and n % 16:
-            probs.append(f"N={n} is not a multiple of 16 (NVFP4 16x16 weight blocks)")
-    elif w.kind == FormatKind.FP8_BLOCK and shard_axis is not None:
-        br, bc = w.block or (128, 128)
-        if shard_axis == "N" and n % br:
-            probs.append(f"shard N={n} cuts a {br}-row FP8 block (shard boundaries must align to blocks)")
-        if shard_axis == "K" and k % bc:
-            probs.append(f"shard K={k} cuts a {bc}-column FP8 block (shard boundaries must align to blocks)")
+    rule = _WEIGHT_DIM_RULES.get(w.kind)
+    probs = rule(n, k, w, shard_axis) if rule is not None else []
     # activations share K with the weight: only report when the weight did not already (weight-hp, act-quantized)
-    if a.kind != w.kind and a.kind in (FormatKind.MXFP8, FormatKind.NVFP4) and a.block and k % a.block[1]:
+    if a.kind != w.kind and a.spec.whole_blocks and a.block and k % a.block[1]:
         probs.append(f"activation K={k} is not a multiple of {a.block[1]} ({a.kind.value} activation blocks)")
     # quantized output gradients [M, N] are blocked along N: covered by the MXFP8 weight's N % 32 rule above
-    if quantized_bwd and g.kind != w.kind and g.kind == FormatKind.MXFP8 and g.block and n % g.block[1]:
+    if quantized_bwd and g.kind != w.kind and g.spec.whole_blocks and g.block and n % g.block[1]:
         probs.append(f"gradient N={n} is not a multiple of {g.block[1]} (MXFP8 output-gradient blocks)")
     return sorted(set(probs))
+
+
+def _mxfp8_weight_dims(n: int, k: int, w: TensorFormat, shard_axis: Optional[str]) -> list[str]:
+    probs = []
+    if k % 32:
+        probs.append(f"K={k} is not a multiple of 32 (MXFP8 rowwise 1x32 blocks)")
+    if n % 32:
+        probs.append(f"N={n} is not a multiple of 32 (MXFP8 columnwise copy for training / 32x32 blocks)")
+    return probs
+
+
+def _nvfp4_weight_dims(n: int, k: int, w: TensorFormat, shard_axis: Optional[str]) -> list[str]:
+    probs = []
+    if k % 16:
+        probs.append(f"K={k} is not a multiple of 16 (NVFP4 1x16 blocks)")
+    if w.block and w.block[0] == 16 and n % 16:
+        probs.append(f"N={n} is not a multiple of 16 (NVFP4 16x16 weight blocks)")
+    return probs
+
+
+def _fp8_block_weight_dims(n: int, k: int, w: TensorFormat, shard_axis: Optional[str]) -> list[str]:
+    probs = []
+    br, bc = w.block or (128, 128)
+    if shard_axis == "N" and n % br:
+        probs.append(f"shard N={n} cuts a {br}-row FP8 block (shard boundaries must align to blocks)")
+    if shard_axis == "K" and k % bc:
+        probs.append(f"shard K={k} cuts a {bc}-column FP8 block (shard boundaries must align to blocks)")
+    return probs
+
+
+# The dimension rules of a quantized weight [n, k] (or one TP shard of it), by kind.
+_WEIGHT_DIM_RULES = {
+    FormatKind.MXFP8: _mxfp8_weight_dims,
+    FormatKind.NVFP4: _nvfp4_weight_dims,
+    FormatKind.FP8_BLOCK: _fp8_block_weight_dims,
+}
 
 
 def _shard(t: TensorPlan, side: ParallelSide, arch: Architecture) -> Optional[tuple[int, str]]:
@@ -263,7 +284,7 @@ def check_hardware(plan: Plan) -> list[Diagnostic]:
 def check_scale_scope(plan: Plan) -> list[Diagnostic]:
     agg = _Aggregator()
     for t in plan.tensors:
-        if t.is_linear and t.weight.is_quantized and t.weight.global_scale == "expert" and \
+        if t.is_linear and t.weight.is_quantized and t.weight.global_scale == Scope.EXPERT and \
                 not t.role.startswith("routed_experts."):
             agg.add(("scope",), t.hf_name, "warning", "scale-scope",
                     "weight_scale=per_expert on a tensor that is not a routed expert; it means per tensor here",
@@ -298,7 +319,7 @@ def check_etp(plan: Plan, parallel: ParallelLayout) -> list[Diagnostic]:
         return []
     agg = _Aggregator()
     for t in plan.tensors:
-        if t.role.startswith("routed_experts.") and t.activation.is_quantized and t.activation.global_scale == "row":
+        if t.role.startswith("routed_experts.") and t.activation.is_quantized and is_per_token(t.activation):
             agg.add(("etp",), t.hf_name, "error", "etp-mismatch",
                     f"per-token activation scales on routed experts need the same expert-TP size in trainer and "
                     f"rollout, but trainer etp={tr} and rollout etp={ro}",

@@ -15,35 +15,36 @@ from functools import lru_cache
 from typing import Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict
+
 from .errors import PolicycError
+from .format_specs import (  # noqa: F401  (re-exported vocabulary)
+    ELEMENT_BITS,
+    FP8_MAX,
+    PER_TOKEN,
+    FormatSpec,
+    SPECS,
+    FormatKind,
+    Scope,
+    is_per_token,
+    kinds_where,
+    matrix_dims,
+    spec_of,
+)
 
-
-class FormatKind(str, Enum):
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-    FP8 = "fp8"  # per-tensor current scaling (TE Float8CurrentScaling), E4M3 or E5M2
-    FP8_BLOCK = "fp8_block"  # DeepSeek-V3 / TE Float8BlockScaling: 1x128 activations, 128x128 weights
-    MXFP8 = "mxfp8"  # OCP MX: 32-element blocks, E8M0 scales
-    NVFP4 = "nvfp4"  # E2M1, E4M3 per-16 block scale, FP32 second-level scale
-
-
-HIGH_PRECISION_KINDS = frozenset({FormatKind.BF16, FormatKind.FP16, FormatKind.FP32})
+# The format vocabulary (kinds, element facts, scale scopes) and each kind's facts live in format_specs (the one
+# format unit); the names below are re-exported so callers keep importing them from here.
+HIGH_PRECISION_KINDS = kinds_where("high_precision")
 # Kinds whose GEMMs run natively only on Blackwell (SM100); on Hopper they are emulated
-# (quantize -> dequantize -> BF16/FP32 GEMM). See ../shared/research/quantizers.md section 7.
-BLACKWELL_ONLY_KINDS = frozenset({FormatKind.MXFP8, FormatKind.NVFP4})
+# (quantize -> dequantize -> BF16/FP32 GEMM).
+BLACKWELL_ONLY_KINDS = kinds_where("blackwell_only")
 # FP8 per-tensor and FP8-block run natively on Hopper (SM90) and Blackwell.
-HOPPER_NATIVE_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK}) | HIGH_PRECISION_KINDS
-
+HOPPER_NATIVE_KINDS = kinds_where("hopper_native")
 # Kinds with a quantized backward (wgrad/dgrad GEMMs on quantized operands; TE recipes exist for these only).
-QUANTIZED_BACKWARD_KINDS = frozenset({FormatKind.FP8, FormatKind.FP8_BLOCK, FormatKind.MXFP8})
+QUANTIZED_BACKWARD_KINDS = kinds_where("quantized_backward")
 
 # ---- constant tables: each fact in one place -------------------------------------------------------------------
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}  # largest finite float8_e4m3fn / float8_e5m2
-ELEMENT_BITS = {"fp32": 32, "bf16": 16, "fp16": 16, "e4m3": 8, "e5m2": 8, "e2m1": 4}
 # High-precision storage kinds: (torch / config.json dtype name, safetensors dtype name).
-HP_DTYPE_NAMES = {FormatKind.BF16: ("bfloat16", "BF16"), FormatKind.FP16: ("float16", "F16"),
-                  FormatKind.FP32: ("float32", "F32")}
+HP_DTYPE_NAMES = {k: s.dtype_names for k, s in SPECS.items() if s.dtype_names}
 # Checkpoint dtype names (config.json `torch_dtype`, TensorInfo.dtype) -> (the high-precision format the tensor
 # counts as when a policy leaves it alone, bytes per element). FP8/int8 sources count as bf16 (dequantized).
 CHECKPOINT_DTYPES = {
@@ -57,11 +58,8 @@ SOURCE_DTYPE_OF_FORMAT = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
 
 Element = Literal["bf16", "fp16", "fp32", "e4m3", "e5m2", "e2m1"]
 ScaleDtype = Literal["e8m0", "e4m3", "fp32", "pow2"]
-# Scope of a per-tensor-ish (second-level) scale:
-#   tensor  - one scale for the whole tensor (for a routed expert weight that is one expert's tensor)
-#   row     - one FP32 scale per row = per token for activations ("per_token" in the language)
-#   expert  - activations: one scale per expert GEMM input (tokens routed to that expert)
-#   group   - weights: one scale shared by a declared share-scale group (e.g. gate+up)
+# Scope of a per-tensor-ish (second-level) scale: the values of format_specs.Scope (TENSOR, PER_TOKEN = the
+# serialized "row", EXPERT, GROUP; documented there).
 ScaleScope = Literal["tensor", "row", "expert", "group"]
 
 
@@ -88,41 +86,25 @@ class TensorFormat(BaseModel):
         return self.kind not in HIGH_PRECISION_KINDS
 
     @property
+    def spec(self) -> FormatSpec:
+        """This format's kind's facts (format_specs: the one format unit)."""
+        return SPECS[self.kind]
+
+    @property
     def bits(self) -> float:
         """Storage bits per element, including block scales and ignoring the (negligible) per-tensor/per-row
         FP32 scales. Used for the byte accounting in `plan`."""
-        elem_bits = ELEMENT_BITS[self.element]
-        if self.block is None:
-            return float(elem_bits)
-        scale_bits = 32 if self.scale_dtype in ("fp32", "pow2") else 8
-        return elem_bits + scale_bits / (self.block[0] * self.block[1])
+        return SPECS[self.kind].bits(self)
 
     def short(self) -> str:
         """Compact human string, e.g. `nvfp4[1x16,per_token]`, `mxfp8/e4m3[1x32]`, `bf16`."""
         return _format_short(self)
 
-    def _short(self) -> str:
-        if not self.is_quantized:
-            return self.kind.value
-        parts = []
-        if self.block:
-            parts.append(f"{self.block[0]}x{self.block[1]}")
-        if self.kind in (FormatKind.FP8, FormatKind.FP8_BLOCK, FormatKind.MXFP8):
-            head = f"{self.kind.value}/{self.element}"
-        else:
-            head = self.kind.value
-        if self.kind == FormatKind.FP8_BLOCK and self.scale_dtype:
-            parts.append(self.scale_dtype)
-        if self.global_scale and self.kind in (FormatKind.NVFP4,):
-            parts.append({"row": "per_token", "tensor": "per_tensor", "expert": "per_expert", "group": "shared"}[
-                self.global_scale])
-        return head + (f"[{','.join(parts)}]" if parts else "")
-
 
 @lru_cache(maxsize=None)
 def _format_short(fmt: TensorFormat) -> str:
     # Memoised: `plan` renders ~10^5 cells for DeepSeek-V3 from a handful of distinct formats.
-    return fmt._short()
+    return SPECS[fmt.kind].short(fmt)
 
 
 def hp(kind: str) -> TensorFormat:
@@ -167,10 +149,6 @@ class Precision(BaseModel):
 
 
 # ---- byte accounting: the one place ---------------------------------------------------------------------------
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def source_bytes(dtype: str, shape: Sequence[int], fmt: Optional["TensorFormat"] = None) -> int:
     """Bytes of a checkpoint tensor of `shape` stored as `dtype` (unknown dtype names count as bf16), or, for a
     quantized source (`fmt`: an FP8-block release's E4M3 data + float32 weight_scale_inv grid), as stored in `fmt`."""
@@ -184,29 +162,8 @@ def storage_bytes(fmt: TensorFormat, shape: Sequence[int], *, axis: str = "row")
     S_dec, FP8 scale_inv; one per row for a per-row scope). Partial blocks count as whole blocks. Equals the
     reference quantizer's `QuantizedTensor.nbytes` whenever it accepts the shape (formats.nbytes_of validates the
     format and answers with this; tests/test_formats_dispatch.py checks both)."""
-    shape = tuple(int(s) for s in shape)
-    m, k = (math.prod(shape[:-1]), shape[-1]) if shape else (1, 1)
-    kind = fmt.kind
-    if kind in HIGH_PRECISION_KINDS:
-        return m * k * ELEMENT_BITS[fmt.element] // 8
-    if kind == FormatKind.FP8:
-        return m * k + 4
-    rows, cols = (m, k) if axis == "row" else (k, m)
-    if kind == FormatKind.FP8_BLOCK:
-        br, bc = fmt.block or (1, 128)
-        return m * k + 4 * _cdiv(rows, br) * _cdiv(cols, bc)
-    if kind == FormatKind.MXFP8:
-        block = tuple(fmt.block or (1, 32))
-        if block == (32, 32):
-            return m * k + _cdiv(m, 32) * _cdiv(k, 32)
-        col = axis == "col" or block == (32, 1)
-        return m * k + (_cdiv(m, 32) * k if col else m * _cdiv(k, 32))
-    if kind == FormatKind.NVFP4:
-        tile_2d = tuple(fmt.block or (1, 16)) == (16, 16)
-        data = rows * _cdiv(cols, 2)
-        scales = _cdiv(rows, 16) * _cdiv(cols, 16) if tile_2d else rows * _cdiv(cols, 16)
-        return data + scales + 4 * (rows if fmt.global_scale == "row" else 1)
-    raise ValueError(f"storage_bytes: unknown format kind {kind!r}")
+    m, k = matrix_dims(shape)
+    return SPECS[fmt.kind].nbytes(fmt, m, k, axis)
 
 
 class FormatError(PolicycError, ValueError):

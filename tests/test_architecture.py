@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Layers, lowest first: (name, module prefixes). A module belongs to the layer of its longest matching prefix.
 LAYERS = [
-    ("base", ["precision_dsl", "precision_dsl.precision", "precision_dsl.resources", "precision_dsl.errors",
-              "precision_dsl.jsonsafe"]),
+    ("base", ["precision_dsl", "precision_dsl.precision", "precision_dsl.format_specs", "precision_dsl.resources",
+              "precision_dsl.errors", "precision_dsl.jsonsafe"]),
     ("arch", ["precision_dsl.arch"]),
     ("diagnostics", ["precision_dsl.diagnostics"]),
     ("lang", ["precision_dsl.lang"]),

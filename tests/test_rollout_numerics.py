@@ -64,7 +64,7 @@ def _check_variant(fmt: str, v: dict, t: dict, x: torch.Tensor) -> int:
     for part in sorted({tn[len(name) + 1:].split(".", 1)[0] for tn in v["tensors"]}):
         m = x if part == "rowwise" else x.t()
         if fmt == "nvfp4":
-            data, scale, amax, s_dec = rq.nvfp4(m, per_row=recipe["global_scale"].startswith("per-row"))
+            data, scale, amax, s_dec = rq.nvfp4(m, per_token=recipe["global_scale"].startswith("per-row"))
             s_enc, _ = rq.nvfp4_global(amax)
             got = {"data": data, "scale": scale, "amax": amax, "global_encode_scale": s_enc,
                    "global_decode_scale": s_dec}

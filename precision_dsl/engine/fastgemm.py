@@ -249,7 +249,24 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
     from .. import formats
 
     fmt = q.fmt
-    if fmt.kind == FormatKind.MXFP8 and fmt.block in (None, (1, 32), (32, 1)):
+    decoder = _DECODERS.get(fmt.kind)
+    op = decoder(q, rows) if decoder is not None else None
+    if op is not None:
+        return op
+    dense = formats.dequantize(q, torch.float32)
+    if rows is not None:
+        dense = dense[:rows]
+    exact = _EXACT_IN_BF16.get(fmt.kind, _never)(fmt)
+    return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
+
+
+def _never(fmt) -> bool:
+    return False
+
+
+def _decode_mxfp8(q, rows: Optional[int]) -> Optional[Op]:
+    fmt = q.fmt
+    if fmt.block in (None, (1, 32), (32, 1)):
         r, c = q.data.shape
         from .. import kernels
 
@@ -265,7 +282,11 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
             v = (vals.view(r // 32, 32, c) * _e8m0_bf16(q.scale)[:, None, :]).view(r, c)
         v = v.reshape(q.shape)
         return Op(v if rows is None else v[:rows])
-    if fmt.kind == FormatKind.NVFP4 and fmt.block in (None, (1, 16)) and q.axis == "row":
+    return None
+
+
+def _decode_nvfp4(q, rows: Optional[int]) -> Optional[Op]:
+    if q.fmt.block in (None, (1, 16)) and q.axis == "row":
         from .. import kernels
 
         if q.data.is_cuda and kernels.available():  # one pass: packed codes + block scales -> bf16 elements
@@ -283,11 +304,13 @@ def decode_op(q, rows: Optional[int] = None) -> Op:
             v = v[:rows]
             s = s[:rows] if s.numel() > 1 else s
         return Op(v, s)
-    dense = formats.dequantize(q, torch.float32)
-    if rows is not None:
-        dense = dense[:rows]
-    exact = fmt.kind == FormatKind.FP8_BLOCK and fmt.scale_dtype == "pow2"  # element x 2^k, like MXFP8
-    return Op(dense.to(torch.bfloat16) if exact else dense, None, exact)
+    return None
+
+
+# The one-pass decoders by kind (None: a layout they do not take -> the dense reference dequantization), and the
+# kinds whose dense dequantization is exact in bf16 (element x 2^k, like MXFP8: pow2-scaled FP8 blocks).
+_DECODERS = {FormatKind.MXFP8: _decode_mxfp8, FormatKind.NVFP4: _decode_nvfp4}
+_EXACT_IN_BF16 = {FormatKind.FP8_BLOCK: lambda fmt: fmt.scale_dtype == "pow2"}
 
 
 def _fp8_kernel_ok(x: torch.Tensor, k: int) -> bool:

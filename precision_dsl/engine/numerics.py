@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import formats, kernels
-from ..precision import FormatKind, TensorFormat
+from ..precision import TensorFormat, is_per_token
 from ..errors import PolicycError
 
 
@@ -36,13 +36,7 @@ def _pad_rows(x2: torch.Tensor, multiple: int) -> tuple[torch.Tensor, int]:
 
 def _block_rows(fmt: TensorFormat, axis: str) -> int:
     """Rows a block spans over the [M, K] view (columnwise copies and 2-D tiles need M % that == 0)."""
-    if fmt.kind == FormatKind.MXFP8:
-        return 32 if axis == "col" or tuple(fmt.block or (1, 32)) in ((32, 32), (32, 1)) else 1
-    if fmt.kind == FormatKind.NVFP4:
-        return 16 if axis == "col" or tuple(fmt.block or (1, 16)) == (16, 16) else 1
-    if fmt.kind == FormatKind.FP8_BLOCK:
-        return 128 if axis == "col" or tuple(fmt.block or (1, 128)) == (128, 128) else 1
-    return 1
+    return fmt.spec.block_rows(fmt, axis)
 
 
 def quantize(x: torch.Tensor, fmt: TensorFormat, *, axis: str = "row", global_amax=None, what: str = ""):
@@ -85,7 +79,7 @@ def fake_quantize_partitioned(x: torch.Tensor, fmt: TensorFormat, parts: int, *,
     """Activation fake-quant as `parts` expert-TP ranks do it for a row-parallel GEMM: the input is split along K and
     each rank quantizes its own slice, so a per-token (row) scale is computed inside each partition (TE / FlashInfer
     behaviour). For parts == 1, or scopes that do not depend on the split, this is plain `fake_quantize`."""
-    if parts <= 1 or not fmt.is_quantized or fmt.global_scale != "row":
+    if parts <= 1 or not fmt.is_quantized or not is_per_token(fmt):
         return fake_quantize(x, fmt, what=what) if fmt.is_quantized else round_hp(x, fmt)
     k = x.shape[-1]
     if k % parts:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..plan import Plan
-from ..precision import FormatKind
+from ..precision import Scope, is_per_token
 from ..resolve import resolve
 from ..resources import find_policy, policy_hint
 from ..errors import PolicycError
@@ -51,8 +51,8 @@ def broken_rollout_plan(plan: Plan, kind: str) -> Plan:
         n = 0
         for t in plan.tensors:
             a = t.precision.activation
-            if t.is_linear and a.kind == FormatKind.NVFP4 and a.global_scale == "row":
-                p = t.precision.model_copy(update={"activation": a.model_copy(update={"global_scale": "tensor"})})
+            if t.is_linear and is_per_token(a):  # per-token NVFP4 activations
+                p = t.precision.model_copy(update={"activation": a.model_copy(update={"global_scale": Scope.TENSOR})})
                 t = t.model_copy(update={"precision": p})
                 n += 1
             changed.append(t)

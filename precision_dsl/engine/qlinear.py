@@ -31,11 +31,25 @@ import torch
 from .. import kernels
 from ..formats import fp8_block, fp8_block_pow2
 from ..plan import Plan
-from ..precision import QUANTIZED_BACKWARD_KINDS, BackwardMode, FormatKind, TensorFormat
+from ..precision import BF16, BackwardMode, FormatKind, TensorFormat, is_per_token
 from . import fastgemm, grouped_experts, numerics
 from ..formats.base import QuantizedTensor
 
-BF16_FMT = TensorFormat(kind=FormatKind.BF16, element="bf16")
+BF16_FMT = BF16
+
+# The fast path's native operand layouts, by name: (kind, block). One table; `_has_layout` reads it.
+_LAYOUTS = {
+    "fp8_tile": (FormatKind.FP8_BLOCK, (128, 128)),  # DeepSeek-V3 / TE Float8BlockScaling weights
+    "fp8_row": (FormatKind.FP8_BLOCK, (1, 128)),  # ... and its activations / gradients
+    "mxfp8_row": (FormatKind.MXFP8, (1, 32)),  # MXFP8 rowwise (the kernels' one-read row + column copies)
+}
+
+
+def _has_layout(fmt: TensorFormat, name: str, block_unset_matches: bool = True) -> bool:
+    """Whether `fmt` is the named native layout (a format without a block reads as that layout's block, unless
+    `block_unset_matches` is False)."""
+    kind, block = _LAYOUTS[name]
+    return fmt.kind == kind and tuple(fmt.block or (block if block_unset_matches else ())) == block
 
 
 @dataclass(frozen=True)
@@ -58,7 +72,7 @@ def linear_specs(plan: Plan, etp: int = 1) -> dict[str, LinearSpec]:
         if not t.is_linear:
             continue
         p = t.precision
-        if p.backward == BackwardMode.QUANTIZED and p.grad.is_quantized and p.grad.kind not in QUANTIZED_BACKWARD_KINDS:
+        if p.backward == BackwardMode.QUANTIZED and p.grad.is_quantized and not p.grad.spec.quantized_backward:
             raise numerics.EngineFormatError(
                 f"{t.hf_name}: backward=quantized with {p.grad.short()} gradients is not supported (quantized "
                 "backward is fp8 / fp8_block / mxfp8 only; hint: use backward=dequantized or high_precision)")
@@ -103,7 +117,7 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
         fmt = tp.precision.weight
         w16 = w.detach().to(torch.bfloat16)
         if tp.is_linear and fmt.is_quantized:
-            ga = amax.get(tp.share_scale_group) if fmt.kind == FormatKind.NVFP4 else None
+            ga = amax.get(tp.share_scale_group) if fmt.spec.takes_global_amax else None
             out[name] = numerics.quantize(w16, fmt, global_amax=ga, what=name)
             if bf16_out is not None:
                 bf16_out[name] = w16
@@ -125,7 +139,7 @@ def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Op
         if tp is None or not tp.is_linear or w.dim() != 2 or w.shape[0] % 128:
             continue
         fmt = tp.precision.weight
-        if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or ()) == (128, 128):
+        if _has_layout(fmt, "fp8_tile", block_unset_matches=False):
             groups.setdefault((tuple(w.shape), fmt, w.device), []).append(name)
     done: set = set()
     for ((n, k), fmt, device), names in groups.items():
@@ -236,9 +250,8 @@ class FastWeight:
 
 def _native_fp8(spec: LinearSpec, native: bool) -> bool:
     """fp8-blockwise-hopper's GEMMs: 1x128 activations x 128x128 weights (DeepSeek-V3 / TE Float8BlockScaling)."""
-    return (native and spec.weight.kind == FormatKind.FP8_BLOCK and spec.activation.kind == FormatKind.FP8_BLOCK
-            and tuple(spec.weight.block or (128, 128)) == (128, 128)
-            and tuple(spec.activation.block or (1, 128)) == (1, 128) and spec.act_partitions == 1)
+    return (native and _has_layout(spec.weight, "fp8_tile") and _has_layout(spec.activation, "fp8_row")
+            and spec.act_partitions == 1)
 
 
 def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int = 1, what: str = "") -> fastgemm.Op:
@@ -246,10 +259,10 @@ def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int
     kernel, then the elements decoded straight to bf16 (one-pass decode kernels on a GPU, kernels/triton_decode.py),
     with the second-level scale kept for the epilogue (NVFP4)."""
     if not fmt.is_quantized:
-        return fastgemm.Op(x16.to(torch.bfloat16)) if fmt.kind == FormatKind.BF16 \
+        return fastgemm.Op(x16.to(torch.bfloat16)) if fmt == BF16 \
             else fastgemm.Op(numerics.round_hp(x16.float(), fmt), None, False)
     x = x16
-    if parts > 1 and fmt.global_scale == "row":  # expert-TP: per-partition per-token scales run along K
+    if parts > 1 and is_per_token(fmt):  # expert-TP: per-partition per-token scales run along K
         return fastgemm.Op(numerics.fake_quantize_partitioned(x, fmt, parts, what=what), None, False)
     x2 = x.reshape(-1, x.shape[-1])
     xp, m = numerics._pad_rows(x2, numerics._block_rows(fmt, axis))
@@ -258,7 +271,7 @@ def _fake_op(x16: torch.Tensor, fmt: TensorFormat, axis: str = "row", parts: int
 
 def _rowcol_ok(fmt: TensorFormat, x16: torch.Tensor, parts: int = 1) -> bool:
     """MXFP8 1x32 on a GPU the kernels run on: the rowwise and columnwise copies can come from ONE read of x."""
-    if fmt.kind != FormatKind.MXFP8 or tuple(fmt.block or (1, 32)) != (1, 32) or parts != 1 or not x16.is_cuda \
+    if not _has_layout(fmt, "mxfp8_row") or parts != 1 or not x16.is_cuda \
             or x16.shape[-1] % 32:
         return False
     return kernels.available()
@@ -311,8 +324,7 @@ class SharedInput:
 
 def _native_fp8_grad(spec: LinearSpec) -> bool:
     """The backward of a native-FP8 linear is native too: quantized, 1x128 fp8_block gradients."""
-    return (spec.backward == BackwardMode.QUANTIZED and spec.grad.kind == FormatKind.FP8_BLOCK
-            and tuple(spec.grad.block or (1, 128)) == (1, 128))
+    return spec.backward == BackwardMode.QUANTIZED and _has_layout(spec.grad, "fp8_row")
 
 
 def _fp8_x_operands(xs: SharedInput, spec: LinearSpec):
@@ -530,7 +542,7 @@ class TrainerExecutor:
             return None
         if _native_fp8(spec, self.native) and _native_fp8_grad(spec) and fw.q is not None:
             return "fp8"
-        if spec.weight.kind == FormatKind.BF16 and spec.activation.kind == FormatKind.BF16 \
+        if spec.weight == BF16 and spec.activation == BF16 \
                 and not (spec.backward == BackwardMode.QUANTIZED and spec.grad.is_quantized):
             return "bf16"
         return None

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import fp8_block_pow2
-from ..precision import FormatKind, TensorFormat
+from ..precision import FormatKind, TensorFormat, is_per_token
 from . import grouped_experts
 from . import rollout_quant as rq
 from .fastgemm import F8_ELEMENT as _ELEMENT
@@ -74,21 +74,45 @@ def weight_operand(q, device) -> Operand:
     fused = _fused_weight_operand(q, data, device)
     if fused is not None:
         return fused
-    if fmt.kind == FormatKind.MXFP8:
-        if tuple(fmt.block or (1, 32)) != (1, 32) or q.axis != "row":
-            raise EngineFormatError(f"MXFP8 weight {fmt.block} {q.axis}: unsupported by the independent rollout GEMM")
-        vals = data.view(rq.F8[fmt.element]).float().view(n, k // 32, 32) * _pow2(q.scale.to(device))[..., None]
-        return Operand("bf16", vals.view(n, k).to(torch.bfloat16))
-    if fmt.kind == FormatKind.NVFP4:
-        sf = q.scale.to(device).view(torch.float8_e4m3fn).float()
-        if sf.shape[0] != n:  # 16x16 tiles: one byte per tile
-            sf = sf.repeat_interleave(16, 0)[:n]
-        vals = rq.e2m1_values(data).view(n, k // 16, 16) * sf[..., None]
-        return Operand("bf16", vals.view(n, k).to(torch.bfloat16), gscale=q.global_scale.to(device).float())
-    if fmt.kind in (FormatKind.FP8_BLOCK, FormatKind.FP8):
-        block = tuple(fmt.block or (128, 128)) if fmt.kind == FormatKind.FP8_BLOCK else (n, k)
-        return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=q.scale.to(device).float(), block=block)
-    raise EngineFormatError(f"{fmt.short()} weights: unsupported by the independent rollout GEMM")
+    decode = _WEIGHT_DECODERS.get(fmt.kind)
+    if decode is None:
+        raise EngineFormatError(f"{fmt.short()} weights: unsupported by the independent rollout GEMM")
+    return decode(q, fmt, data, device, n, k)
+
+
+def _mxfp8_weight(q, fmt: TensorFormat, data: torch.Tensor, device, n: int, k: int) -> Operand:
+    if tuple(fmt.block or (1, 32)) != (1, 32) or q.axis != "row":
+        raise EngineFormatError(f"MXFP8 weight {fmt.block} {q.axis}: unsupported by the independent rollout GEMM")
+    vals = data.view(rq.F8[fmt.element]).float().view(n, k // 32, 32) * _pow2(q.scale.to(device))[..., None]
+    return Operand("bf16", vals.view(n, k).to(torch.bfloat16))
+
+
+def _nvfp4_weight(q, fmt: TensorFormat, data: torch.Tensor, device, n: int, k: int) -> Operand:
+    sf = q.scale.to(device).view(torch.float8_e4m3fn).float()
+    if sf.shape[0] != n:  # 16x16 tiles: one byte per tile
+        sf = sf.repeat_interleave(16, 0)[:n]
+    vals = rq.e2m1_values(data).view(n, k // 16, 16) * sf[..., None]
+    return Operand("bf16", vals.view(n, k).to(torch.bfloat16), gscale=q.global_scale.to(device).float())
+
+
+def _fp8_block_weight(q, fmt: TensorFormat, data: torch.Tensor, device, n: int, k: int) -> Operand:
+    return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=q.scale.to(device).float(),
+                   block=tuple(fmt.block or (128, 128)))
+
+
+def _fp8_tensor_weight(q, fmt: TensorFormat, data: torch.Tensor, device, n: int, k: int) -> Operand:
+    return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=q.scale.to(device).float(), block=(n, k))
+
+
+# Received weight bytes -> operand, by kind (the rollout's weight loaders).
+_WEIGHT_DECODERS = {
+    FormatKind.MXFP8: _mxfp8_weight,
+    FormatKind.NVFP4: _nvfp4_weight,
+    FormatKind.FP8_BLOCK: _fp8_block_weight,
+    FormatKind.FP8: _fp8_tensor_weight,
+}
+# The rowwise 1-D block layouts the one-pass GPU decode kernels take, by kind (a format without a block reads as it).
+_FUSED_DECODE_BLOCKS = {FormatKind.MXFP8: (1, 32), FormatKind.NVFP4: (1, 16)}
 
 
 def _fused_weight_operand(q, data: torch.Tensor, device) -> Optional[Operand]:
@@ -100,8 +124,8 @@ def _fused_weight_operand(q, data: torch.Tensor, device) -> Optional[Operand]:
     from .fastgemm import decode_op
 
     fmt = q.fmt
-    rowwise_1d = (fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32)) \
-        or (fmt.kind == FormatKind.NVFP4 and tuple(fmt.block or (1, 16)) == (1, 16))
+    block = _FUSED_DECODE_BLOCKS.get(fmt.kind)
+    rowwise_1d = block is not None and tuple(fmt.block or block) == block
     if not rowwise_1d or q.axis != "row" or not data.is_cuda or not kernels.available():
         return None
     on_device = dataclasses.replace(q, data=data, scale=q.scale.to(device), global_scale=None
@@ -118,27 +142,84 @@ def _fused_operand(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
     eager ops of rollout_quant, which make a decode step launch-bound. Same bytes: both implementations are checked
     byte for byte against the golden vectors (tests/test_rollout_numerics.py, tests/test_kernels.py) and against
     each other here (tests/test_rollout_gpu.py). None: a format/shape the kernels do not take (rollout_quant runs)."""
+    fused = _FUSED_ACTIVATIONS.get(fmt.kind)
+    return None if fused is None else fused(x16, fmt, tuple(fmt.block or ()))
+
+
+def _mxfp8_fused(x16: torch.Tensor, fmt: TensorFormat, block: tuple) -> Optional[Operand]:
     from .. import kernels
 
+    if block not in ((), (1, 32)) or x16.shape[1] % 32:
+        return None
+    from ..kernels.triton_decode import mxfp8_decode_bf16
+
+    q = kernels.quantize(x16, fmt)
+    return Operand("bf16", mxfp8_decode_bf16(q.data, q.scale, fmt.element, "row"))
+
+
+def _nvfp4_fused(x16: torch.Tensor, fmt: TensorFormat, block: tuple) -> Optional[Operand]:
+    from .. import kernels
+
+    if block not in ((), (1, 16)) or x16.shape[1] % 16:
+        return None
+    from ..kernels.triton_decode import nvfp4_decode_bf16
+
+    q = kernels.quantize(x16, fmt)
+    return Operand("bf16", nvfp4_decode_bf16(q.data, q.scale), gscale=q.global_scale.float())
+
+
+def _fp8_block_fused(x16: torch.Tensor, fmt: TensorFormat, block: tuple) -> Optional[Operand]:
+    if block not in ((), (1, 128)):
+        return None
+    from .fastgemm import fp8_rows16
+
+    q, data16, scale16 = fp8_rows16(x16, fmt)
+    return Operand("fp8", q.data.view(rq.F8[fmt.element]), scale_inv=q.scale.float(), block=(1, 128),
+                   padded=(data16, scale16))
+
+
+# Activation -> operand on the fused kernels, by kind (None from a handler: a block / shape it does not take).
+_FUSED_ACTIVATIONS = {FormatKind.MXFP8: _mxfp8_fused, FormatKind.NVFP4: _nvfp4_fused,
+                      FormatKind.FP8_BLOCK: _fp8_block_fused}
+
+
+def _mxfp8_act(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
+    if tuple(fmt.block or (1, 32)) != (1, 32):
+        return None
     m, k = x16.shape
-    block = tuple(fmt.block or ())
-    if fmt.kind == FormatKind.MXFP8 and block in ((), (1, 32)) and k % 32 == 0:
-        from ..kernels.triton_decode import mxfp8_decode_bf16
+    data, e = rq.mxfp8(x16, fmt.element)
+    vals = data.view(rq.F8[fmt.element]).float().view(m, k // 32, 32) * _pow2(e)[..., None]
+    return Operand("bf16", vals.view(m, k).to(torch.bfloat16))
 
-        q = kernels.quantize(x16, fmt)
-        return Operand("bf16", mxfp8_decode_bf16(q.data, q.scale, fmt.element, "row"))
-    if fmt.kind == FormatKind.NVFP4 and block in ((), (1, 16)) and k % 16 == 0:
-        from ..kernels.triton_decode import nvfp4_decode_bf16
 
-        q = kernels.quantize(x16, fmt)
-        return Operand("bf16", nvfp4_decode_bf16(q.data, q.scale), gscale=q.global_scale.float())
-    if fmt.kind == FormatKind.FP8_BLOCK and block in ((), (1, 128)):
-        from .fastgemm import fp8_rows16
+def _nvfp4_act(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
+    if tuple(fmt.block or (1, 16)) != (1, 16):
+        return None
+    m, k = x16.shape
+    data, sf, _, s_dec = rq.nvfp4(x16, per_token=is_per_token(fmt))
+    vals = rq.e2m1_values(data).view(m, k // 16, 16) * sf.view(torch.float8_e4m3fn).float()[..., None]
+    return Operand("bf16", vals.view(m, k).to(torch.bfloat16), gscale=s_dec)
 
-        q, data16, scale16 = fp8_rows16(x16, fmt)
-        return Operand("fp8", q.data.view(rq.F8[fmt.element]), scale_inv=q.scale.float(), block=(1, 128),
-                       padded=(data16, scale16))
-    return None
+
+def _fp8_block_act(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
+    if tuple(fmt.block or (1, 128))[0] != 1:
+        return None
+    bc = tuple(fmt.block or (1, 128))[1]
+    data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fp8_block_pow2(fmt))
+    return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv, block=(1, bc))
+
+
+def _fp8_tensor_act(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
+    m, k = x16.shape
+    data, s_inv = rq.fp8_block(x16, fmt.element, (m, k), False)  # one block = the tensor (current scaling)
+    return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv.reshape(1), block=(m, k))
+
+
+# The grouped expert runner's activation layout: 1x128 FP8 blocks (DeepSeek-V3 / TE Float8BlockScaling).
+_FP8_ROW = (FormatKind.FP8_BLOCK, (1, 128))
+# Activation -> operand with this engine's own quantizers (rollout_quant), by kind (None: a layout it does not take).
+_ROLLOUT_ACTIVATIONS = {FormatKind.MXFP8: _mxfp8_act, FormatKind.NVFP4: _nvfp4_act,
+                        FormatKind.FP8_BLOCK: _fp8_block_act, FormatKind.FP8: _fp8_tensor_act}
 
 
 def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fused: Optional[bool] = None) -> Operand:
@@ -158,25 +239,13 @@ def activation_operand(x2: torch.Tensor, fmt: TensorFormat, what: str = "", fuse
             raise EngineFormatError(f"{what or 'activation'}: {e}") from None
         if op is not None:
             return op
-    m, k = x16.shape
+    quantize = _ROLLOUT_ACTIVATIONS.get(fmt.kind)
     try:
-        if fmt.kind == FormatKind.MXFP8 and tuple(fmt.block or (1, 32)) == (1, 32):
-            data, e = rq.mxfp8(x16, fmt.element)
-            vals = data.view(rq.F8[fmt.element]).float().view(m, k // 32, 32) * _pow2(e)[..., None]
-            return Operand("bf16", vals.view(m, k).to(torch.bfloat16))
-        if fmt.kind == FormatKind.NVFP4 and tuple(fmt.block or (1, 16)) == (1, 16):
-            data, sf, _, s_dec = rq.nvfp4(x16, per_row=fmt.global_scale == "row")
-            vals = rq.e2m1_values(data).view(m, k // 16, 16) * sf.view(torch.float8_e4m3fn).float()[..., None]
-            return Operand("bf16", vals.view(m, k).to(torch.bfloat16), gscale=s_dec)
-        if fmt.kind == FormatKind.FP8_BLOCK and tuple(fmt.block or (1, 128))[0] == 1:
-            bc = tuple(fmt.block or (1, 128))[1]
-            data, s_inv = rq.fp8_block(x16, fmt.element, (1, bc), fp8_block_pow2(fmt))
-            return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv, block=(1, bc))
-        if fmt.kind == FormatKind.FP8:
-            data, s_inv = rq.fp8_block(x16, fmt.element, (m, k), False)  # one block = the tensor (current scaling)
-            return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv.reshape(1), block=(m, k))
+        op = None if quantize is None else quantize(x16, fmt)
     except ValueError as e:
         raise EngineFormatError(f"{what or 'activation'}: {e}") from None
+    if op is not None:
+        return op
     raise EngineFormatError(f"{what or 'activation'}: {fmt.short()} activations are unsupported by the independent "
                             "rollout (hint: --rollout-numerics mirror)")
 
@@ -314,7 +383,7 @@ class IndependentRolloutExecutor:
         ops = [tuple(self.weights[n] for n in t) for t in trios]
         a_up, a_down = next(iter(acts[0])), next(iter(acts[2]))
         if all(op.kind == "fp8" and op.block == (128, 128) for t in ops for op in t) and all(
-                a.kind == FormatKind.FP8_BLOCK and tuple(a.block or (1, 128)) == (1, 128) for a in (a_up, a_down)):
+                (a.kind, tuple(a.block or (1, 128))) == _FP8_ROW for a in (a_up, a_down)):
             return RolloutExperts(self, "fp8", ops, (a_up, a_down))
         if all(op.kind == "bf16" and op.gscale is None for t in ops for op in t) \
                 and not a_up.is_quantized and not a_down.is_quantized:

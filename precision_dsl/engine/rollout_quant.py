@@ -97,13 +97,13 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return (idx + 8 * (y < 0).int()).to(torch.uint8)
 
 
-def nvfp4(x: torch.Tensor, per_row: bool, global_amax: torch.Tensor | None = None
+def nvfp4(x: torch.Tensor, per_token: bool, global_amax: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data uint8 [M, K/2], scale uint8 E4M3 [M, K/16], G fp32 ([M] or [1]), S_dec fp32 (same shape))."""
     xf = x.float()
     if global_amax is not None:
         g = global_amax.float().reshape(-1)
-    elif per_row:
+    elif per_token:  # one second-level scale per row = per token
         g = xf.abs().amax(-1)
     else:
         g = xf.abs().amax().reshape(1)

@@ -26,12 +26,8 @@ from typing import Optional
 
 import torch
 
+from ..format_specs import FormatInputError  # noqa: F401  (raised by the format specs' argument mapping too)
 from ..precision import TensorFormat
-
-
-class FormatInputError(ValueError):
-    """A tensor handed to a quantizer cannot be quantized as asked (shape not divisible by the block, wrong dtype,
-    scalar input, bad `global_amax`, ...). The message names the tensor dimension / argument and says what to do."""
 
 
 @dataclass

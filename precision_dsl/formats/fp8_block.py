@@ -45,17 +45,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..format_specs import FP8_BLOCK_SPEC
 from ..precision import FormatKind, TensorFormat
 from ._numerics import FP8_MAX, NAN_BYTE, abs_amax_nan, as_2d_fp32, f32_bits, f32_from_bits, \
     fp8_bytes_satfinite, fp8_bytes_to_f32, rn_div
 from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 128
-BLOCKS = ((1, 128), (128, 128))
+BLOCKS = FP8_BLOCK_SPEC.blocks  # (1, 128), (128, 128)
+KIND = FormatKind.FP8_BLOCK  # the format spec this module is the reference of (format_specs.SPECS)
 
 
 def make_format(element: str = "e4m3", block: tuple[int, int] = (1, 128), pow2: bool = True) -> TensorFormat:
-    return TensorFormat(kind=FormatKind.FP8_BLOCK, element=element, block=block,
+    return TensorFormat(kind=KIND, element=element, block=block,
                         scale_dtype="pow2" if pow2 else "fp32")  # type: ignore[arg-type]
 
 
@@ -119,7 +121,7 @@ def transpose_tiles(q: QuantizedTensor) -> QuantizedTensor:
     x is the rowwise one transposed (data and scale grid; partial tiles too) - TE's 2-D weight quantizer makes its
     columnwise copy the same way. Byte for byte `quantize(x, axis="col")` from `quantize(x, axis="row")` and back
     (tests/test_fp8_block.py)."""
-    if q.fmt.kind != FormatKind.FP8_BLOCK or tuple(q.fmt.block or ()) != (128, 128) or q.data.dim() != 2:
+    if q.fmt.kind != KIND or tuple(q.fmt.block or ()) != (128, 128) or q.data.dim() != 2:
         raise FormatInputError(f"transpose_tiles: needs a 2-D 128x128 FP8 block quantization, got {q.fmt.short()}")
     return QuantizedTensor(fmt=q.fmt, shape=q.shape, data=q.data.t().contiguous(), scale=q.scale.t().contiguous(),
                            axis="col" if q.axis == "row" else "row", orig_dtype=q.orig_dtype, kernel=q.kernel)

@@ -33,8 +33,11 @@ from .base import FormatInputError, QuantizedTensor
 from .fp8_block import scale_from_amax
 
 
+KIND = FormatKind.FP8  # the format spec this module is the reference of (format_specs.SPECS)
+
+
 def make_format(element: str = "e4m3") -> TensorFormat:
-    return TensorFormat(kind=FormatKind.FP8, element=element, scale_dtype="fp32")  # type: ignore[arg-type]
+    return TensorFormat(kind=KIND, element=element, scale_dtype="fp32")  # type: ignore[arg-type]
 
 
 def quantize(x: torch.Tensor, element: str = "e4m3", axis: str = "row",

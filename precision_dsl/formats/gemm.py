@@ -4,7 +4,7 @@
     y = fake_quantize(x, act_fmt) @ dequantize(weight_q).T + bias
 
 Both operands are the EXACT decoded values of the quantized bytes (weights: the stored QuantizedTensor;
-activations: quantized on the fly with the activation format, per-token scales when act_fmt.global_scale == "row").
+activations: quantized on the fly with the activation format, per-token scales for Scope.PER_TOKEN).
 The matmul runs in `compute_dtype` (fp32 by default: the decoded MXFP8/NVFP4 values are exact in fp32, so the
 only rounding is the fp32 accumulation; with bf16 the NVFP4 operands are rounded once more, S_dec being arbitrary).
 A native block-scaled tensor-core GEMM accumulates in fp32 in a different order, so emulated and native outputs

@@ -69,10 +69,11 @@ from .base import FormatInputError, QuantizedTensor
 
 BLOCK = 32
 E8M0_NAN = 255
+KIND = FormatKind.MXFP8  # the format spec this module is the reference of (format_specs.SPECS)
 
 
 def make_format(element: str = "e4m3", tile_2d: bool = False) -> TensorFormat:
-    return TensorFormat(kind=FormatKind.MXFP8, element=element, block=(32, 32) if tile_2d else (1, 32),
+    return TensorFormat(kind=KIND, element=element, block=(32, 32) if tile_2d else (1, 32),
                         scale_dtype="e8m0")
 
 

@@ -12,8 +12,9 @@ Elements E2M1: magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6) at index 0..7, code = sig
 byte, element 2j in the LOW nibble and element 2j+1 in the HIGH nibble.
 
 Second-level ("global") scale scope, G = fp32 amax:
-  * "tensor": G = max|x| of the whole tensor -> global_amax/global_scale shape [1]
-  * "row"   : G_r = max|x[r, :]| per row (= per token for activations; TE row_scaled_nvfp4) -> shape [rows]
+  * Scope.TENSOR: G = max|x| of the whole tensor -> global_amax/global_scale shape [1]
+  * Scope.PER_TOKEN (the IR's "row"): G_r = max|x[r, :]| per row (= per token for activations; TE
+              row_scaled_nvfp4) -> shape [rows]
   * given   : `global_amax=` (per-expert or share-scale group: pass `group_amax([gate, up])`) -> shape [1]
 Tiles: 1x16 (block along K) or 16x16 (2-D weight scaling, per-tensor G only). axis="col" is the same recipe applied
 to x.T (TE's columnwise copy): data [K, M/2], scale [K, M/16] (1x16) or [K/16, M/16] (16x16); per-row scope then
@@ -62,7 +63,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..precision import FP8_MAX, FormatKind, TensorFormat
+from ..precision import FP8_MAX, FormatKind, Scope, TensorFormat
 from ._numerics import FLT_MAX, abs_amax, as_2d_fp32, require_divisible, rn_div
 from .base import FormatInputError, QuantizedTensor
 
@@ -72,11 +73,12 @@ E4M3_MAX = FP8_MAX["e4m3"]
 GLOBAL_NUMERATOR = 2688.0  # 448 * 6 (TE; 1536 = 256 * 6 only with 4over6-256, not supported here)
 # E2M1 magnitudes by index 0..7; codes 8..15 are the negatives (code 8 is -0.0).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-SCOPES = ("tensor", "row")
+SCOPES = (Scope.TENSOR, Scope.PER_TOKEN)
+KIND = FormatKind.NVFP4  # the format spec this module is the reference of (format_specs.SPECS)
 
 
-def make_format(scope: str = "tensor", tile_2d: bool = False) -> TensorFormat:
-    return TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(16, 16) if tile_2d else (1, 16),
+def make_format(scope: str = Scope.TENSOR, tile_2d: bool = False) -> TensorFormat:
+    return TensorFormat(kind=KIND, element="e2m1", block=(16, 16) if tile_2d else (1, 16),
                         scale_dtype="e4m3", global_scale=scope)  # type: ignore[arg-type]
 
 
@@ -156,9 +158,9 @@ def _codes_to_f32(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _resolve_scope(scope: str, global_amax) -> str:
-    if scope not in ("tensor", "row", "expert", "group"):
-        raise FormatInputError(f"nvfp4: scope must be one of tensor | row | expert | group, got {scope!r}")
-    if scope == "group" and global_amax is None:
+    if scope not in Scope.ALL:
+        raise FormatInputError(f"nvfp4: scope must be one of {' | '.join(Scope.ALL)}, got {scope!r}")
+    if scope == Scope.GROUP and global_amax is None:
         raise FormatInputError("nvfp4: scope 'group' needs global_amax=group_amax([member tensors]) so that every "
                                "member of the share-scale group gets the same S_dec")
     return scope
@@ -174,7 +176,7 @@ def _given_global_amax(global_amax, scope: str, rows: int, device, what: str) ->
                                f"{g.flatten()[:4].tolist()}")
     if g.numel() == 1:
         return g.reshape(1)
-    if scope == "row" and g.shape == (rows,):
+    if scope == Scope.PER_TOKEN and g.shape == (rows,):
         return g.reshape(rows)
     raise FormatInputError(f"{what}: global_amax must have 1 element (or [rows]={rows} for per-row scope), "
                            f"got shape {tuple(g.shape)}")
@@ -182,7 +184,7 @@ def _given_global_amax(global_amax, scope: str, rows: int, device, what: str) ->
 
 def _quantize_matrix(m2: torch.Tensor, scope: str, g: Optional[torch.Tensor], tile_2d: bool):
     """Quantize fp32 [R, C] along C (blocks of 16 or 16x16 tiles). G is `g` if given, else the max of the block
-    amaxes per row (scope "row") or over the tensor (== max |x|, one pass saved).
+    amaxes per row (scope PER_TOKEN) or over the tensor (== max |x|, one pass saved).
     Returns (r, neg, sf, s_dec, G): E2M1 magnitudes and signs in the blocked view, the E4M3 block scales (fp8
     tensor, blocked view), S_dec and G ([1] or [R])."""
     r, c = m2.shape
@@ -193,7 +195,7 @@ def _quantize_matrix(m2: torch.Tensor, scope: str, g: Optional[torch.Tensor], ti
         blocks = m2.view(r, c // BLOCK, BLOCK)
         amax_b = abs_amax(blocks, dim=2, keepdim=True)  # [R, C/16, 1]
     if g is None:
-        if scope == "row":
+        if scope == Scope.PER_TOKEN:
             g = amax_b.reshape(r, c // BLOCK).amax(dim=1) if r and c else torch.zeros(r, device=m2.device)
         else:
             g = amax_b.amax().reshape(1) if amax_b.numel() else torch.zeros(1, device=m2.device)
@@ -215,7 +217,7 @@ def _prepare(x, axis: str, tile_2d: bool, scope: str, global_amax, what: str):
     if axis not in ("row", "col"):
         raise FormatInputError(f"{what}: axis must be 'row' or 'col', got {axis!r}")
     scope = _resolve_scope(scope, global_amax)
-    if tile_2d and scope == "row":
+    if tile_2d and scope == Scope.PER_TOKEN:
         raise FormatInputError(f"{what}: 16x16 tiles need a per-tensor global scale (TE: row-scaled NVFP4 is "
                                f"incompatible with 2D quantization); use scope='tensor' or 1x16 blocks")
     x2, shape = as_2d_fp32(x, what)
@@ -231,13 +233,13 @@ def _prepare(x, axis: str, tile_2d: bool, scope: str, global_amax, what: str):
     return m2, shape, g, scope
 
 
-def quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", tile_2d: bool = False,
+def quantize(x: torch.Tensor, axis: str = "row", scope: str = Scope.TENSOR, tile_2d: bool = False,
              global_amax: Optional[torch.Tensor | float] = None,
              fmt: Optional[TensorFormat] = None) -> QuantizedTensor:
     """Quantize `x` to NVFP4 exactly as TE >= 2.14 (see module docstring).
 
-    scope: "tensor" | "row" (per token) | "expert" | "group" ("expert"/"group" = per tensor, with G normally given
-    via `global_amax`; "group" requires it). global_amax: overrides G (1 element; or [rows] with scope="row")."""
+    scope: a `Scope` value: TENSOR | PER_TOKEN | EXPERT | GROUP (EXPERT / GROUP = per tensor, with G normally given
+    via `global_amax`; GROUP requires it). global_amax: overrides G (1 element; or [rows] with PER_TOKEN)."""
     what = f"nvfp4 {'16x16' if tile_2d else '1x16'} {scope} (axis={axis})"
     m2, shape, g, scope = _prepare(x, axis, tile_2d, scope, global_amax, what)
     mag, neg, sf, s_dec, g = _quantize_matrix(m2, scope, g, tile_2d)
@@ -269,7 +271,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     return out.reshape(q.shape).to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, axis: str = "row", scope: str = "tensor", tile_2d: bool = False,
+def fake_quantize(x: torch.Tensor, axis: str = "row", scope: str = Scope.TENSOR, tile_2d: bool = False,
                   global_amax: Optional[torch.Tensor | float] = None,
                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """dequantize(quantize(x)) in `out_dtype` (default x.dtype), same bits, without nibble packing."""

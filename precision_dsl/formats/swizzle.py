@@ -54,12 +54,18 @@ def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tenso
     return blocks.reshape(rp, cp)[:rows, :cols].contiguous()
 
 
+# (kind, block) -> the [R, C] scale matrix of a quantized tensor that the GEMM layout swizzles.
+_GEMM_SCALE = {
+    (FormatKind.MXFP8, (1, 32)): lambda q: q.scale if q.axis == "row" else q.scale.t().contiguous(),
+    (FormatKind.NVFP4, (1, 16)): lambda q: q.scale,
+}
+
+
 def logical_scale_for_gemm(q: QuantizedTensor) -> torch.Tensor:
     """The [R, C] scale matrix that the GEMM layout swizzles, for an MXFP8 (1x32 / 32x1) or NVFP4 (1x16) tensor."""
-    if q.fmt.kind == FormatKind.MXFP8 and q.fmt.block == (1, 32):
-        return q.scale if q.axis == "row" else q.scale.t().contiguous()
-    if q.fmt.kind == FormatKind.NVFP4 and q.fmt.block == (1, 16):
-        return q.scale
+    scale_of = _GEMM_SCALE.get((q.fmt.kind, q.fmt.block))
+    if scale_of is not None:
+        return scale_of(q)
     raise FormatInputError(f"swizzle: no GEMM-swizzled scale layout is defined for {q.fmt.short()} (axis={q.axis}); "
                            f"only MXFP8 1x32/32x1 and NVFP4 1x16 scales are swizzled")
 

@@ -10,11 +10,11 @@
 Either way the result is byte for byte the reference's (tests/test_kernels.py: golden vectors and random tensors,
 on the H200 and on CPU under Triton's interpreter). The kernel runs on a CUDA device of compute capability >= 8.9
 (fp8 cvt) with a Triton that can switch libdevice's flush-to-zero off, or on CPU under TRITON_INTERPRET=1. It does
-not cover FP8 per-tensor, MXFP8 32x32 tiles, NVFP4 16x16 tiles with a per-row scope or a given per-row amax, and
+not cover FP8 per-tensor, MXFP8 32x32 tiles, NVFP4 16x16 tiles with a per-token scope or a given per-token amax, and
 shapes that do not divide into blocks (the reference raises a FormatInputError for those that are invalid).
 
 The per-format entry points take the reference modules' own arguments (benchmarks and tests use them):
-    nvfp4_quantize(x, axis="row", scope="tensor", tile_2d=False, global_amax=None, fmt=None, kernel="auto")
+    nvfp4_quantize(x, axis="row", scope=Scope.TENSOR, tile_2d=False, global_amax=None, fmt=None, kernel="auto")
     mxfp8_quantize(x, element="e4m3", axis="row", tile_2d=False, fmt=None, kernel="auto")
     mxfp8_quantize_rowcol(x, element="e4m3", kernel="auto") -> (rowwise, columnwise)   # one read of x for both
     fp8_block_quantize(x, element="e4m3", block=(1, 128), pow2=True, axis="row", fmt=None, kernel="auto",
@@ -33,8 +33,8 @@ import math
 import os
 from typing import Callable, Optional
 
-from ..formats import FormatInputError, check_format, fp8_block_args, mxfp8_layout, nvfp4_args
-from ..precision import FormatKind
+from ..formats import FormatInputError, check_format, quantizer_kwargs
+from ..precision import FormatKind, Scope
 
 __all__ = ["KERNELS", "KernelUnavailable", "available", "quantize", "nvfp4_quantize",
            "mxfp8_quantize", "mxfp8_quantize_rowcol", "fp8_block_quantize", "fp8_block_quantize_rowcol"]
@@ -150,17 +150,17 @@ def _why_not_nvfp4(x, axis, scope, tile_2d, global_amax) -> Optional[str]:
     reason = _why_not_device(x)
     if reason:
         return reason
-    if axis not in ("row", "col") or scope not in ("tensor", "row", "expert", "group"):
+    if axis not in ("row", "col") or scope not in Scope.ALL:
         return f"axis {axis!r} / scope {scope!r}"
     m, k = math.prod(x.shape[:-1]), x.shape[-1]
     if k % 16 or ((tile_2d or axis == "col") and m % 16):
         return f"shape {tuple(x.shape)} does not divide into 16-element blocks"
-    if tile_2d and scope == "row":
-        return "16x16 tiles with a per-row scale"
-    if scope == "group" and global_amax is None:
+    if tile_2d and scope == Scope.PER_TOKEN:
+        return "16x16 tiles with a per-token scale"
+    if scope == Scope.GROUP and global_amax is None:
         return "scope 'group' without a global_amax"
-    if scope == "row" and global_amax is not None:
-        return "a given per-row amax"
+    if scope == Scope.PER_TOKEN and global_amax is not None:
+        return "a given per-token amax"
     if global_amax is not None:
         import torch
 
@@ -169,7 +169,7 @@ def _why_not_nvfp4(x, axis, scope, tile_2d, global_amax) -> Optional[str]:
     return None
 
 
-def nvfp4_quantize(x, axis: str = "row", scope: str = "tensor", tile_2d: bool = False, global_amax=None,
+def nvfp4_quantize(x, axis: str = "row", scope: str = Scope.TENSOR, tile_2d: bool = False, global_amax=None,
                    fmt=None, kernel: str = "auto"):
     """NVFP4 (TE >= 2.14), same contract as `precision_dsl.formats.nvfp4.quantize`."""
     from ..formats import nvfp4 as ref
@@ -186,7 +186,7 @@ def nvfp4_quantize(x, axis: str = "row", scope: str = "tensor", tile_2d: bool = 
     if axis == "col":
         x2 = x2.t().contiguous()
     with _on_device(x2):
-        if scope == "row":
+        if scope == Scope.PER_TOKEN:
             data, scale, sdec, g = kern.row_scaled(x2)
         else:
             g_in = None if global_amax is None else torch.as_tensor(global_amax, dtype=torch.float32).to(x2.device)
@@ -337,6 +337,15 @@ def fp8_block_quantize_rowcol(x, element: str = "e4m3", pow2: bool = True, pad_r
 
 
 # ---- the one entry point ------------------------------------------------------------------------------------------
+# The kernel entry of each kind that has one; each takes the reference's arguments (format_specs'
+# `FormatSpec.quantizer_kwargs`, through `formats.quantizer_kwargs`) plus fmt= and kernel=.
+ENTRIES = {
+    FormatKind.NVFP4: nvfp4_quantize,
+    FormatKind.MXFP8: mxfp8_quantize,
+    FormatKind.FP8_BLOCK: fp8_block_quantize,
+}
+
+
 def quantize(x, fmt, *, axis: str = "row", global_amax=None, kernel: str = "auto"):
     """Quantize `x` to plan format `fmt` (contract of `precision_dsl.formats.quantize`) on the path `kernel` chooses;
     `q.kernel` of the result says which ran ("triton" | "reference")."""
@@ -344,15 +353,8 @@ def quantize(x, fmt, *, axis: str = "row", global_amax=None, kernel: str = "auto
 
     # The TensorFormat -> arguments mapping (and its validation) is the reference dispatch's, so the two can't drift.
     check_format(fmt, global_amax)
-    if fmt.kind == FormatKind.NVFP4:
-        tile_2d, scope = nvfp4_args(fmt)
-        return nvfp4_quantize(x, axis=axis, scope=scope, tile_2d=tile_2d, global_amax=global_amax, fmt=fmt,
-                              kernel=kernel)
-    if fmt.kind == FormatKind.MXFP8:
-        ax, tile_2d = mxfp8_layout(fmt, axis)
-        return mxfp8_quantize(x, element=fmt.element, axis=ax, tile_2d=tile_2d, fmt=fmt, kernel=kernel)
-    if fmt.kind == FormatKind.FP8_BLOCK:
-        block, pow2 = fp8_block_args(fmt)
-        return fp8_block_quantize(x, element=fmt.element, block=block, pow2=pow2, axis=axis, fmt=fmt, kernel=kernel)
+    entry = ENTRIES.get(fmt.kind)
+    if entry is not None:
+        return entry(x, **quantizer_kwargs(fmt, axis, global_amax), fmt=fmt, kernel=kernel)
     _choose(kernel, x, lambda: f"no Triton kernel for {fmt.short()}", fmt.short())
     return _ran(formats.quantize(x, fmt, axis=axis, global_amax=global_amax), "reference")

@@ -7,8 +7,8 @@
     nvfp4(act_scale=per_token|per_tensor, weight_scale=per_tensor|per_expert, weight_block=1x16|16x16)
 
 plus, at rule level, `weight=<call>`, `act=<call>`, `grad=<call>` and `backward=quantized|high_precision|dequantized`.
-The full table (defaults, backward modes, what maps to which TensorFormat) is in docs/LANGUAGE.md; the facts come
-from ../shared/research/quantizers.md (TE 2.14 recipes, DeepSeek-V3 inference/kernel.py, OCP MX v1.0).
+The full table (defaults, backward modes, what maps to which TensorFormat) is in docs/LANGUAGE.md; the facts (TE 2.14
+recipes, DeepSeek-V3 inference/kernel.py, OCP MX v1.0) are the format specs' (precision_dsl/format_specs.py).
 
 Errors are `precision.FormatError(message, hint, arg)` with an extra `.span` attribute (the AST span of the
 offending argument or call) so the resolver can point a caret at it.
@@ -21,45 +21,22 @@ from typing import Optional
 from ..diagnostics import did_you_mean
 from ..precision import (
     BF16,
+    SPECS,
     BackwardMode,
     FormatError,
-    FormatKind,
-    HIGH_PRECISION_KINDS,
-    QUANTIZED_BACKWARD_KINDS,
     Precision,
     TensorFormat,
-    hp,
+    spec_of,
 )
 from . import ast
 
-HIGH_PRECISION_NAMES = ("bf16", "fp16", "fp32")
-FORMAT_NAMES = HIGH_PRECISION_NAMES + ("fp8", "fp8_block", "mxfp8", "nvfp4")
+# The language's vocabulary is the format specs' (precision_dsl.format_specs): names, arguments and their values (the
+# first listed value is the default), the positional alias, which operand an argument configures, the default
+# backward mode.
+HIGH_PRECISION_NAMES = tuple(s.name for s in SPECS.values() if s.high_precision)
+FORMAT_NAMES = tuple(s.name for s in SPECS.values())
 BACKWARD_NAMES = tuple(m.value for m in BackwardMode)
-
-# Accepted arguments per format: name -> allowed values; the first listed value is the default.
-# The positional argument (if any) is an alias for the named one in _POSITIONAL.
-FORMAT_ARGS: dict[str, dict[str, tuple[str, ...]]] = {
-    "bf16": {}, "fp16": {}, "fp32": {},
-    # TE Float8CurrentScaling: HYBRID = E4M3 forward, E5M2 gradients.
-    "fp8": {"format": ("e4m3", "hybrid")},
-    # TE Float8BlockScaling defaults to power-of-2 scales (NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 turns that off);
-    # DeepSeek-V3 checkpoints store plain fp32 scale_inv.
-    "fp8_block": {"scales": ("pow2", "fp32")},
-    # TE MXFP8BlockScaling: 32-element E8M0 blocks; enable_2d_quantization = 32x32 forward weight blocks.
-    "mxfp8": {"elem": ("e4m3", "e5m2"), "grad_elem": ("e4m3", "e5m2"), "weight_block": ("1x32", "32x32")},
-    # NVFP4: E2M1 values, E4M3 scale per 16 values, FP32 second-level scale (per tensor, or per token for
-    # activations as in Miles' per-token NVFP4); gradients stay BF16.
-    "nvfp4": {"act_scale": ("per_tensor", "per_token"), "weight_scale": ("per_tensor", "per_expert"),
-              "weight_block": ("1x16", "16x16")},
-}
-_POSITIONAL = {"fp8": "format", "fp8_block": "scales", "mxfp8": "elem"}
-# Which arguments make sense for which operand (used to reject e.g. weight=nvfp4(act_scale=per_token)).
-_OPERAND_OF_ARG = {"act_scale": "act", "weight_scale": "weight", "weight_block": "weight", "grad_elem": "grad"}
-# Default backward mode per format (see docs/LANGUAGE.md "Backward modes").
-DEFAULT_BACKWARD = {
-    "fp8": BackwardMode.QUANTIZED, "fp8_block": BackwardMode.QUANTIZED, "mxfp8": BackwardMode.QUANTIZED,
-    "nvfp4": BackwardMode.HIGH_PRECISION,
-}
+FORMAT_ARGS: dict[str, dict[str, tuple[str, ...]]] = {s.name: dict(s.args) for s in SPECS.values()}
 
 
 def _error(message: str, hint: str, arg: Optional[str], span: Optional[ast.Span]) -> FormatError:
@@ -68,20 +45,21 @@ def _error(message: str, hint: str, arg: Optional[str], span: Optional[ast.Span]
     return err
 
 
-def _args(call: ast.FormatCall, operand: Optional[str]) -> dict[str, str]:
-    """Validate a call's arguments; return {arg: value} with defaults filled in."""
+def _args(call: ast.FormatCall, operand: Optional[str]) -> tuple[dict[str, str], frozenset[str]]:
+    """Validate a call's arguments; return ({arg: value} with defaults filled in, the names the call gave)."""
     if call.name not in FORMAT_ARGS:
         raise _error(f"unknown format '{call.name}'", did_you_mean(call.name, FORMAT_NAMES, "format"), None,
                      call.span)
-    allowed = FORMAT_ARGS[call.name]
+    spec = spec_of(call.name)
+    allowed = spec.args
     out: dict[str, str] = {}
     for a in call.args:
         key = a.key
         if key.startswith("_"):
-            pos = _POSITIONAL.get(call.name)
+            pos = spec.positional
             if pos is None or key != "_0":
                 what = "takes no arguments" if not allowed else f"takes only keyword arguments ({', '.join(allowed)})"
-                raise _error(f"'{call.name}' {what}", f"e.g. {_example(call.name)}", key, a.span)
+                raise _error(f"'{call.name}' {what}", f"e.g. {spec.example}", key, a.span)
             key = pos
         if key not in allowed:
             hint = (f"'{call.name}' takes no arguments" if not allowed else
@@ -93,61 +71,25 @@ def _args(call: ast.FormatCall, operand: Optional[str]) -> dict[str, str]:
         if value not in allowed[key]:
             raise _error(f"invalid value '{value}' for {call.name}({key}=...)",
                          did_you_mean(value, allowed[key], key), key, a.span)
-        owner = _OPERAND_OF_ARG.get(key)
+        owner = spec.arg_operand.get(key)
         if operand is not None and owner is not None and owner != operand:
             raise _error(f"'{key}' has no effect in {operand}={call.name}(...)",
                          f"'{key}' configures the {owner} operand: move it to {owner}=... or to the base format",
                          key, a.span)
         out[key] = value
+    given = frozenset(out)
     for key, values in allowed.items():
         out.setdefault(key, values[0])
-    return out
-
-
-def _example(name: str) -> str:
-    return {"fp8": "fp8(hybrid)", "fp8_block": "fp8_block(scales=fp32)", "mxfp8": "mxfp8(elem=e4m3)",
-            "nvfp4": "nvfp4(act_scale=per_token)"}.get(name, name)
-
-
-def _dims(text: str) -> tuple[int, int]:
-    r, c = text.split("x")
-    return int(r), int(c)
+    return out, given
 
 
 def operand_formats(call: ast.FormatCall, operand: Optional[str] = None) -> tuple[TensorFormat, TensorFormat,
                                                                                     TensorFormat]:
     """(weight, activation, grad) formats of one call. `operand` (weight|act|grad) restricts which arguments are
     meaningful (an act-only argument in `weight=` is an error)."""
-    args = _args(call, operand)
-    name = call.name
-    if name in HIGH_PRECISION_NAMES:
-        f = hp(name)
-        return f, f, f
-    if name == "fp8":
-        fwd = TensorFormat(kind=FormatKind.FP8, element="e4m3", scale_dtype="fp32", global_scale="tensor")
-        grad_elem = "e5m2" if args["format"] == "hybrid" else "e4m3"
-        return fwd, fwd, TensorFormat(kind=FormatKind.FP8, element=grad_elem, scale_dtype="fp32",
-                                      global_scale="tensor")
-    if name == "fp8_block":
-        sd = args["scales"]
-        return (TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(128, 128), scale_dtype=sd),
-                TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype=sd),
-                TensorFormat(kind=FormatKind.FP8_BLOCK, element="e4m3", block=(1, 128), scale_dtype=sd))
-    if name == "mxfp8":
-        elem = args["elem"]
-        grad_elem = next((str(a.value) for a in call.args if a.key == "grad_elem"), elem)
-        wblock = _dims(args["weight_block"])
-        return (TensorFormat(kind=FormatKind.MXFP8, element=elem, block=wblock, scale_dtype="e8m0"),
-                TensorFormat(kind=FormatKind.MXFP8, element=elem, block=(1, 32), scale_dtype="e8m0"),
-                TensorFormat(kind=FormatKind.MXFP8, element=grad_elem, block=(1, 32), scale_dtype="e8m0"))
-    # nvfp4
-    w_scope = {"per_tensor": "tensor", "per_expert": "expert"}[args["weight_scale"]]
-    a_scope = {"per_tensor": "tensor", "per_token": "row"}[args["act_scale"]]
-    weight = TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=_dims(args["weight_block"]), scale_dtype="e4m3",
-                          global_scale=w_scope)  # type: ignore[arg-type]
-    act = TensorFormat(kind=FormatKind.NVFP4, element="e2m1", block=(1, 16), scale_dtype="e4m3",
-                       global_scale=a_scope)  # type: ignore[arg-type]
-    return weight, act, BF16
+    args, given = _args(call, operand)
+    w, a, g = spec_of(call.name).operands(args, given)
+    return TensorFormat(**w), TensorFormat(**a), TensorFormat(**g)
 
 
 def precision_from_spec(spec: ast.PrecisionSpec) -> Precision:
@@ -168,9 +110,9 @@ def precision_from_spec(spec: ast.PrecisionSpec) -> Precision:
         elif operand == "act":
             a = fa
         else:
-            if call.name == "nvfp4":
-                raise _error("nvfp4 gradients are not supported", "NVFP4 recipes keep gradients in bf16 "
-                             "(Miles/TE high-precision or dequantized backward): drop grad=nvfp4", "grad", call.span)
+            call_spec = spec_of(call.name)
+            if not (call_spec.high_precision or call_spec.quantized_backward):
+                raise _error(f"{call.name} gradients are not supported", call_spec.no_grad_hint, "grad", call.span)
             g = fg
             explicit_grad = call
     w = w or BF16
@@ -179,7 +121,8 @@ def precision_from_spec(spec: ast.PrecisionSpec) -> Precision:
     _check_operand_kinds(spec, w, a, g)
 
     quantized = [f for f in (w, a, g) if f.is_quantized]
-    has_nvfp4 = any(f.kind == FormatKind.NVFP4 for f in (w, a))
+    # a forward format without a quantized backward (nvfp4) decides the default and refuses backward=quantized
+    no_qbwd = next((f.spec for f in (w, a) if f.is_quantized and not f.spec.quantized_backward), None)
     if spec.backward is not None:
         if spec.backward not in BACKWARD_NAMES:
             raise _error(f"unknown backward mode '{spec.backward}'", did_you_mean(spec.backward, BACKWARD_NAMES,
@@ -188,22 +131,21 @@ def precision_from_spec(spec: ast.PrecisionSpec) -> Precision:
             raise _error("backward= only applies to quantized formats", "high-precision layers always run the "
                          "backward in high precision: remove backward=", "backward", spec.backward_span)
         backward = BackwardMode(spec.backward)
-    elif has_nvfp4:
-        backward = DEFAULT_BACKWARD["nvfp4"]
+    elif no_qbwd is not None:
+        backward = BackwardMode(no_qbwd.default_backward)
     elif g.is_quantized:
         backward = BackwardMode.QUANTIZED
     else:
         backward = BackwardMode.HIGH_PRECISION
 
     if backward == BackwardMode.QUANTIZED:
-        if has_nvfp4:
-            raise _error("backward=quantized is not supported for nvfp4", "NVFP4 recipes run the backward in bf16: "
-                         "use backward=high_precision or backward=dequantized", "backward",
-                         spec.backward_span or spec.span)
+        if no_qbwd is not None:
+            raise _error(f"backward=quantized is not supported for {no_qbwd.name}", no_qbwd.no_quantized_backward_hint,
+                         "backward", spec.backward_span or spec.span)
         if not g.is_quantized:
             raise _error("backward=quantized needs quantized gradients", "give a quantized base format (e.g. mxfp8) "
                          "or grad=mxfp8 / grad=fp8(hybrid)", "backward", spec.backward_span or spec.span)
-        if g.kind not in QUANTIZED_BACKWARD_KINDS:  # pragma: no cover - nvfp4 grads rejected above
+        if not g.spec.quantized_backward:  # pragma: no cover - nvfp4 grads rejected above
             raise _error(f"quantized backward is not available for {g.kind.value}", "use fp8, fp8_block or mxfp8",
                          "backward", spec.backward_span)
     elif g.is_quantized:
@@ -230,7 +172,7 @@ def _check_operand_kinds(spec: ast.PrecisionSpec, w: TensorFormat, a: TensorForm
             raise _error(f"gradient format {g.kind.value} differs from forward format {fwd.kind.value}",
                          "quantized backward GEMMs mix the gradient with forward operands: use one format family",
                          "grad", spec.grad.span if spec.grad else spec.span)
-    if w.kind in HIGH_PRECISION_KINDS and a.kind in HIGH_PRECISION_KINDS and g.is_quantized and spec.grad:
+    if not w.is_quantized and not a.is_quantized and g.is_quantized and spec.grad:
         raise _error("quantized gradients need a quantized forward", "quantize weight/act too, or drop grad=",
                      "grad", spec.grad.span)
 
