@@ -143,16 +143,6 @@ class Artifact:
         return b"".join(self.chunks())
 
 
-def per_plan(plan: Plan, what: str, compute: Callable[[Plan], _T]) -> _T:
-    """`plan.memo(what, ...)` for callers written as a function of the plan (kept until backends/quantize.py calls
-    plan.memo itself)."""
-    return plan.memo(what, lambda: compute(plan))
-
-
-def plan_hash(plan: Plan) -> str:
-    return plan.content_hash()  # kept until weight_update moves to plan.content_hash()
-
-
 def plan_json_pieces(plan: Plan) -> Iterator[str]:
     """policyc_plan.json: the plan's compact JSON (its content hash first) and a newline, in pieces."""
     yield from plan.json_pieces(plan.content_hash())

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.format_specs import NVFP4_SPEC, Scope
 from precision_dsl.precision import BackwardMode, FormatKind, Precision
 
 from precision_dsl.backends import versions
@@ -195,10 +196,10 @@ def _nvfp4_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
     if w.block not in ((1, 16), (16, 16)) or a.block != (1, 16):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"TE NVFP4 is 1x16 (or 16x16 weights); plan says "
                                                        f"W {w.block} A {a.block}")
-    if w.global_scale not in (None, "tensor", "group"):
+    if not NVFP4_SPEC.one_weight_scale_per_tensor(w.global_scale):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{w.global_scale}' weight global scale: TE keeps one "
                                                        "amax per weight tensor")
-    if a.global_scale not in (None, "tensor", "row"):
+    if not NVFP4_SPEC.activation_scale_supported(a.global_scale):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{a.global_scale}' activation global scale: TE supports "
                                                        "per-tensor or row-scaled (per-token) activations")
     return Recipe("nvfp4")
@@ -330,7 +331,7 @@ def _nvfp4_env(plan: Plan, nv: list[TensorPlan], env: dict[str, str], probs: Pro
     env["NVTE_NVFP4_DISABLE_RHT"] = "1"
     env["NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"] = "1"
     reqs.append(versions.requirement("te.nvfp4_formula"))
-    if act == "row":
+    if act == Scope.PER_TOKEN:
         env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] = "1"
         reqs.append(versions.requirement("te.nvfp4_row_scaled_activation"))
 

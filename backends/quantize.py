@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 from precision_dsl.format_specs import NVFP4_SPEC
 from precision_dsl.plan import Plan, TensorPlan
 from precision_dsl.precision import HP_DTYPE_NAMES, FormatKind, Scope, TensorFormat
-from precision_dsl.backends.common import UnsupportedByBackend, module_of, per_plan
+from precision_dsl.backends.common import UnsupportedByBackend, module_of
 from precision_dsl.errors import PolicycError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def check_supported(t: TensorPlan, backend: str) -> None:
 def check_all_supported(plan: Plan, backend: str) -> None:
     """`check_supported` for every plan tensor, evaluated once per distinct (weight format object, linear?, rank): the
     check reads nothing else, and the first failing tensor in plan order is the one reported, as before."""
-    for t in per_plan(plan, "check_supported.representatives", _first_of_each_weight_layout):
+    for t in plan.memo("check_supported.representatives", lambda: _first_of_each_weight_layout(plan)):
         check_supported(t, backend)
 
 
@@ -93,7 +93,7 @@ def _first_of_each_weight_layout(plan: Plan) -> list[TensorPlan]:
 def plan_output_specs(plan: Plan) -> list[list[tuple[str, str, tuple[int, ...]]]]:
     """`output_specs` of every plan tensor, in plan order, computed once per plan object (the converter and the
     weight-update manifests both list them). Shared between callers: read, never modify."""
-    return per_plan(plan, "output_specs", lambda p: [output_specs(t) for t in p.tensors])
+    return plan.memo("output_specs", lambda: [output_specs(t) for t in plan.tensors])
 
 
 def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
+from precision_dsl.format_specs import is_per_token
 from precision_dsl.precision import FormatKind
 from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, engine_format,
                                           fused_module_sizes, is_quantized, kind_handler, module_of, plan_stamp,
@@ -172,7 +173,7 @@ def _check_fp8_block(t: TensorPlan) -> None:
 
 def _check_nvfp4(t: TensorPlan) -> None:
     a = t.precision.activation
-    if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
+    if a.kind != FormatKind.NVFP4 or not is_per_token(a):
         raise UnsupportedByBackend(
             BACKEND, t.hf_name,
             f"NVFP4 activations {a.short()}: SGLang either needs a calibrated static input_scale (per-tensor) "
