@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Optional
 
 from precision_dsl.plan import Plan
 
-from precision_dsl.backends.common import plan_hash as _plan_hash
 from precision_dsl.backends.quantize import read_quantized
 from precision_dsl.backends.weight_update.buckets import _digest, unpack_bucket
 from precision_dsl.backends.weight_update.errors import WeightUpdateAborted, WeightUpdateError, WeightUpdateMismatch
@@ -32,7 +31,7 @@ class WeightReceiver:
 
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
         """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
-        self.transport.handshake(_plan_hash(self.plan))
+        self.transport.handshake(self.plan.content_hash())
         self.raw = {}
         bufs: list = []
         metas: list = []

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 from precision_dsl.plan import Plan, TensorPlan
 
-from precision_dsl.backends.common import plan_hash as _plan_hash
 from precision_dsl.backends.quantize import NonFiniteWeight, checkpoint_tensors, needs_shared_amax
 from precision_dsl.backends.weight_update.buckets import _digest, atomic_groups, pack_bucket
 from precision_dsl.backends.weight_update.errors import WeightUpdateAborted, WeightUpdateError
@@ -187,7 +186,7 @@ class WeightSender:
 
     def _send_program(self, prep: "PreparedUpdate", weight_version: Optional[str]) -> SendReport:
         prog = self.program()
-        plan_hash = _plan_hash(self.plan)
+        plan_hash = self.plan.content_hash()
         if hasattr(self.transport, "weight_version"):
             self.transport.weight_version = weight_version
         self.transport.open(plan_hash)
@@ -219,7 +218,7 @@ class WeightSender:
         serves afterwards."""
         if isinstance(units, PreparedUpdate):
             return self._send_program(units, weight_version)
-        plan_hash = _plan_hash(self.plan)
+        plan_hash = self.plan.content_hash()
         report = SendReport(plan_hash=plan_hash)
         if hasattr(self.transport, "weight_version"):
             self.transport.weight_version = weight_version
