@@ -112,13 +112,80 @@ def pack_bucket(tensors: dict[str, torch.Tensor]) -> tuple[dict, torch.Tensor]:
     return meta, buf
 
 
+_SAME_POLICYC = "sender and receiver must run the same policyc"
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def check_bucket_meta(meta, size: int) -> None:
+    """Refuse, naming the tensor, a received bucket whose meta disagrees with its `size` bytes: every tensor's byte
+    count must be its shape x dtype and lie inside the buffer - packed buckets (pack_bucket) hold their tensors
+    back to back and exactly fill it, GPU-program buckets ("offsets" layout) at their offsets within its "total".
+    Viewing a byte slice as a dtype and reshaping it would otherwise fail later with a bare RuntimeError (an odd
+    byte count viewed as BF16, a shape the bytes do not fill), or read the bytes of a neighbour."""
+    if not isinstance(meta, dict):
+        raise WeightUpdateMismatch(f"bucket metadata is a {type(meta).__name__}, not a mapping", _SAME_POLICYC)
+    packed = "offsets" not in meta
+    keys = ("names", "dtypes", "shapes", "nbytes") + (() if packed else ("offsets",))
+    cols = [meta.get(k) for k in keys]
+    if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:
+        got = ", ".join(f"{k}: {len(c) if isinstance(c, list) else type(c).__name__}" for k, c in zip(keys, cols))
+        raise WeightUpdateMismatch(f"bucket metadata lists do not line up ({got})", _SAME_POLICYC)
+    if not packed and (meta.get("total") != size or size % 4):  # its fingerprint reads whole int32 words
+        raise WeightUpdateMismatch(f"GPU-program bucket of {size} bytes declares {meta.get('total')!r}",
+                                   _SAME_POLICYC)
+    itemsize = {k: v.itemsize for k, v in _dtypes().items()}
+    end = 0
+    # type(x) is int: a bool is no count; plain loops, as a 30B-parameter layout has ~75k tensors
+    for i, (n, dt, shape, nb) in enumerate(zip(*cols[:4])):
+        off = end if packed else cols[4][i]
+        if type(n) is not str:
+            raise WeightUpdateMismatch(f"bucket tensor {i} has the name {n!r}, not a string", _SAME_POLICYC)
+        want = itemsize.get(dt) if isinstance(dt, str) else None
+        if want is None:
+            raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
+        ok = type(shape) is list and type(nb) is int and type(off) is int and nb >= 0 and off >= 0
+        for d in shape if ok else ():
+            if type(d) is not int or d < 0:
+                ok = False
+                break
+            want *= d
+        if not ok:
+            raise WeightUpdateMismatch(f"bucket tensor '{n}' has a malformed layout (shape {shape!r}, offset "
+                                       f"{off!r}, {nb!r} bytes)", _SAME_POLICYC)
+        if nb != want:
+            raise WeightUpdateMismatch(f"bucket tensor '{n}' is declared {dt} {shape} ({want} bytes) but carries "
+                                       f"{nb} bytes", _SAME_POLICYC)
+        if off + nb > size:
+            raise WeightUpdateMismatch(f"bucket tensor '{n}' (bytes {off}..{off + nb}) runs past the end of its "
+                                       f"{size}-byte bucket", _SAME_POLICYC)
+        end = off + nb
+    if packed and end != size:
+        raise WeightUpdateError(f"bucket declares {end} bytes but carries {size}")
+
+
+def declared_size(meta) -> int:
+    """The bytes a bucket's meta says its buffer holds (a GPU-program layout's "total", else the sum of "nbytes"):
+    what a broadcast receiver allocates before the bytes arrive."""
+    try:
+        n = meta["total"] if "offsets" in meta else sum(meta["nbytes"])
+    except (TypeError, KeyError):
+        n = None
+    if not _is_count(n):
+        raise WeightUpdateMismatch(f"bucket metadata declares no byte count: {str(meta)[:200]}", _SAME_POLICYC)
+    return n
+
+
 def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     # GPU-program buckets ("offsets" layout) carry no per-bucket checksum in their meta (they are filled on the
     # GPU after the layout is sent): WeightReceiver checks them against the on-GPU fingerprints of the closing
     # message instead, and they never come through here.
+    check_bucket_meta(meta, buf.numel())
     want = meta.get("checksum")
     if not isinstance(want, str):
-        raise WeightUpdateMismatch("bucket carries no checksum", "sender and receiver must run the same policyc")
+        raise WeightUpdateMismatch("bucket carries no checksum", _SAME_POLICYC)
     got = bucket_checksum(buf, want.split(":", 1)[0])
     if got != want:
         raise WeightUpdateMismatch(f"bucket of {len(meta.get('names', []))} tensors (first "
@@ -127,10 +194,6 @@ def unpack_bucket(meta: dict, buf: torch.Tensor) -> dict[str, torch.Tensor]:
     dtypes = _dtypes()
     out, off = {}, 0
     for n, dt, shape, nb in zip(meta["names"], meta["dtypes"], meta["shapes"], meta["nbytes"]):
-        if dt not in dtypes:
-            raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
         out[n] = buf[off:off + nb].clone().view(dtypes[dt]).reshape(shape)
         off += nb
-    if off != buf.numel():
-        raise WeightUpdateError(f"bucket declares {off} bytes but carries {buf.numel()}")
     return out

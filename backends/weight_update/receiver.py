@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 from precision_dsl.plan import Plan
 
 from precision_dsl.backends.quantize import read_quantized
-from precision_dsl.backends.weight_update.buckets import _digest, unpack_bucket
+from precision_dsl.backends.weight_update.buckets import _digest, check_bucket_meta, unpack_bucket
 from precision_dsl.backends.weight_update.errors import WeightUpdateAborted, WeightUpdateError, WeightUpdateMismatch
 from precision_dsl.backends.weight_update.program import _BucketViews, _copy_layout, layout_index
 from precision_dsl.backends.weight_update.transports import InProcessTransport
@@ -57,6 +57,11 @@ class WeightReceiver:
         program_only = bool(metas) and not self.raw  # every tensor came in GPU-program buckets
         # the same layout as an update already checked (list equality: identity first, then by value)
         known = program_only and self._layout is not None and self._layout[0] == metas
+        try:
+            self._check_layouts(metas, bufs, known)
+        except WeightUpdateError:
+            self.raw = {}
+            raise
         if metas:
             index = self._layout[1] if known else layout_index(metas)
             lazy = _BucketViews(metas, bufs, index)
@@ -82,6 +87,18 @@ class WeightReceiver:
             if bad:
                 raise WeightUpdateMismatch(f"{len(bad)} tensor(s) differ between sender and receiver, e.g. {bad[0]}")
         return self.raw
+
+    @staticmethod
+    def _check_layouts(metas: list, bufs: list, known: bool) -> None:
+        """GPU-program buckets: every layout against its buffer before any tensor view exists (the views are made
+        when the rollout first reads a tensor, too late to refuse the update). A layout equal to one already
+        checked needs only its buffers' sizes."""
+        for m, b in zip(metas, bufs):
+            if not known:
+                check_bucket_meta(m, b.numel())
+            elif b.numel() != m["total"]:
+                raise WeightUpdateMismatch(f"GPU-program bucket of {b.numel()} bytes, its layout says {m['total']}",
+                                           "sender and receiver must run the same policyc")
 
     def _drain(self, timeout) -> None:
         while True:

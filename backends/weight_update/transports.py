@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from precision_dsl.backends.common import PLAN_FILE, PlanMismatch
+from precision_dsl.backends.weight_update.buckets import declared_size
 from precision_dsl.backends.weight_update.errors import WeightUpdateError, WeightUpdateMismatch
 
 if TYPE_CHECKING:
@@ -179,7 +180,7 @@ class TorchDistributedTransport:
         pending = getattr(self, "_pending", None)
         if pending:
             meta = pending.pop(0)
-            buf = torch.empty(meta["total"], dtype=torch.uint8, device=self.device)
+            buf = torch.empty(declared_size(meta), dtype=torch.uint8, device=self.device)
             self._dist().broadcast(buf, src=self.src, group=self.group)
             return "bucket", meta, buf
         kind, meta = self._bcast_obj(None)
@@ -195,7 +196,7 @@ class TorchDistributedTransport:
         if kind in ("close", "abort"):
             self._pending = []
             return kind, meta, None
-        buf = torch.empty(sum(meta["nbytes"]), dtype=torch.uint8, device=self.device)
+        buf = torch.empty(declared_size(meta), dtype=torch.uint8, device=self.device)
         self._dist().broadcast(buf, src=self.src, group=self.group)
         return kind, meta, buf  # stays on the receiver's device (a GPU rollout loads it without a host round trip)
 
