@@ -29,7 +29,7 @@ _MODULES = {
     "megatron": "precision_dsl.backends.megatron",
     "sglang": "precision_dsl.backends.sglang",
     "converter": "precision_dsl.backends.converter",
-    "weight_update": "precision_dsl.backends.weight_update",
+    "weight_update": "precision_dsl.backends.weight_update.backend",
 }
 
 

@@ -1,4 +1,4 @@
-"""backends/weight_update.py: the live update path produces BYTE-IDENTICAL tensors to the converter (per format,
+"""backends/weight_update/: the live update path produces BYTE-IDENTICAL tensors to the converter (per format,
 HF and Megatron naming, TP/EP shards), keeps atomic groups in one bucket, refuses NaN/Inf and plan mismatches,
 checks equality, and speaks SGLang 0.5.23's HTTP protocol (against a local stub on 127.0.0.1)."""
 

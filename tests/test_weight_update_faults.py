@@ -14,12 +14,16 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import http.server
 import json
+import math
+import re
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -141,6 +145,120 @@ def test_corrupted_bucket_is_drained_and_the_next_update_succeeds(weights):
     with pytest.raises(WeightUpdateMismatch, match="arrived corrupted"):
         WeightReceiver(plan(), tr).receive()
     assert len(WeightReceiver(plan(), tr).receive_raw()) > 0 and tr._q.empty()
+
+
+def _first_bf16_with_successor(meta: dict) -> Optional[int]:
+    return next((i for i, dt in enumerate(meta["dtypes"][:-1]) if dt == "bfloat16"), None)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def _odd_bf16(meta: dict) -> Optional[str]:
+    """A BF16 tensor declared one byte short (its successor one byte long): the bucket's total still matches."""
+    i = _first_bf16_with_successor(meta)
+    if i is None:
+        return None
+    meta["nbytes"][i] -= 1
+    meta["nbytes"][i + 1] += 1
+    return meta["names"][i]
+
+
+def _shape_disagrees(meta: dict) -> Optional[str]:
+    """A shape with one row more than the tensor's bytes hold."""
+    i = next((i for i, sh in enumerate(meta["shapes"]) if sh), None)
+    if i is None:
+        return None
+    meta["shapes"][i][0] += 1
+    return meta["names"][i]
+
+
+def _past_the_end(meta: dict) -> Optional[str]:
+    """The last tensor declared one row longer, shape and byte count consistent: its bytes run past the buffer."""
+    sh = meta["shapes"][-1]
+    if not sh:
+        return None
+    sh[0] += 1
+    meta["nbytes"][-1] = math.prod(sh) * _itemsize(meta["dtypes"][-1])
+    return meta["names"][-1]
+
+
+TAMPER = {"odd-bf16": _odd_bf16, "shape": _shape_disagrees, "past-end": _past_the_end}
+
+
+@pytest.mark.parametrize("tamper", sorted(TAMPER))
+def test_bucket_whose_metadata_disagrees_with_its_bytes_is_refused_by_name(weights, tamper):
+    """A bucket's meta (names, dtypes, shapes, byte counts) not matching its bytes - its checksum, taken over the
+    bytes, still passes - is a WeightUpdateMismatch naming the tensor (not a RuntimeError from viewing or reshaping
+    the bytes), and the stream stays in step: the next update on the same channel goes through."""
+    class TamperOnce(InProcessTransport):
+        bad: Optional[str] = None
+
+        def send_bucket(self, meta, tensors, buf):
+            if self.bad is None:
+                meta = copy.deepcopy(meta)
+                self.bad = TAMPER[tamper](meta)
+            super().send_bucket(meta, tensors, buf)
+
+    tr = TamperOnce()
+    WeightSender(plan(), tr, bucket_bytes=1 << 16).send(iter(weights.items()))
+    assert tr.bad is not None
+    WeightSender(plan(), tr, bucket_bytes=1 << 16).send(iter(weights.items()))
+    with pytest.raises(WeightUpdateMismatch, match=re.escape(f"'{tr.bad}'")):
+        WeightReceiver(plan(), tr).receive()
+    assert len(WeightReceiver(plan(), tr).receive()) == len(plan().tensors) and tr._q.empty()
+
+
+def _program_offsets_odd_bf16(meta: dict) -> Optional[str]:
+    i = _first_bf16_with_successor(meta)
+    meta["nbytes"][i] -= 1
+    return meta["names"][i]
+
+
+def _program_offsets_short(meta: dict) -> Optional[str]:
+    i = next(i for i, nb in enumerate(meta["nbytes"]) if nb >= 4)
+    meta["nbytes"][i] -= 2
+    return meta["names"][i]
+
+
+def _program_offsets_past_end(meta: dict) -> Optional[str]:
+    meta["offsets"][-1] += meta["total"]
+    return meta["names"][-1]
+
+
+PROGRAM_TAMPER = {"odd-bf16": _program_offsets_odd_bf16, "short": _program_offsets_short,
+                  "past-end": _program_offsets_past_end}
+
+
+@pytest.mark.parametrize("tamper", sorted(PROGRAM_TAMPER))
+def test_gpu_program_layout_that_disagrees_with_its_buffer_is_refused_by_name(monkeypatch, tamper):
+    """GPU-program buckets (a static layout: offsets into one buffer; their tensors are viewed lazily, when the
+    rollout reads them) are checked against their buffers when the layout arrives, naming the tensor: a later
+    view must not fail with a bare RuntimeError. Sent by hand (CPU buffers of zeros) with the sender's own
+    program layout; the on-GPU fingerprint is stubbed (the layout check needs no GPU)."""
+    from precision_dsl.kernels import triton_segments
+
+    monkeypatch.setattr(triton_segments, "fingerprint", lambda buf, out, stride=1: None)
+    metas = WeightSender(plan(), InProcessTransport()).program().metas
+
+    def send(tr, metas):
+        tr.open(plan().content_hash())
+        for m in metas:
+            tr._q.put(("bucket", m, torch.zeros(m["total"], dtype=torch.uint8), None))
+        tr.close({"plan_hash": plan().content_hash(), "tensors": sum(len(m["names"]) for m in metas),
+                  "bytes": sum(sum(m["nbytes"]) for m in metas), "weight_version": None, "digests": None,
+                  "fingerprints": [0] * len(metas), "fingerprint_stride": 16})
+
+    bad_metas = copy.deepcopy(metas)
+    bad = PROGRAM_TAMPER[tamper](bad_metas[0])
+    tr = InProcessTransport()
+    rx = WeightReceiver(plan(), tr, check_equal=False)
+    send(tr, bad_metas)
+    with pytest.raises(WeightUpdateMismatch, match=re.escape(f"'{bad}'")):
+        rx.receive()
+    send(tr, metas)  # the same receiver takes the sender's true layout next
+    assert len(rx.receive()) == len(plan().tensors) and tr._q.empty()
 
 
 # ---------------------------------------------------------------------------------------------------------------

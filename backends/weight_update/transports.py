@@ -1,0 +1,365 @@
+"""Transports: how buckets move from the sender to the receiver.
+
+  InProcessTransport            a queue (sender and receiver in one process; used by the embedded RL engine)
+  TorchDistributedTransport     broadcast from `src` over a torch.distributed group (gloo on CPU, NCCL on GPU)
+  SGLangHTTPTransport           SGLang 0.5.23 HTTP: begin_weight_update -> update_weights_from_tensor or
+                                update_weights_from_distributed (per bucket) -> end_weight_update (endpoints and
+                                bodies: sglang 0.5.23 python/sglang/srt/entrypoints/http_server.py and
+                                python/sglang/srt/managers/io_struct.py)
+
+Sender side: open(plan_hash), send_bucket(meta, tensors, buf) / send_layout + send_gpu_bucket (GPU update program),
+close(summary), abort(reason). Receiver side: handshake(plan_hash), recv() -> (kind, meta, buf).
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+from precision_dsl.backends.common import PLAN_FILE, PlanMismatch
+from precision_dsl.backends.weight_update.buckets import declared_size
+from precision_dsl.backends.weight_update.errors import WeightUpdateError, WeightUpdateMismatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+class InProcessTransport:
+    """A queue between a sender and a receiver in the same process (or threads)."""
+
+    gpu_program = True  # CUDA senders take the GPU update program (copy stream, see send_gpu_bucket)
+
+    def __init__(self, persistent: bool = False):
+        """persistent: GPU buckets land in receiver buffers kept from one update to the next (bucket k of every
+        update overwrites the same memory, as a rollout engine updates its weights in place; views received
+        earlier then show the new weights; receive each update before the next is sent). Default: fresh
+        buffers per update."""
+        self._q: "queue.Queue" = queue.Queue()
+        self.persistent = persistent
+        self._dst: dict = {}
+        self._k = 0
+
+    # sender side
+    def open(self, plan_hash: str) -> None:
+        self._k = 0
+        self._q.put(("open", {"plan_hash": plan_hash}, None, None))
+
+    def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
+        self._q.put(("bucket", meta, buf.clone(), None))
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Copy a GPU bucket into a fresh receiver-side buffer on a separate copy stream (ordered after the work
+        that filled it), so the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes
+        the sender's stream wait for the copy before it reuses `buf`; nothing blocks the host."""
+        import torch
+
+        cur = torch.cuda.current_stream(buf.device)
+        if getattr(self, "_stream", None) is None:
+            self._stream = torch.cuda.Stream(buf.device)
+        self._stream.wait_stream(cur)
+        with torch.cuda.stream(self._stream):
+            dst = self._dst.get(self._k) if self.persistent else None
+            if dst is None or dst.numel() != buf.numel():
+                dst = torch.empty_like(buf)
+                if self.persistent:
+                    self._dst[self._k] = dst
+            self._k += 1
+            dst.copy_(buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        dst.record_stream(cur)  # the receiver reads it on the current stream
+        self._q.put(("bucket", meta, dst, ev))
+        return _StreamWait(ev)
+
+    def close(self, summary: dict) -> None:
+        self._q.put(("close", summary, None, None))
+
+    def abort(self, reason: str) -> None:
+        self._q.put(("abort", {"reason": reason}, None, None))
+
+    # receiver side
+    def recv(self, timeout: Optional[float] = None):
+        kind, meta, buf, ev = self._q.get(timeout=timeout)
+        if ev is not None:
+            import torch
+
+            torch.cuda.current_stream(buf.device).wait_event(ev)
+        return kind, meta, buf
+
+    def handshake(self, plan_hash: str) -> None:
+        kind, meta, _ = self.recv(timeout=60)
+        if kind != "open":
+            raise WeightUpdateError(f"expected an 'open' message, got '{kind}'")
+        if meta["plan_hash"] != plan_hash:
+            raise PlanMismatch("weight update receiver", plan_hash, meta["plan_hash"])
+
+
+class _StreamWait:
+    def __init__(self, ev):
+        self.ev = ev
+
+    def wait(self) -> None:
+        import torch
+
+        torch.cuda.current_stream().wait_event(self.ev)
+
+
+class TorchDistributedTransport:
+    """Broadcast over a torch.distributed process group from rank `src` (gloo on CPU, NCCL on GPU: tensors are moved
+    to `device` before the collective). Every rank first all-gathers its plan hash, so all ranks refuse together."""
+
+    def __init__(self, group=None, src: int = 0, device: str = "cpu", gpu_program: bool = False):
+        # gpu_program: CUDA senders use the GPU update program (layout once, async NCCL broadcasts of
+        # double-buffered buckets). Off by default until it has run on a two-GPU machine.
+        self.group, self.src, self.device, self.gpu_program = group, src, device, gpu_program
+        self._sent_layout: Optional[list] = None  # sender: the program layout last broadcast whole
+        self._layout: Optional[list] = None  # receiver: the layout last received whole
+
+    def _dist(self):
+        import torch.distributed as dist
+
+        return dist
+
+    def _check_hash(self, plan_hash: str) -> None:
+        dist = self._dist()
+        hashes = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(hashes, plan_hash, group=self.group)
+        bad = [i for i, h in enumerate(hashes) if h != hashes[self.src]]
+        if bad:
+            raise PlanMismatch(f"torch.distributed weight update (rank {dist.get_rank(self.group)})", hashes[self.src],
+                               hashes[bad[0]], hint=f"rank(s) {bad} compiled a different plan")
+
+    def open(self, plan_hash: str) -> None:
+        self._check_hash(plan_hash)
+
+    handshake = open
+
+    def _bcast_obj(self, obj):
+        box = [obj]
+        self._dist().broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
+        self._bcast_obj(("bucket", meta))
+        b = buf.to(self.device)
+        self._dist().broadcast(b, src=self.src, group=self.group)
+
+    def send_layout(self, metas: list) -> None:
+        """GPU update program: every bucket's layout in one object broadcast, then buffers only. The layout is sent
+        whole once per transport; later updates with the same program send only a reference to it (pickling ~75k
+        tensor names on one end and unpickling them on the other cost tens of ms per update at 30B)."""
+        if metas is self._sent_layout:
+            self._bcast_obj(("layout", None))
+            return
+        self._bcast_obj(("layout", metas))
+        self._sent_layout = metas
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Asynchronous broadcast of a GPU bucket (NCCL orders it after the work that filled `buf`); the returned
+        work's wait() makes the sender's stream - not the host - wait before `buf` is reused."""
+        return self._dist().broadcast(buf, src=self.src, group=self.group, async_op=True)
+
+    def close(self, summary: dict) -> None:
+        self._bcast_obj(("close", summary))
+
+    def abort(self, reason: str) -> None:
+        # Sent between two messages (the sender failed before its next collective), so the receivers are waiting
+        # for exactly this object: they raise WeightUpdateAborted and the group stays usable.
+        self._bcast_obj(("abort", {"reason": reason}))
+
+    def recv(self, timeout: Optional[float] = None):
+        import torch
+
+        pending = getattr(self, "_pending", None)
+        if pending:
+            meta = pending.pop(0)
+            buf = torch.empty(declared_size(meta), dtype=torch.uint8, device=self.device)
+            self._dist().broadcast(buf, src=self.src, group=self.group)
+            return "bucket", meta, buf
+        kind, meta = self._bcast_obj(None)
+        if kind == "layout":
+            if meta is None:  # "the same layout as last time" (see send_layout)
+                meta = self._layout
+                if meta is None:
+                    raise WeightUpdateMismatch("the sender referred to a bucket layout this receiver never got",
+                                               "keep one TorchDistributedTransport per end for the whole run")
+            self._layout = meta
+            self._pending = list(meta)
+            return self.recv(timeout)
+        if kind in ("close", "abort"):
+            self._pending = []
+            return kind, meta, None
+        buf = torch.empty(declared_size(meta), dtype=torch.uint8, device=self.device)
+        self._dist().broadcast(buf, src=self.src, group=self.group)
+        return kind, meta, buf  # stays on the receiver's device (a GPU rollout loads it without a host round trip)
+
+
+class SGLangHTTPTransport:
+    """Client of a running SGLang 0.5.23 server.
+
+    mode="tensor": POST /update_weights_from_tensor {serialized_named_tensors: [base64] * tp_size, load_format:
+    null, flush_cache: false, weight_version}. The payload is SGLang's own `MultiprocessingSerializer` format
+    (base64 of a torch ForkingPickler dump of [(name, tensor), ...]); SGLang defines this protocol (it is pickle on
+    the server side - only point this at a server you run). The tensors travel as torch multiprocessing handles
+    (CUDA IPC for GPU tensors), so this mode is for a server colocated on the same host, as in Miles/slime. mode="distributed": POST
+    /update_weights_from_distributed {names, dtypes, shapes, group_name, flush_cache: false, weight_version} while
+    this process broadcasts each tensor from rank 0 of the update group (`broadcast_fn(tensor)`; the group is set
+    up with /init_weights_update_group by the caller).
+
+    The update is bracketed by POST /begin_weight_update {selector} and POST /end_weight_update {} (SGLang rejects
+    update_* outside the bracket). On open, GET /get_model_info gives the served model_path; its policyc_plan.json
+    must carry the sender's plan hash (`allow_unverified=True` skips this when the path is not readable here)."""
+
+    def __init__(self, base_url: str, mode: str = "tensor", tp_size: int = 1, selector: str = "target",
+                 group_name: str = "weight_update_group", broadcast_fn: Optional[Callable] = None,
+                 allow_unverified: bool = False, timeout: float = 600.0, rollback: str = "disk"):
+        if mode not in ("tensor", "distributed"):
+            raise ValueError("mode must be 'tensor' or 'distributed'")
+        if mode == "distributed" and broadcast_fn is None:
+            raise ValueError("mode='distributed' needs broadcast_fn(tensor) "
+                             "(a torch.distributed broadcast from rank 0)")
+        self.base_url = base_url.rstrip("/")
+        self.mode, self.tp_size, self.selector, self.group_name = mode, tp_size, selector, group_name
+        self.broadcast_fn, self.allow_unverified, self.timeout = broadcast_fn, allow_unverified, timeout
+        if rollback not in ("disk", "none"):
+            raise ValueError("rollback must be 'disk' (reload the served checkpoint on failure) or 'none'")
+        self.rollback = rollback
+        self.weight_version: Optional[str] = None
+        self.previous_version: Optional[str] = None  # what the server reported before this update
+        self.served_version: Optional[str] = None  # what it reports after close/abort
+        self._model_path: Optional[str] = None  # the served checkpoint, once verified to carry our plan
+        self._begun = False
+
+    def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base_url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                raw = resp.read()
+        except urllib.error.HTTPError as err:
+            raise WeightUpdateError(f"SGLang {path} returned HTTP {err.code}: {err.read()[:300]!r}") from None
+        except urllib.error.URLError as err:
+            raise WeightUpdateError(f"cannot reach SGLang at {self.base_url}: {err.reason}",
+                                    "is the server running? check the URL/port") from None
+        except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
+            raise WeightUpdateError(f"SGLang {path}: connection failed ({type(err).__name__}: {err})") from None
+        from precision_dsl.jsonsafe import loads_bounded
+
+        out = loads_bounded(raw, f"SGLang {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightUpdateError(f"SGLang {path} failed: {str(out.get('message'))[:300]}")
+        return out if isinstance(out, dict) else {}
+
+    def model_info(self) -> dict:
+        """GET /model_info (SGLang 0.5.23; /get_model_info is its deprecated alias, used for older servers)."""
+        try:
+            return self._call("GET", "/model_info")
+        except WeightUpdateError as err:
+            if "HTTP 404" not in str(err):
+                raise
+            return self._call("GET", "/get_model_info")
+
+    def open(self, plan_hash: str) -> None:
+        info = self.model_info()
+        self.previous_version = info.get("weight_version")
+        path = Path(str(info.get("model_path", ""))) / PLAN_FILE
+        if path.is_file():
+            try:
+                from precision_dsl.backends.converter import read_plan
+
+                got = read_plan(path.parent).content_hash()
+            except ValueError:  # CheckpointError: unreadable / not a plan
+                got = None
+            if got != plan_hash:
+                raise PlanMismatch(f"SGLang server {self.base_url} (serving {info.get('model_path')})", plan_hash, got)
+            self._model_path = str(info.get("model_path"))
+        elif not self.allow_unverified:
+            raise PlanMismatch(f"SGLang server {self.base_url}", plan_hash, None,
+                               hint=f"the served model_path has no readable {PLAN_FILE}; serve a `policyc convert` "
+                                    "output or pass allow_unverified=True")
+        self._call("POST", "/begin_weight_update", {"selector": self.selector})
+        self._begun = True
+
+    def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
+        if self.mode == "tensor":
+            from multiprocessing.reduction import ForkingPickler
+            import io
+
+            bio = io.BytesIO()
+            ForkingPickler(bio).dump(list(tensors.items()))
+            payload = base64.b64encode(bio.getvalue()).decode()
+            self._call("POST", "/update_weights_from_tensor",
+                       {"serialized_named_tensors": [payload] * self.tp_size, "load_format": None,
+                        "flush_cache": False, "weight_version": None})
+            return
+        body = {"names": meta["names"], "dtypes": meta["dtypes"], "shapes": meta["shapes"],
+                "group_name": self.group_name, "flush_cache": False, "weight_version": None}
+        errors: list[BaseException] = []
+
+        def post():
+            try:
+                self._call("POST", "/update_weights_from_distributed", body)
+            except BaseException as err:  # surfaced after the broadcasts
+                errors.append(err)
+
+        th = threading.Thread(target=post, daemon=True)
+        th.start()
+        for n in meta["names"]:
+            self.broadcast_fn(tensors[n])
+        th.join()
+        if errors:
+            raise errors[0]
+
+    # Buckets carry weight_version None: SGLang sets its version on every successful update_* call, so a version
+    # sent with bucket 1 would be reported while buckets 2..n are still missing. The version is set once, after
+    # end_weight_update, and read back: the server's answer is what `served_version` reports.
+    def close(self, summary: dict) -> None:
+        self._call("POST", "/end_weight_update", {})
+        self._begun = False
+        if self.weight_version is not None:
+            self._call("POST", "/update_weight_version", {"new_version": str(self.weight_version),
+                                                          "abort_all_requests": False})
+        self.served_version = self.model_info().get("weight_version")
+        if self.weight_version is not None and self.served_version != str(self.weight_version):
+            raise WeightUpdateError(f"SGLang reports weight_version {self.served_version!r} after the update to "
+                                    f"{self.weight_version!r}")
+
+    def abort(self, reason: str) -> Optional[str]:
+        """After a failure between begin and the end of close: close the bracket, then either reload the served
+        checkpoint from disk (rollback='disk', the default once its plan was verified) or mark the served weights
+        `incomplete:<version>` so every response's meta_info shows they are not a complete update. SGLang 0.5.23
+        has no transactional update (each bucket loads in place), so one of the two is the only honest end state.
+        Returns the version the server reports afterwards (best effort; never raises)."""
+        if self._begun:
+            try:
+                self._call("POST", "/end_weight_update", {})
+            except WeightUpdateError:
+                pass
+            self._begun = False
+        label = None
+        if self.rollback == "disk" and self._model_path is not None:
+            label = f"checkpoint:{self._model_path}"
+            try:
+                self._call("POST", "/update_weights_from_disk", {"model_path": self._model_path, "weight_version": label,
+                                                                 "flush_cache": True, "abort_all_requests": True})
+            except WeightUpdateError:
+                label = None
+        if label is None:
+            try:
+                self._call("POST", "/update_weight_version", {"new_version": f"incomplete:{self.weight_version}",
+                                                              "abort_all_requests": True})
+            except WeightUpdateError:
+                pass
+        try:
+            self.served_version = self.model_info().get("weight_version")
+        except WeightUpdateError:
+            self.served_version = None
+        return self.served_version
