@@ -384,12 +384,13 @@ def _check_fused(plan: Plan, problems: Problems) -> None:
         first = members[0]
         for t in members[1:]:
             if key(t) != key(first):
-                name = vllm_module(first, plan.model_type)
+                short = [module_of(m.hf_name).rsplit(".", 1)[-1] for m in (first, t)]
+                fused_name = FUSED_MODULE.get(first.fused_group, ("one module",))[0]
                 problems.add(UnsupportedByBackend(
                     BACKEND, t.hf_name, f"vLLM fuses {', '.join(module_of(m.hf_name).rsplit('.', 1)[-1] for m in members)}"
-                    f" into one module ({name.prefix if name else module_of(first.hf_name)}): all shards need one "
-                    f"precision, but {first.hf_name} is {first.precision.short()} and this one is "
-                    f"{t.precision.short()}", hint="give the fused siblings the same format in the policy"))
+                    f" into {fused_name}, one quant method for all shards, but {short[0]} is "
+                    f"{first.precision.short()} and {short[1]} is {t.precision.short()}",
+                    hint="give the fused siblings the same format in the policy"))
                 break
         else:
             if is_quantized(first) and first.weight.kind == FormatKind.NVFP4 and len(members) > 1:
