@@ -494,10 +494,16 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int) -> None:
     if row and split > 1 and k_part % 128:
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 needs K per rank % 128 == 0 (validate_fp8_block_"
                                    f"shape); K per rank is {k_part} over {split} ranks", hint="use a smaller rollout tp")
-    if not row and (split > 1 or not_last) and n_part % 128:
-        raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 needs N per partition % 128 == 0 (validate_fp8_"
-                                   f"block_shape: TP-split or merged into {fused[0] if fused else 'a fused module'}); "
-                                   f"it is {n_part}", hint="use a smaller rollout tp")
+    if not row and not_last and n_part % 128:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 shard of {fused[0]} with N per rank {n_part} not a "
+                                   "multiple of 128: the fused weight's 128x128 scale grid then straddles two shards "
+                                   "(vLLM only skips its shape check for it, layers/linear.py "
+                                   "_maybe_allow_fp8_block_shape_mismatch); not verified to serve each shard's own "
+                                   "block scales", hint="keep this fused module in bf16 for a vLLM rollout")
+    if not row and split > 1 and n_part % 128:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 needs N per rank % 128 == 0 (quantization/utils/"
+                                   f"fp8_utils.py validate_fp8_block_shape); it is {n_part} over {split} ranks",
+                                   hint="use a smaller rollout tp")
 
 
 def _exclusions(plan: Plan, quantized_prefixes: set[str], modelopt: bool) -> list[str]:
