@@ -29,9 +29,10 @@ def emit_artifacts(plan, backends: Optional[list[str]] = None, options=None):
     from precision_dsl.backends.registry import EmitOptions, backends as registered_backends
 
     arts = [plan_artifact(plan, "the plan (IR) with its content_hash")]
-    for backend in registered_backends(backends or None):
+    options = options or EmitOptions()
+    for backend in registered_backends(backends or None, options):
         problems = Problems()
-        arts.extend(backend.emit(plan, options or EmitOptions(), problems))
+        arts.extend(backend.emit(plan, options, problems))
         problems.raise_if_any()
     return arts
 
@@ -48,15 +49,28 @@ def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
 
 def backend_help() -> str:
     """--backend help: the registered names."""
-    return f"{' | '.join(backend_names())} (repeatable; default: all)"
+    return (f"{' | '.join(backend_names())} (repeatable; default: every trainer / checkpoint / update backend and "
+            "the --rollout engine)")
 
 
-def emit_options(te_version: Optional[str]):
-    """EmitOptions of the command line (--te-version checked first)."""
+def rollout_help() -> str:
+    """--rollout help (static: naming the engines would import every backend module at start-up)."""
     from precision_dsl.backends.registry import EmitOptions
 
+    return f"the rollout engine the deployment serves with, a rollout backend (default {EmitOptions().rollout})"
+
+
+def emit_options(te_version: Optional[str], rollout: Optional[str] = None):
+    """EmitOptions of the command line (--te-version and --rollout checked first)."""
+    from precision_dsl.backends.registry import EmitOptions, rollout_names
+    from precision_dsl.console import UserError
+
     checked_te_version(te_version)
-    return EmitOptions(te_version=te_version)
+    if rollout is None:
+        return EmitOptions(te_version=te_version)
+    if rollout not in rollout_names():
+        raise UserError(f"unknown rollout engine '{rollout}'", f"choose from {', '.join(rollout_names())}")
+    return EmitOptions(te_version=te_version, rollout=rollout)
 
 
 def checked_te_version(v: Optional[str]) -> None:
@@ -92,6 +106,7 @@ def register(app: typer.Typer) -> None:
                  te_version: Optional[str] = typer.Option(
                      None, "--te-version", help="installed TransformerEngine version: refuse a plan that needs a "
                                                 "newer one (default: declare the minimum in the artifacts)"),
+                 rollout: Optional[str] = typer.Option(None, "--rollout", help=rollout_help()),
                  strict: bool = typer.Option(False, "--strict", help="treat check warnings as errors"),
                  force: bool = typer.Option(False, "--force", help="replace an existing --out directory")):
         """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash).
@@ -105,7 +120,7 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.backends.common import write_tree_atomic
 
             chosen = chosen_backends(backend)
-            options = emit_options(te_version)
+            options = emit_options(te_version, rollout)
             plan, arch = build_plan_and_arch(policy, model, parallel)
             res = run_gate(plan, arch, chosen, options)
             con = console()

@@ -1003,6 +1003,7 @@ def specs_of_manifest(doc: dict) -> dict[str, str]:
 @register_backend
 class ConverterBackend(Backend):
     name = BACKEND
+    role = "checkpoint"
     description = "the quantized checkpoint `policyc convert` writes: every output tensor and the configs"
 
     def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:

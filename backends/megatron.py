@@ -767,6 +767,7 @@ def _derived_weight(kind: str, env: dict, fused: bool) -> str:
 @register_backend
 class MegatronBackend(Backend):
     name = BACKEND
+    role = "trainer"
     description = "Megatron-LM flags, TransformerEngine per-module precision YAML and NVTE_* env (trainer)"
 
     def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 _MODULES = {
     "megatron": "precision_dsl.backends.megatron",
     "sglang": "precision_dsl.backends.sglang",
+    "vllm": "precision_dsl.backends.vllm",
     "converter": "precision_dsl.backends.converter",
     "weight_update": "precision_dsl.backends.weight_update.backend",
 }
@@ -41,6 +42,9 @@ class EmitOptions:
     te_version: Optional[str] = None  # installed TransformerEngine: refuse what it lacks (None: declare the minimum)
     vllm_version: Optional[str] = None  # vLLM to emit for (None: the backend's default)
     bucket_bytes: int = 512 << 20  # weight-update bucket size
+    # The rollout engine the deployment serves with: the default backend set holds this one rollout backend (not
+    # every registered one), and the backends that feed the rollout (checkpoint converter, weight update) write for it.
+    rollout: str = "sglang"
 
 
 class Backend:
@@ -49,6 +53,9 @@ class Backend:
 
     name: str = ""
     description: str = ""
+    # "rollout" for a serving engine (one of them is chosen per deployment: EmitOptions.rollout); "trainer",
+    # "checkpoint" and "update" backends are always part of the default set.
+    role: str = ""
 
     def emit(self, plan, options: EmitOptions, problems: "Problems") -> list["Artifact"]:
         raise NotImplementedError
@@ -92,6 +99,17 @@ def get_backend(name: str) -> Backend:
         raise KeyError(f"no backend named {name!r} (backends: {', '.join(backend_names())})") from None
 
 
-def backends(names: Optional[list[str]] = None) -> list[Backend]:
-    """The backends `names` in the order given (default: all, in emit order)."""
-    return [get_backend(n) for n in (backend_names() if names is None else names)]
+def rollout_names() -> list[str]:
+    """The registered rollout engines (the `--rollout` choices), in emit order."""
+    return [n for n in backend_names() if get_backend(n).role == "rollout"]
+
+
+def default_names(options: Optional[EmitOptions] = None) -> list[str]:
+    """The backends a deployment needs, in emit order: every non-rollout backend and the chosen rollout engine."""
+    rollout = (options or EmitOptions()).rollout
+    return [n for n in backend_names() if get_backend(n).role != "rollout" or n == rollout]
+
+
+def backends(names: Optional[list[str]] = None, options: Optional[EmitOptions] = None) -> list[Backend]:
+    """The backends `names` in the order given (default: `default_names(options)`)."""
+    return [get_backend(n) for n in (default_names(options) if names is None else names)]

@@ -621,6 +621,7 @@ def derive_formats_of_config(quant_config: Optional[dict], arch) -> dict[str, st
 @register_backend
 class SGLangBackend(Backend):
     name = BACKEND
+    role = "rollout"
     description = f"SGLang {SGLANG_VERSION} server args, env and the checkpoint quantization_config (rollout)"
 
     def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:

@@ -62,6 +62,7 @@ from typing import Any, Mapping, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.precision import FormatKind
+from precision_dsl.backends.registry import Backend, register_backend
 from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, is_quantized,
                                            module_of, plan_stamp)
 
@@ -658,10 +659,10 @@ def _argv_value(argv: list[str], flag: str) -> Optional[str]:
     return None
 
 
-# TODO(lead): when backends/registry.py lands, make this `class VllmBackend(Backend)` and enable the decorator.
-# @register_backend
-class VllmBackend:
+@register_backend
+class VllmBackend(Backend):
     name = BACKEND
+    role = "rollout"
     description = f"vLLM {VLLM_VERSION} rollout: engine args, env and the checkpoint quantization_config"
 
     def emit(self, plan: Plan, options, problems: Problems) -> list[Artifact]:

@@ -64,7 +64,7 @@ def dummy_backend():
 # the registry
 # ---------------------------------------------------------------------------------------------------------------
 def test_registry_lists_every_backend_in_emit_order():
-    assert backend_names()[:4] == ["megatron", "sglang", "converter", "weight_update"]
+    assert backend_names()[:5] == ["megatron", "sglang", "vllm", "converter", "weight_update"]
     for b in backends():
         assert isinstance(b, Backend) and b.name and b.description
         assert get_backend(b.name) is b

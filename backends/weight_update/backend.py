@@ -54,6 +54,7 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
 @register_backend
 class WeightUpdateBackend(Backend):
     name = "weight_update"
+    role = "update"
     description = "the live weight update: per Megatron parameter the rollout tensors it sends, atomic groups, buckets"
 
     def emit(self, plan: Plan, options: EmitOptions, problems) -> list:

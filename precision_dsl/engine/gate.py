@@ -45,13 +45,14 @@ def refusal_diagnostics(err: UnsupportedByBackend) -> list[Diagnostic]:
 
 
 def run_gate(plan, arch, backends: Optional[list[str]] = None, options: Optional[EmitOptions] = None) -> GateResult:
-    """Static checks + every chosen backend (default: all registered, in emit order) under `options`."""
+    """Static checks + every chosen backend (default: the deployment's backends for `options.rollout`, in emit
+    order) under `options`."""
     from ..checks import check
 
     options = options or EmitOptions()
     res = GateResult(diagnostics=list(check(plan, arch, plan.parallel)))
     res.artifacts.append(plan_artifact(plan, "the plan (IR) with its content_hash"))
-    for backend in registered_backends(backends or None):
+    for backend in registered_backends(backends or None, options):
         problems = Problems()
         arts = backend.emit(plan, options, problems)
         if problems.items:
