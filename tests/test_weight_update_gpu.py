@@ -178,9 +178,16 @@ def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
                                                           first[n].view(torch.uint8).reshape(-1)) for n in got)
     assert len(checks) == 1  # checked on the first update only
     meta = sender.program().metas[0]
-    meta["shapes"][0] = [meta["shapes"][0][0] + 1] + list(meta["shapes"][0][1:])  # a sender that changed its layout
+    i = next(i for i, sh in enumerate(meta["shapes"]) if len(sh) == 2 and sh[0] != sh[1])
+    shape = meta["shapes"][i]
+    meta["shapes"][i] = shape[::-1]  # a sender that changed its layout: the same bytes, another shape
     sender.send(prep)
     with pytest.raises(WeightUpdateMismatch, match="the plan says"):
+        rx.receive_raw()
+    assert len(checks) == 2 and rx.raw == {}
+    meta["shapes"][i] = [shape[0] + 1] + shape[1:]  # a layout its bytes do not fill: refused before the plan check
+    sender.send(prep)
+    with pytest.raises(WeightUpdateMismatch, match=f"'{meta['names'][i]}' is declared"):
         rx.receive_raw()
     assert len(checks) == 2 and rx.raw == {}
 
