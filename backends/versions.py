@@ -2,10 +2,11 @@
 need, so every artifact declares a TRUE minimum and `--te-version` refuses an older engine by capability name
 instead of letting it silently run something else (an unknown NVTE_* variable is simply ignored by TE).
 
-Each entry was read in the engines' published sources (tests/test_engine_versions.py re-checks the TE ones against
-the `transformer-engine` wheels of the version itself and of the release before it):
+Each entry was read in the engines' published sources (tests/test_te_versions.py re-checks the TE ones against the
+`transformer-engine` wheels of the version itself and of the release before it):
 
-  TE 2.14  NVFP4 global/block scale formula policyc's reference matches (quantizers.md: "TE 2.14 formula change")
+  TE 2.14  NVFP4 block scale a_b x RN(S_enc x RN(1/6)), the formula policyc's reference matches (2.13 rounded
+           a_b / 6 first): pytorch/custom_recipes/quantization_nvfp4.py `_quantize_blockwise_reference`
   TE 2.15  NVTE_BACKWARD_OVERRIDE (common/recipe/__init__.py: os.getenv("NVTE_BACKWARD_OVERRIDE"))
   TE 2.16  NVTE_NVFP4_ROW_SCALED_ACTIVATION (per-token NVFP4 activation scales)
   TE 2.17  NVTE_NVFP4_4OVER6

@@ -1,6 +1,6 @@
 """Run the fused Triton kernels on CPU under Triton's interpreter and compare them with the TE golden vectors.
 
-    TRITON_INTERPRET=1 python tests/kernels_interpreted.py [MAX_ELEMENTS]   # prints one JSON result per case
+    TRITON_INTERPRET=1 python tests/kernels_interpreted.py [MAX_ELEMENTS [KIND]]   # one JSON result per case
 
 Driven by tests/test_kernels_interpret.py in a fresh process: triton decides compiled vs interpreted when a kernel
 is decorated, so the environment variable must be set before the kernel modules are imported.
@@ -20,6 +20,12 @@ runs the FP8 block copies of the fp8 backward instead (random inputs with edge r
 columnwise 1x128 copy of x zero-padded to a multiple of 128 rows (`fp8_block_quantize(..., pad_rows_to=128)`) and
 both 1x128 copies from one read (`fp8_block_quantize_rowcol`), each against the reference quantization of
 `torch.cat([x, zeros])` / of x. tests/test_kernels.py runs the same checks (`fp8_pad_rowcol_checks`) on the GPU.
+
+    TRITON_INTERPRET=1 python tests/kernels_interpreted.py nvfp4_segments   # the weight update's NVFP4 kernels
+
+runs the grouped NVFP4 kernels of the live weight update (triton_segments: per-group amax with the non-finite
+count, then every member quantized in one launch) against quantizing each member alone with the reference, and the
+per-row NVFP4 kernel variants the golden shapes do not reach.
 """
 
 from __future__ import annotations
@@ -252,7 +258,7 @@ def fp8_pad_rowcol_cases() -> list[tuple[tuple[int, int], str, str, bool, int, b
     out += [(FP8_PAD_BIG, "bfloat16", "e4m3", True, 128, False), (FP8_PAD_BIG, "float32", "e5m2", False, 128, False)]
     out += [((100, 256), "bfloat16", "e4m3", False, 256, True), ((300, 128), "float32", "e5m2", True, 1, True)]
     # NaN rows (the GPU test's edge input; nan_ignoring_max): bf16 inputs hold torch's negative NaN 0xFFFF, which
-    # must still become byte 0x7F (the reference had kept its sign: the H200 test's bf16 failures, session 12)
+    # must still become byte 0x7F, not a signed NaN byte
     out += [((100, 128), "bfloat16", "e4m3", True, 128, True), ((100, 200), "bfloat16", "e5m2", False, 128, True),
             ((100, 128), "float32", "e4m3", False, 128, True)]
     return out
@@ -273,6 +279,116 @@ def run_fp8_pad_rowcol() -> None:
         checks = fp8_pad_rowcol_checks(x, element, pow2, pad, extra)
         case = f"fp8_pad_rowcol::{shape[0]}x{shape[1]}_{dtype}_{element}_{'pow2' if pow2 else 'fp32'}_pad{pad}" \
             + ("_nan" if nan else "")
+        print(json.dumps({"case": case, "checks": checks, "seconds": round(time.perf_counter() - t0, 2)}),
+              flush=True)
+
+
+# ---- NVFP4: the weight update's segment kernels and the per-row kernel variants ----------------------------------
+# Segment (rows_per_member, rows_per_group, members): one member per group, and gate + up of one expert sharing one
+# amax (a group of two members). K = 224 is 14 blocks (not a power of two: partial block tiles).
+NVFP4_SEGMENTS = [(16, 16, 3), (8, 16, 4)]
+NVFP4_SEG_LAUNCH = [dict(), dict(block_m=1, block_nb=8, num_warps=1), dict(block_m=8, block_nb=4, num_warps=4)]
+# Per-row variants that the golden shapes do not reach: the register-chunked kernel (block counts that are not a
+# power of two), with partial last chunks, and a multi-row whole-row tile. The two-pass loop kernel
+# (`loop_chunk`) cannot run interpreted: triton 3.6's interpreter cannot take `range()` over a kernel argument (its
+# scalar arguments are 1-element arrays); tests/test_kernels.py runs it on the GPU.
+NVFP4_ROW_VARIANTS = [dict(chunk=2), dict(chunk=4), dict(chunk=16), dict(block_m=4, num_warps=1)]
+
+
+def nvfp4_input(m: int, k: int, dtype, seed: int):
+    """Finite random [m, k] input with heavy-tailed rows, an all-zero row, a tiny row and negative zeros."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 3
+    x[::5] *= torch.exp(torch.randn(x[::5].shape[0], 1, generator=g) * 4)
+    x[1] = 0
+    x[2] *= 1e-6
+    x[3, ::3] = -0.0
+    lim = torch.finfo(dtype).max / 4
+    return x.clamp(-lim, lim).to(dtype)
+
+
+def nvfp4_segment_checks(x, rows_per_member: int, rows_per_group: int, launch: dict) -> dict:
+    """seg_amax + nvfp4_segment of the stacked members of x against the reference: each group's amax, and each
+    member's data / scale / S_dec equal to quantizing that member alone with its group's amax (scope "group"; a
+    one-member group is the member's own per-tensor quantization)."""
+    import torch
+
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_segments as ks
+
+    m, k = x.shape
+    bits = torch.zeros(m // rows_per_group, dtype=torch.int32)
+    bad = torch.zeros(1, dtype=torch.int32)
+    ks.seg_amax(x, rows_per_group, bits, bad)
+    g = bits.view(torch.float32)
+    data = torch.empty(m, k // 2, dtype=torch.uint8)
+    scale = torch.empty(m, k // 16, dtype=torch.uint8)
+    sdec = torch.empty(m // rows_per_member, dtype=torch.float32)
+    ks.nvfp4_segment(x, g, rows_per_group, rows_per_member, data, scale, sdec, **launch)
+    checks = {"non_finite_count": int(bad.item()) == 0}
+    want_g = [nvfp4.group_amax([x[i * rows_per_group:(i + 1) * rows_per_group]]) for i in range(m // rows_per_group)]
+    for i, want in enumerate(want_g):
+        checks[f"group{i}.amax"] = _same(g[i:i + 1], want)
+    for j in range(m // rows_per_member):
+        r = slice(j * rows_per_member, (j + 1) * rows_per_member)
+        scope = "tensor" if rows_per_member == rows_per_group else "group"
+        want = nvfp4.quantize(x[r], scope=scope,
+                              global_amax=None if scope == "tensor" else want_g[j * rows_per_member // rows_per_group])
+        checks[f"member{j}.data"] = _same(data[r], want.data)
+        checks[f"member{j}.scale"] = _same(scale[r], want.scale)
+        checks[f"member{j}.global_scale"] = _same(sdec[j:j + 1], want.global_scale.reshape(1))
+    return checks
+
+
+def nvfp4_row_variant_checks(x, variant: dict) -> dict:
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_nvfp4
+
+    data, scale, sdec, g = triton_nvfp4.row_scaled(x.contiguous(), **variant)
+    want = nvfp4.quantize(x, scope="row")
+    return {"data": _same(data, want.data), "scale": _same(scale, want.scale),
+            "global_scale": _same(sdec, want.global_scale), "amax": _same(g, want.global_amax)}
+
+
+def nvfp4_segment_cases() -> list[tuple]:
+    """(kind, dtype name, parameters) of the interpreted NVFP4 segment / per-row variant cases: every dtype runs the
+    default launch and K = 224; bf16 also the other launch shapes and a one-block row (K = 16)."""
+    out = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        launches = NVFP4_SEG_LAUNCH if dtype == "bfloat16" else NVFP4_SEG_LAUNCH[:1]
+        out += [("segment", dtype, (rpm, rpg, members, li)) for rpm, rpg, members in NVFP4_SEGMENTS
+                for li in range(len(launches))]
+        out.append(("non_finite", dtype, ()))
+        out += [("row", dtype, (224, vi)) for vi in range(len(NVFP4_ROW_VARIANTS))]
+    out.append(("row", "bfloat16", (16, 0)))
+    return out
+
+
+def run_nvfp4_segments() -> None:
+    import torch
+
+    from precision_dsl.kernels import triton_segments as ks
+
+    for i, (kind, dtype_name, params) in enumerate(nvfp4_segment_cases()):
+        t0 = time.perf_counter()
+        dtype = getattr(torch, dtype_name)
+        if kind == "segment":
+            rpm, rpg, members, li = params
+            checks = nvfp4_segment_checks(nvfp4_input(rpm * members, 224, dtype, 2000 + i), rpm, rpg,
+                                          NVFP4_SEG_LAUNCH[li])
+            case = f"nvfp4_segment::{dtype_name}_rpm{rpm}_rpg{rpg}_x{members}_launch{li}"
+        elif kind == "non_finite":  # bf16: the integer path of seg_amax, else the float path
+            x = nvfp4_input(64, 224, dtype, 2000 + i)
+            x[5, 3], x[9, 100], x[60, 0] = float("inf"), float("-inf"), float("nan")
+            bad = torch.zeros(1, dtype=torch.int32)
+            ks.seg_amax(x, 16, torch.zeros(4, dtype=torch.int32), bad)
+            checks, case = {"count": int(bad.item()) == 3}, f"nvfp4_segment::{dtype_name}_non_finite"
+        else:
+            k, vi = params
+            checks = nvfp4_row_variant_checks(nvfp4_input(8, k, dtype, 2000 + i), NVFP4_ROW_VARIANTS[vi])
+            case = f"nvfp4_row::{dtype_name}_k{k}_{vi}"
         print(json.dumps({"case": case, "checks": checks, "seconds": round(time.perf_counter() - t0, 2)}),
               flush=True)
 
@@ -300,7 +416,13 @@ def main() -> None:
     if sys.argv[1:] == ["fp8_pad_rowcol"]:
         run_fp8_pad_rowcol()
         return
+    if sys.argv[1:] == ["nvfp4_segments"]:
+        run_nvfp4_segments()
+        return
+    kind = sys.argv[2] if len(sys.argv) > 2 else ""  # optional: only the golden files of this kind (nvfp4, ...)
     for file, variant in cases(int(sys.argv[1]) if len(sys.argv) > 1 else 8192):
+        if kind and not file.startswith(f"{kind}__"):
+            continue
         t0 = time.perf_counter()
         result = run_case(file, variant)
         result["seconds"] = round(time.perf_counter() - t0, 2)

@@ -15,6 +15,10 @@ FP8 block copies of the fp8 backward (no golden vectors: random inputs with edge
 columnwise 1x128 copy of x zero-padded to a multiple of 128 rows in one launch (`fp8_block_quantize(...,
 pad_rows_to=128)`) and both 1x128 copies from one read (`fp8_block_quantize_rowcol`), e4m3/e5m2, pow2/fp32 scales,
 bf16/fp32, partial K blocks, zeros, tiny / near-saturation / +-Inf rows (NaN: GPU test only, see above).
+NVFP4 kernels of the live weight update (no golden vectors: random inputs vs the reference): the segment kernels
+(`triton_segments.seg_amax` / `nvfp4_segment`, per-member and gate+up share-scale groups, bf16/fp16/fp32, several
+launch shapes, the non-finite count) and the register-chunked per-row kernel; the two-pass per-row loop kernel runs
+on the GPU only (the interpreter cannot loop over a kernel argument).
 """
 
 from __future__ import annotations
@@ -33,27 +37,46 @@ import triton  # noqa: F401  (in the test extra: a missing interpreter fails, ne
 
 
 def _interpret(*args: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # PYTHONPATH: the child imports this checkout's precision_dsl, not whichever copy is installed
+    path = os.pathsep.join(p for p in (str(ki.REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
     out = subprocess.run([sys.executable, str(Path(ki.__file__)), *args], env=env, capture_output=True, text=True,
                          timeout=1200, cwd=ki.REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return {r["case"]: r for r in map(json.loads, out.stdout.splitlines())}
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
+GOLDEN_KINDS = ("nvfp4", "mxfp8", "fp8block")
+
+
+def test_the_small_golden_cases_cover_every_kernel_kind():
     assert (ki.GOLDEN_DIR / "index.json").exists(), f"golden vectors not found at {ki.GOLDEN_DIR}"
-    return _interpret()
+    expected = ki.cases(8192)
+    assert len(expected) >= 25 and {f.split("__")[0] for f, _ in expected} == set(GOLDEN_KINDS)
 
 
-def test_every_small_golden_case_runs_the_kernel_and_matches(results):
-    expected = {f"{f}::{v}" for f, v in ki.cases(8192)}
-    assert len(expected) >= 25 and set(results) == expected
-    kinds = {c.split("__")[0] for c in results}
-    assert kinds == {"nvfp4", "mxfp8", "fp8block"}
+@pytest.mark.parametrize("kind", GOLDEN_KINDS)
+def test_every_small_golden_case_runs_the_kernel_and_matches(kind):
+    assert (ki.GOLDEN_DIR / "index.json").exists(), f"golden vectors not found at {ki.GOLDEN_DIR}"
+    results = _interpret("8192", kind)
+    expected = {f"{f}::{v}" for f, v in ki.cases(8192) if f.startswith(f"{kind}__")}
+    assert expected and set(results) == expected
     bad = {c: [k for k, ok in r["checks"].items() if not ok] for c, r in results.items()
            if r["paths"] != ["triton"] or not all(r["checks"].values()) or not r["checks"]}
     assert not bad, f"interpreted kernels differ from the golden vectors: {bad}"
+
+
+def test_nvfp4_segment_kernels_and_row_variants_match_the_reference():
+    """The weight update's grouped kernels (triton_segments.seg_amax + nvfp4_segment: members stacked in one
+    launch, one amax per member or per gate+up share-scale group) give every member the bytes of quantizing it
+    alone (data, scale, S_dec; the group amax itself), for bf16 / fp16 / fp32 and several launch shapes, and count
+    non-finite elements; the register-chunked and multi-row per-row NVFP4 kernels match the per-row reference
+    (kernels_interpreted.run_nvfp4_segments)."""
+    results = _interpret("nvfp4_segments")
+    assert len(results) == len(ki.nvfp4_segment_cases()) >= 20
+    bad = {c: [k for k, ok in r["checks"].items() if not ok] for c, r in results.items()
+           if not r["checks"] or not all(r["checks"].values())}
+    assert not bad, f"interpreted NVFP4 segment / per-row kernels differ from the reference: {bad}"
 
 
 def test_kernel_choice_is_explicit_and_refuses_what_cannot_run():

@@ -66,6 +66,25 @@ class BaseLMConfig(BaseModel):
         return self.torch_dtype or self.dtype or "bfloat16"
 
 
+class GQAConfig(BaseLMConfig):
+    """Fields of the standard GQA attention block (Llama / Mistral / Qwen2 / Qwen3 / Qwen-MoE / GLM-4.5)."""
+
+    head_dim: Optional[HeadDim] = None  # transformers falls back to hidden_size // num_attention_heads
+
+    @model_validator(mode="after")
+    def _check_head_dim(self):
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"head_dim is not given and hidden_size ({self.hidden_size}) is not divisible by "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        return self
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
 C = TypeVar("C", bound=BaseModel)
 
 

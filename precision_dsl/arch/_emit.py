@@ -8,11 +8,13 @@ Names come from three places (cite these when changing anything):
     `models/gpt/moe_module_specs.py`, `transformer/multi_latent_attention.py`, `transformer/moe/experts.py`
     (TEGroupedMLP: `linear_fc1.weight{e}` / `linear_fc2.weight{e}`), `transformer/multi_token_prediction.py`
     (`mtp.layers.K.{enorm,hnorm,eh_proj,transformer_layer,final_layernorm}`). HF<->Megatron pairs as in
-    Megatron-Bridge `qwen3_moe_bridge.py` / `deepseek/common.py` (see shared/research/backends.md §A.4, §B).
+    Megatron-Bridge (NVIDIA-NeMo/Megatron-Bridge, commit 067f987df0) `src/megatron/bridge/models/qwen/
+    qwen3_moe_bridge.py` / `src/megatron/bridge/models/deepseek/common.py`.
   * SGLang 0.5.23 module prefixes (`python/sglang/srt/models/{llama,qwen2,qwen3,qwen2_moe,qwen3_moe,deepseek_v2,
     deepseek_nextn}.py`): `self_attn.qkv_proj` (QKVParallelLinear), `mlp.gate_up_proj` (MergedColumnParallelLinear),
     `mlp.experts` (FusedMoE, one prefix for all routed experts), `self_attn.fused_qkv_a_proj_with_mqa`, `lm_head`.
-    These are the strings SGLang's `is_layer_skipped` / ModelOpt `is_layer_excluded` match (backends.md §C.3).
+    These are the strings SGLang 0.5.23 matches exemptions against (`python/sglang/srt/layers/quantization/
+    utils.py` `is_layer_skipped`, `layers/quantization/modelopt_quant.py` `ModelOptQuantConfig.is_layer_excluded`).
 
 Performance: DeepSeek-V3 has ~46k tensors, so TensorInfo objects are built like `model_construct` (no per-tensor
 validation; the config was validated once with pydantic) and shape tuples are shared between experts.
@@ -21,8 +23,9 @@ validation; the config was validated once with pydantic) and shape tuples are sh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
+from ._config import BaseLMConfig, GQAConfig
 from .base import TensorInfo, unvalidated_constructor
 
 # TensorInfos are built without per-object validation (base.unvalidated_constructor: the same objects as
@@ -114,22 +117,13 @@ def emit_final_norm_and_head(e: Emitter, vocab: int, hidden: int, tied: bool) ->
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Attention (standard GQA: Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE)
+# Attention (standard GQA: Llama / Mistral / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / GLM-4.5)
 # ------------------------------------------------------------------------------------------------------------------
-def emit_gqa_attention(
-    e: Emitter,
-    s: Scope,
-    *,
-    hidden: int,
-    n_heads: int,
-    n_kv: int,
-    head_dim: int,
-    qk_norm: bool,
-    qkv_bias: bool,
-    o_bias: bool,
-) -> None:
+def emit_gqa_attention(e: Emitter, s: Scope, cfg: GQAConfig, *, qk_norm: bool, qkv_bias: bool, o_bias: bool) -> None:
+    """input_layernorm + q/k/v/o (+ biases, + per-head q/k norms); the three flags are where the families differ."""
+    hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
     hf, meg, sg = f"{s.hf}.self_attn", f"{s.meg}.self_attention", f"{s.sg}.self_attn"
-    q_out, kv_out = n_heads * head_dim, n_kv * head_dim
+    q_out, kv_out = cfg.num_attention_heads * head_dim, cfg.kv_heads * head_dim
     # TE spec: input_layernorm is fused into linear_qkv (TELayerNormColumnParallelLinear).
     e.add(f"{s.hf}.input_layernorm.weight", (hidden,), "norm.input", s, meg=f"{meg}.linear_qkv.layer_norm_weight")
     for p, out in (("q", q_out), ("k", kv_out), ("v", kv_out)):
@@ -205,3 +199,103 @@ def emit_routed_experts(e: Emitter, s: Scope, *, hidden: int, inter: int, n_expe
         ("up_proj.weight", "routed_experts.up", fc1, "up", up_shape, "experts.gate_up"),
         ("down_proj.weight", "routed_experts.down", fc2, None, down_shape, None),
     ))
+
+
+def emit_ffn(
+    e: Emitter,
+    s: Scope,
+    *,
+    hidden: int,
+    moe: bool,
+    dense_inter: int,
+    n_experts: int = 0,
+    expert_inter: int = 0,
+    score_bias: bool = False,
+    shared_inter: int = 0,
+    shared_mod: str = "mlp.shared_experts",
+) -> None:
+    """post_attention_layernorm and the block's feed-forward: a dense SwiGLU MLP of `dense_inter`, or (moe) the
+    router, the routed experts and, when `shared_inter` > 0, the shared expert at HF / SGLang module `shared_mod`
+    (DeepSeek / GLM `mlp.shared_experts`, Qwen2-MoE `mlp.shared_expert`; Megatron `mlp.shared_experts` for all)."""
+    emit_post_attn_norm(e, s, hidden, moe=moe)
+    if not moe:
+        emit_gated_mlp(e, s, hidden=hidden, inter=dense_inter)
+        return
+    emit_router(e, s, hidden=hidden, n_experts=n_experts, score_bias=score_bias)
+    emit_routed_experts(e, s, hidden=hidden, inter=expert_inter, n_experts=n_experts)
+    if shared_inter:
+        emit_gated_mlp(e, s, hidden=hidden, inter=shared_inter, kind="shared_experts",
+                       hf_mod=shared_mod, sg_mod=shared_mod, meg_mod="mlp.shared_experts")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# DeepSeekMoE layout and MTP (DeepSeek-V2 / V3, GLM-4.5: the same config fields and checkpoint layout)
+# ------------------------------------------------------------------------------------------------------------------
+class DeepseekMoeFields(Protocol):
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    moe_intermediate_size: Optional[int]
+    n_routed_experts: Optional[int]
+    n_shared_experts: Optional[int]
+    first_k_dense_replace: int
+    num_nextn_predict_layers: int
+
+    def is_moe_layer(self, n: int) -> bool: ...
+
+
+def deepseek_summary(cfg: DeepseekMoeFields) -> dict[str, int]:
+    """Architecture summary fields of a DeepSeekMoE-layout config (no routed experts: every layer is dense)."""
+    moe = bool(cfg.n_routed_experts)
+    return {
+        "num_experts": cfg.n_routed_experts or 0,
+        "num_shared_experts": (cfg.n_shared_experts or 0) if moe else 0,
+        "first_dense_layers": min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if moe else cfg.num_hidden_layers,
+        "num_mtp_layers": cfg.num_nextn_predict_layers,
+    }
+
+
+def emit_deepseek_ffn(e: Emitter, s: Scope, cfg: DeepseekMoeFields, index: int, *, score_bias: bool) -> None:
+    """The feed-forward of HF layer `index` (the index decides dense vs MoE, MTP blocks included): routed experts of
+    moe_intermediate_size, shared experts of moe_intermediate_size * n_shared_experts."""
+    moe = cfg.is_moe_layer(index)
+    shared = (cfg.n_shared_experts or 0) * cfg.moe_intermediate_size if moe else 0
+    emit_ffn(e, s, hidden=cfg.hidden_size, moe=moe, dense_inter=cfg.intermediate_size,
+             n_experts=cfg.n_routed_experts or 0, expert_inter=cfg.moe_intermediate_size or 0,
+             score_bias=score_bias, shared_inter=shared)
+
+
+Block = Callable[[Emitter, Scope, int], None]  # emits one decoder block given its scope and HF layer index
+
+
+def emit_mtp(e: Emitter, cfg: BaseLMConfig, k: int, block: Block) -> None:
+    """MTP module k at HF `model.layers.{num_hidden_layers + k}`: embed_tokens, enorm, hnorm, eh_proj [h, 2h], one
+    decoder block, shared_head.norm, shared_head.head (DeepSeek-V3 and GLM-4.5 checkpoints alike)."""
+    L, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
+    hf, meg = f"model.layers.{L + k}", f"mtp.layers.{k}"
+    s = Scope(hf=hf, meg=f"{meg}.transformer_layer", sg="model.decoder", layer=None, mtp=k)
+    # Megatron MTP shares the main model's embedding.word_embeddings / output_layer: no parameter of its own.
+    e.add(f"{hf}.embed_tokens.weight", (v, h), "mtp.embedding", s)
+    e.add(f"{hf}.enorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.enorm.weight")
+    e.add(f"{hf}.hnorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.hnorm.weight")
+    e.add(f"{hf}.eh_proj.weight", (h, 2 * h), "mtp.eh_proj", s, meg=f"{meg}.eh_proj.weight")
+    block(e, s, L + k)
+    e.add(f"{hf}.shared_head.norm.weight", (h,), "norm.mtp", s, meg=f"{meg}.final_layernorm.weight")
+    e.add(f"{hf}.shared_head.head.weight", (v, h), "mtp.lm_head", s, sg="model.shared_head.head")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The whole model
+# ------------------------------------------------------------------------------------------------------------------
+def emit_decoder_model(cfg: BaseLMConfig, block: Block, num_mtp: int = 0) -> list[TensorInfo]:
+    """Every tensor in checkpoint order: embedding, the decoder blocks, final norm (+ lm_head), `num_mtp` MTP
+    modules. `block` is the family's decoder block; every family shares this order."""
+    e = Emitter(cfg.checkpoint_dtype)
+    emit_embedding(e, cfg.vocab_size, cfg.hidden_size)
+    for n in range(cfg.num_hidden_layers):
+        block(e, decoder_scope(n), n)
+    emit_final_norm_and_head(e, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings)
+    for k in range(num_mtp):
+        emit_mtp(e, cfg, k, block)
+    return e.tensors

@@ -54,8 +54,8 @@ ROLES: dict[str, str] = {
     "mtp.eh_proj": "MTP projection of [embedding; hidden] (eh_proj)",
     "mtp.embedding": "MTP layer's own embedding copy (DeepSeek-V3 checkpoint: embed_tokens)",
     "mtp.lm_head": "MTP layer's shared_head.head",
-    # Added by the arch catalog (additive): biases are never GEMM weights, so they get their own group instead of
-    # riding on attn.q / mlp.gate (which would make `is_linear` true for a 1-D bias).
+    # Biases are never GEMM weights, so they get their own group rather than riding on attn.q / mlp.gate (which
+    # would make `is_linear` true for a 1-D bias).
     "bias.attn": "attention projection bias (Qwen2 / Qwen2-MoE q,k,v; attention_bias=true)",
     "bias.mlp": "dense MLP projection bias (Llama mlp_bias=true)",
 }

@@ -28,17 +28,7 @@ from typing import Annotated, Any, Optional
 from pydantic import Field, model_validator
 
 from ._config import BaseLMConfig, Count, Experts, HeadDim, Inner, Layers, StrictBool, validate_config
-from ._emit import (
-    Emitter,
-    Scope,
-    decoder_scope,
-    emit_embedding,
-    emit_final_norm_and_head,
-    emit_gated_mlp,
-    emit_post_attn_norm,
-    emit_router,
-    emit_routed_experts,
-)
+from ._emit import Emitter, Scope, deepseek_summary, emit_decoder_model, emit_deepseek_ffn
 from .base import TensorInfo
 
 MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
@@ -118,33 +108,8 @@ def emit_mla_attention(e: Emitter, s: Scope, cfg: DeepseekConfig) -> None:
 
 def emit_block(e: Emitter, s: Scope, cfg: DeepseekConfig, index: int) -> None:
     """One decoder block; `index` is its HF layer index (decides dense vs MoE)."""
-    h = cfg.hidden_size
     emit_mla_attention(e, s, cfg)
-    moe = cfg.is_moe_layer(index)
-    emit_post_attn_norm(e, s, h, moe=moe)
-    if not moe:
-        emit_gated_mlp(e, s, hidden=h, inter=cfg.intermediate_size)
-        return
-    inter = cfg.moe_intermediate_size
-    emit_router(e, s, hidden=h, n_experts=cfg.n_routed_experts, score_bias=cfg.has_score_bias)
-    emit_routed_experts(e, s, hidden=h, inter=inter, n_experts=cfg.n_routed_experts)
-    if cfg.n_shared_experts:
-        emit_gated_mlp(e, s, hidden=h, inter=inter * cfg.n_shared_experts, kind="shared_experts",
-                       hf_mod="mlp.shared_experts", sg_mod="mlp.shared_experts", meg_mod="mlp.shared_experts")
-
-
-def emit_mtp(e: Emitter, cfg: DeepseekConfig, k: int) -> None:
-    L, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    hf, meg = f"model.layers.{L + k}", f"mtp.layers.{k}"
-    s = Scope(hf=hf, meg=f"{meg}.transformer_layer", sg="model.decoder", layer=None, mtp=k)
-    # Megatron MTP shares the main model's embedding.word_embeddings / output_layer: no parameter of its own.
-    e.add(f"{hf}.embed_tokens.weight", (v, h), "mtp.embedding", s)
-    e.add(f"{hf}.enorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.enorm.weight")
-    e.add(f"{hf}.hnorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.hnorm.weight")
-    e.add(f"{hf}.eh_proj.weight", (h, 2 * h), "mtp.eh_proj", s, meg=f"{meg}.eh_proj.weight")
-    emit_block(e, s, cfg, L + k)
-    e.add(f"{hf}.shared_head.norm.weight", (h,), "norm.mtp", s, meg=f"{meg}.final_layernorm.weight")
-    e.add(f"{hf}.shared_head.head.weight", (v, h), "mtp.lm_head", s, sg="model.shared_head.head")
+    emit_deepseek_ffn(e, s, cfg, index, score_bias=cfg.has_score_bias)
 
 
 def parse(raw: dict[str, Any], source: str) -> DeepseekConfig:
@@ -152,21 +117,8 @@ def parse(raw: dict[str, Any], source: str) -> DeepseekConfig:
 
 
 def emit(cfg: DeepseekConfig) -> list[TensorInfo]:
-    e = Emitter(cfg.checkpoint_dtype)
-    emit_embedding(e, cfg.vocab_size, cfg.hidden_size)
-    for n in range(cfg.num_hidden_layers):
-        emit_block(e, decoder_scope(n), cfg, n)
-    emit_final_norm_and_head(e, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings)
-    for k in range(cfg.num_nextn_predict_layers):
-        emit_mtp(e, cfg, k)
-    return e.tensors
+    return emit_decoder_model(cfg, lambda e, s, n: emit_block(e, s, cfg, n), cfg.num_nextn_predict_layers)
 
 
 def summary(cfg: DeepseekConfig) -> dict[str, int]:
-    return {
-        "num_experts": cfg.n_routed_experts or 0,
-        "num_shared_experts": (cfg.n_shared_experts or 0) if cfg.n_routed_experts else 0,
-        "first_dense_layers": min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if cfg.n_routed_experts
-        else cfg.num_hidden_layers,
-        "num_mtp_layers": cfg.num_nextn_predict_layers,
-    }
+    return deepseek_summary(cfg)

@@ -34,19 +34,8 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, model_validator
 
-from ._config import BaseLMConfig, Count, Experts, HeadDim, Inner, StrictBool, validate_config
-from ._emit import (
-    Emitter,
-    Scope,
-    decoder_scope,
-    emit_embedding,
-    emit_final_norm_and_head,
-    emit_gated_mlp,
-    emit_gqa_attention,
-    emit_post_attn_norm,
-    emit_router,
-    emit_routed_experts,
-)
+from ._config import Count, Experts, GQAConfig, Inner, StrictBool, validate_config
+from ._emit import Emitter, Scope, deepseek_summary, emit_decoder_model, emit_deepseek_ffn, emit_gqa_attention
 from .base import TensorInfo
 
 MODEL_TYPES = ("glm4_moe",)
@@ -54,14 +43,13 @@ MODEL_TYPES = ("glm4_moe",)
 ALIASES = {"num_mtp_layers": "num_nextn_predict_layers", "num_local_experts": "n_routed_experts"}
 
 
-class Glm4MoeConfig(BaseLMConfig):
+class Glm4MoeConfig(GQAConfig):
     intermediate_size: Inner
     moe_intermediate_size: Inner
     n_routed_experts: Optional[Experts] = None  # None -> dense model (SGLang `_is_layer_sparse`)
     n_shared_experts: Optional[Count] = None
     num_experts_per_tok: Annotated[int, Field(strict=True, ge=1, le=4_096)] = 8
     first_k_dense_replace: Annotated[int, Field(strict=True, ge=0, le=1_024)] = 1  # transformers default
-    head_dim: Optional[HeadDim] = None
     attention_bias: StrictBool = False  # transformers default; GLM-4.5 configs set true
     use_qk_norm: StrictBool = False
     num_nextn_predict_layers: Count = 0
@@ -73,16 +61,7 @@ class Glm4MoeConfig(BaseLMConfig):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})"
             )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"head_dim is not given and hidden_size ({self.hidden_size}) is not divisible by "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
         return self
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, n: int) -> bool:
         # transformers Glm4MoeDecoderLayer / SGLang `_is_layer_sparse`: MoE iff experts exist and
@@ -91,34 +70,8 @@ class Glm4MoeConfig(BaseLMConfig):
 
 
 def _emit_block(e: Emitter, s: Scope, cfg: Glm4MoeConfig, index: int) -> None:
-    h = cfg.hidden_size
-    emit_gqa_attention(e, s, hidden=h, n_heads=cfg.num_attention_heads, n_kv=cfg.kv_heads,
-                       head_dim=cfg.resolved_head_dim, qk_norm=cfg.use_qk_norm, qkv_bias=cfg.attention_bias,
-                       o_bias=False)
-    moe = cfg.is_moe_layer(index)
-    emit_post_attn_norm(e, s, h, moe=moe)
-    if not moe:
-        emit_gated_mlp(e, s, hidden=h, inter=cfg.intermediate_size)
-        return
-    inter = cfg.moe_intermediate_size
-    emit_router(e, s, hidden=h, n_experts=cfg.n_routed_experts, score_bias=True)
-    emit_routed_experts(e, s, hidden=h, inter=inter, n_experts=cfg.n_routed_experts)
-    if cfg.n_shared_experts:
-        emit_gated_mlp(e, s, hidden=h, inter=inter * cfg.n_shared_experts, kind="shared_experts",
-                       hf_mod="mlp.shared_experts", sg_mod="mlp.shared_experts", meg_mod="mlp.shared_experts")
-
-
-def _emit_mtp(e: Emitter, cfg: Glm4MoeConfig, k: int) -> None:
-    L, h, v = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size
-    hf, meg = f"model.layers.{L + k}", f"mtp.layers.{k}"
-    s = Scope(hf=hf, meg=f"{meg}.transformer_layer", sg="model.decoder", layer=None, mtp=k)
-    e.add(f"{hf}.embed_tokens.weight", (v, h), "mtp.embedding", s)
-    e.add(f"{hf}.enorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.enorm.weight")
-    e.add(f"{hf}.hnorm.weight", (h,), "norm.mtp", s, meg=f"{meg}.hnorm.weight")
-    e.add(f"{hf}.eh_proj.weight", (h, 2 * h), "mtp.eh_proj", s, meg=f"{meg}.eh_proj.weight")
-    _emit_block(e, s, cfg, L + k)
-    e.add(f"{hf}.shared_head.norm.weight", (h,), "norm.mtp", s, meg=f"{meg}.final_layernorm.weight")
-    e.add(f"{hf}.shared_head.head.weight", (v, h), "mtp.lm_head", s, sg="model.shared_head.head")
+    emit_gqa_attention(e, s, cfg, qk_norm=cfg.use_qk_norm, qkv_bias=cfg.attention_bias, o_bias=False)
+    emit_deepseek_ffn(e, s, cfg, index, score_bias=True)
 
 
 def parse(raw: dict[str, Any], source: str) -> Glm4MoeConfig:
@@ -130,21 +83,8 @@ def parse(raw: dict[str, Any], source: str) -> Glm4MoeConfig:
 
 
 def emit(cfg: Glm4MoeConfig) -> list[TensorInfo]:
-    e = Emitter(cfg.checkpoint_dtype)
-    emit_embedding(e, cfg.vocab_size, cfg.hidden_size)
-    for n in range(cfg.num_hidden_layers):
-        _emit_block(e, decoder_scope(n), cfg, n)
-    emit_final_norm_and_head(e, cfg.vocab_size, cfg.hidden_size, cfg.tie_word_embeddings)
-    for k in range(cfg.num_nextn_predict_layers):
-        _emit_mtp(e, cfg, k)
-    return e.tensors
+    return emit_decoder_model(cfg, lambda e, s, n: _emit_block(e, s, cfg, n), cfg.num_nextn_predict_layers)
 
 
 def summary(cfg: Glm4MoeConfig) -> dict[str, int]:
-    moe = bool(cfg.n_routed_experts)
-    return {
-        "num_experts": cfg.n_routed_experts or 0,
-        "num_shared_experts": (cfg.n_shared_experts or 0) if moe else 0,
-        "first_dense_layers": min(cfg.first_k_dense_replace, cfg.num_hidden_layers) if moe else cfg.num_hidden_layers,
-        "num_mtp_layers": cfg.num_nextn_predict_layers,
-    }
+    return deepseek_summary(cfg)

@@ -15,18 +15,8 @@ from typing import Annotated, Any, Optional
 
 from pydantic import Field, model_validator
 
-from ._config import BaseLMConfig, Experts, HeadDim, Inner, Layers, StrictBool, validate_config
-from ._emit import (
-    Emitter,
-    decoder_scope,
-    emit_embedding,
-    emit_final_norm_and_head,
-    emit_gated_mlp,
-    emit_gqa_attention,
-    emit_post_attn_norm,
-    emit_router,
-    emit_routed_experts,
-)
+from ._config import Experts, GQAConfig, Inner, Layers, StrictBool, validate_config
+from ._emit import Emitter, Scope, emit_decoder_model, emit_ffn, emit_gqa_attention
 from .base import TensorInfo
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
@@ -34,14 +24,13 @@ MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 ALIASES = {"num_local_experts": "num_experts"}
 
 
-class QwenMoeConfig(BaseLMConfig):
+class QwenMoeConfig(GQAConfig):
     intermediate_size: Inner  # dense (mlp_only) layers
     moe_intermediate_size: Inner
     num_experts: Experts
     num_experts_per_tok: Annotated[int, Field(strict=True, ge=1, le=4_096)]
     decoder_sparse_step: Layers = 1
     mlp_only_layers: Optional[list[Annotated[int, Field(strict=True, ge=0)]]] = None
-    head_dim: Optional[HeadDim] = None
     attention_bias: StrictBool = False
     qkv_bias: StrictBool = True  # qwen2_moe only
     shared_expert_intermediate_size: Annotated[int, Field(strict=True, ge=0, le=1_048_576)] = 0  # qwen2_moe only
@@ -52,13 +41,7 @@ class QwenMoeConfig(BaseLMConfig):
             raise ValueError(
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})"
             )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
-            raise ValueError("head_dim is not given and hidden_size is not divisible by num_attention_heads")
         return self
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, n: int) -> bool:
         return (
@@ -74,31 +57,20 @@ def parse(raw: dict[str, Any], source: str) -> QwenMoeConfig:
 
 def emit(cfg: QwenMoeConfig) -> list[TensorInfo]:
     qwen2 = cfg.model_type == "qwen2_moe"
-    e = Emitter(cfg.checkpoint_dtype)
     h = cfg.hidden_size
-    emit_embedding(e, cfg.vocab_size, h)
-    for n in range(cfg.num_hidden_layers):
-        s = decoder_scope(n)
-        emit_gqa_attention(
-            e, s, hidden=h, n_heads=cfg.num_attention_heads, n_kv=cfg.kv_heads, head_dim=cfg.resolved_head_dim,
-            qk_norm=not qwen2,
-            qkv_bias=cfg.qkv_bias if qwen2 else cfg.attention_bias,
-            o_bias=(not qwen2) and cfg.attention_bias,
-        )
+    shared = cfg.shared_expert_intermediate_size if qwen2 else 0
+
+    def block(e: Emitter, s: Scope, n: int) -> None:
+        emit_gqa_attention(e, s, cfg, qk_norm=not qwen2, qkv_bias=cfg.qkv_bias if qwen2 else cfg.attention_bias,
+                           o_bias=(not qwen2) and cfg.attention_bias)
         moe = cfg.is_moe_layer(n)
-        emit_post_attn_norm(e, s, h, moe=moe)
-        if not moe:
-            emit_gated_mlp(e, s, hidden=h, inter=cfg.intermediate_size)
-            continue
-        emit_router(e, s, hidden=h, n_experts=cfg.num_experts, score_bias=False)
-        emit_routed_experts(e, s, hidden=h, inter=cfg.moe_intermediate_size, n_experts=cfg.num_experts)
-        if qwen2 and cfg.shared_expert_intermediate_size:
-            emit_gated_mlp(e, s, hidden=h, inter=cfg.shared_expert_intermediate_size, kind="shared_experts",
-                           hf_mod="mlp.shared_expert", sg_mod="mlp.shared_expert", meg_mod="mlp.shared_experts")
+        emit_ffn(e, s, hidden=h, moe=moe, dense_inter=cfg.intermediate_size, n_experts=cfg.num_experts,
+                 expert_inter=cfg.moe_intermediate_size, shared_inter=shared, shared_mod="mlp.shared_expert")
+        if moe and shared:
             e.add(f"{s.hf}.mlp.shared_expert_gate.weight", (1, h), "shared_experts.gate_weight", s,
                   meg=f"{s.meg}.mlp.shared_experts.gate_weight")
-    emit_final_norm_and_head(e, cfg.vocab_size, h, cfg.tie_word_embeddings)
-    return e.tensors
+
+    return emit_decoder_model(cfg, block)
 
 
 def summary(cfg: QwenMoeConfig) -> dict[str, int]:

@@ -1,8 +1,8 @@
 """Source precision: how a published checkpoint STORES each tensor, from its config.json `quantization_config`.
 
-DeepSeek-V3 / R1 / V3.1 and Kimi-K2 ship FP8 block-quantized releases (../shared/research/backends.md §D, DeepSeek
-`README_WEIGHTS.md`): `quantization_config = {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
-weight_block_size: [128, 128]}`; every decoder-layer linear `X` is `X.weight` float8_e4m3fn [N, K] plus
+DeepSeek-V3 / R1 / V3.1 and Kimi-K2 ship FP8 block-quantized releases (deepseek-ai/DeepSeek-V3
+`README_WEIGHTS.md`, `inference/fp8_cast_bf16.py`): `quantization_config = {quant_method: fp8, fmt: e4m3,
+activation_scheme: dynamic, weight_block_size: [128, 128]}`; every decoder-layer linear `X` is `X.weight` float8_e4m3fn [N, K] plus
 `X.weight_scale_inv` float32 [ceil(N/128), ceil(K/128)] (dequant multiplier). Embeddings, lm_head, norms, the router
 (`mlp.gate`), its FP32 `e_score_correction_bias` and the MTP `eh_proj` / `shared_head.head` stay in torch_dtype and are
 excluded by the model code, not by a list (the published Kimi-K2-Instruct safetensors headers show exactly this split;

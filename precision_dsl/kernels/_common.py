@@ -1,7 +1,7 @@
 """Shared Triton building blocks of the fused quantize kernels (Hopper sm_90, no Blackwell-only PTX).
 
-Exactness rules every kernel follows (the readable references in precision_dsl/formats/ are the oracle; see
-../shared/research/quantizers.md section 1):
+Exactness rules every kernel follows (the readable references in precision_dsl/formats/ are the oracle; their
+docstrings cite the TransformerEngine kernels each one matches):
   * all arithmetic is IEEE fp32 RN without flush-to-zero. Plain Triton fp32 `*`, `+`, min/max lower to
     `mul.rn.f32` etc. (no .ftz). Divisions use `tl.math.div_rn` (libdevice `__nv_fdiv_rn`); libdevice picks its
     .ftz variant when Triton's `enable_reflect_ftz` option is on (the default in triton 3.6), so every launch passes
@@ -45,7 +45,7 @@ def unpack_pair(u, IN_DTYPE: tl.constexpr):
 
     bf16/fp16 pairs arrive as int32 (little endian: element 2j in bits 0-15), fp32 pairs as int64. Loading pairs
     keeps the low/high nibble partners in the same thread, so packing two E2M1 codes per byte needs no reshape or
-    split (layout conversions were the bottleneck of a first per-token kernel, see perf_baseline.md)."""
+    split: the layout conversions a reshape/split costs would dominate a per-token kernel."""
     if IN_DTYPE == 0:
         lo = (u << 16).to(tl.float32, bitcast=True)
         hi = (u & -65536).to(tl.float32, bitcast=True)

@@ -56,6 +56,46 @@ def _pack_codes(lo, hi, enc):
 
 
 @triton.jit
+def _block_amax(lo, hi):
+    """amax of each 16-element block (its 8 pairs on the last axis): NaN-ignoring max.f32, then max(., 0) so that an
+    all-NaN block is 0."""
+    return tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=-1), 0.0)
+
+
+@triton.jit
+def _encode_blocks(lo, hi, amax_b, s_enc, s_dec):
+    """The block-scale step every NVFP4 kernel shares: block amax (>= 0) -> E4M3 scale with the global scale -> its
+    reciprocal encode multiplier -> packed E2M1 bytes. amax_b is lo's shape without the pair axis, or broadcasts
+    into it from the left (16x16 tiles: one amax per block column); s_enc / s_dec broadcast against amax_b.
+    Returns (scale bytes shaped like amax_b, packed bytes shaped like lo)."""
+    sf, enc = _block_scale(amax_b, s_enc, s_dec)
+    return sf, _pack_codes(lo, hi, tl.expand_dims(enc, -1))
+
+
+@triton.jit
+def _pair_offsets(r64, stride, nb):
+    """Word offsets [BM, BNB, 8] of the 8 pair words (16 elements) of blocks nb in rows r64 (int64). Row bases are
+    multiples of 8 words (K % 16 == 0); the hint lets Triton use 16-byte loads and stores for any K."""
+    pr = tl.arange(0, 8)
+    return tl.multiple_of(r64 * stride, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
+
+
+@triton.jit
+def _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_NB: tl.constexpr):
+    """This program's tile of a (row, 16-element block) grid - program axis 0 over BLOCK_M rows, axis 1 over BLOCK_NB
+    blocks - read as fp32 pairs: (lo, hi [BM, BNB, 8], rows, rows as int64, nb, row mask, block mask)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    rmask = rows < M
+    bmask = nb < NB
+    r64 = rows.to(tl.int64)
+    u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None], other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    return lo, hi, rows, r64, nb, rmask, bmask
+
+
+@triton.jit
 def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
                              stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
     """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program)."""
@@ -64,21 +104,16 @@ def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M,
     stride_d = tl.multiple_of(stride_d, 8)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     nb = tl.arange(0, BLOCK_NB)
-    pr = tl.arange(0, 8)
     rmask = rows < M
     mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
     r64 = rows.to(tl.int64)
-    # row bases are multiples of 8 pair words (K % 16 == 0); the hint lets Triton use 16-byte loads for any K
-    offs = tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
-    u = tl.load(xp_ptr + offs, mask=mask3, other=0)
+    u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=mask3, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
-    amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), 0.0)  # [BM, BNB]
+    amax_b = _block_amax(lo, hi)  # [BM, BNB]
     g = tl.max(amax_b, axis=1)  # [BM]
     s_enc, s_dec = _global_scales(g)
-    sf, enc = _block_scale(amax_b, s_enc[:, None], s_dec[:, None])
-    packed = _pack_codes(lo, hi, enc[:, :, None])
-    d_offs = tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :]
-    tl.store(data_ptr + d_offs, packed, mask=mask3)
+    sf, packed = _encode_blocks(lo, hi, amax_b, s_enc[:, None], s_dec[:, None])
+    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=mask3)
     mask2 = rmask[:, None] & (nb < NB)[None, :]
     tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
     tl.store(sdec_ptr + rows, s_dec, mask=rmask)
@@ -110,32 +145,20 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     pid_b = tl.program_id(1)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
-    pr = tl.arange(0, 8)
-    rmask = rows < M
-    bmask = nb < NB
-    mask3 = rmask[:, None, None] & bmask[None, :, None]
-    r64 = rows.to(tl.int64)
-    u = tl.load(xp_ptr + tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
-                mask=mask3, other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
+    lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M, BLOCK_NB)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
         tl.store(sdec_ptr, s_dec)
-    amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, BNB]
+    amax_b = _block_amax(lo, hi)  # [BM, BNB]
     if TILE_2D:
-        amax_t = tl.maximum(tl.max(amax_b, axis=0), 0.0)  # [BNB]
-        sf, enc = _block_scale(amax_t, s_enc, s_dec)
-        packed = _pack_codes(lo, hi, enc[None, :, None])
+        # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
+        sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
         tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
     else:
-        sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc, s_dec)
-        packed = _pack_codes(lo, hi, enc[:, :, None])
+        sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
         tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-    tl.store(data_ptr + tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
-             packed, mask=mask3)
+    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=rmask[:, None, None] & bmask[None, :, None])
 
 
 @triton.jit
@@ -154,17 +177,15 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
         m = (nb < NB)[:, None]
         u = tl.load(xp_ptr + row * stride_xp + nb[:, None] * 8 + pr[None, :], mask=m, other=0)
         lo, hi = unpack_pair(u, IN_DTYPE)
-        acc = tl.maximum(acc, tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1))
-    g = tl.maximum(tl.max(acc, axis=0), 0.0)
+        acc = tl.maximum(acc, _block_amax(lo, hi))
+    g = tl.max(acc, axis=0)
     s_enc, s_dec = _global_scales(g)
     for start in range(0, NB, CHUNK_NB):
         nb = start + cb
         bm = nb < NB
         u = tl.load(xp_ptr + row * stride_xp + nb[:, None] * 8 + pr[None, :], mask=bm[:, None], other=0)
         lo, hi = unpack_pair(u, IN_DTYPE)
-        amax_b = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), 0.0)
-        sf, enc = _block_scale(amax_b, s_enc, s_dec)
-        packed = _pack_codes(lo, hi, enc[:, None])
+        sf, packed = _encode_blocks(lo, hi, _block_amax(lo, hi), s_enc, s_dec)
         tl.store(data_ptr + row * stride_d + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
         tl.store(scale_ptr + row * stride_s + nb, sf, mask=bm)
     tl.store(sdec_ptr + row, s_dec)
@@ -178,7 +199,7 @@ def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE
     pr = tl.arange(0, 8)
     u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
-    return lo, hi, tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), 0.0)
+    return lo, hi, _block_amax(lo, hi)
 
 
 @triton.jit
@@ -186,8 +207,7 @@ def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s
                  CH: tl.constexpr):
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
-    sf, enc = _block_scale(amax_b, s_enc, s_dec)
-    packed = _pack_codes(lo, hi, enc[:, None])
+    sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
     bm = nb < NB
     tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
     tl.store(scale_ptr + s_off + nb, sf, mask=bm)

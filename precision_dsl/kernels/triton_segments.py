@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import unpack_pair
-from .triton_nvfp4 import _block_scale, _global_scales, _pack_codes
+from .triton_nvfp4 import _block_amax, _encode_blocks, _global_scales, _load_block_tile, _pair_offsets
 
 
 @triton.jit
@@ -62,29 +62,17 @@ def _seg_amax_kernel(xp_ptr, amax_bits_ptr, bad_ptr, M, NP, stride_xp, RPG, IN_D
 @triton.jit
 def _nvfp4_seg_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s, RPG, RPM,
                       IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    stride_xp = tl.multiple_of(stride_xp, 8)
+    """triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with each row's G read from its group (RPG rows a group)
+    and S_dec written once per member (RPM rows a member)."""
+    stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
-    pr = tl.arange(0, 8)
-    rmask = rows < M
-    bmask = nb < NB
-    mask3 = rmask[:, None, None] & bmask[None, :, None]
-    r64 = rows.to(tl.int64)
-    u = tl.load(xp_ptr + tl.multiple_of(r64 * stride_xp, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
-                mask=mask3, other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
+    lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M, BLOCK_NB)
     g = tl.load(g_ptr + rows // RPG, mask=rmask, other=0.0)  # [BM]
     s_enc, s_dec = _global_scales(g)
-    tl.store(sdec_ptr + rows // RPM, s_dec, mask=rmask & (rows % RPM == 0) & (pid_b == 0))
-    amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, BNB]
-    sf, enc = _block_scale(tl.maximum(amax_b, 0.0), s_enc[:, None], s_dec[:, None])
-    packed = _pack_codes(lo, hi, enc[:, :, None])
+    tl.store(sdec_ptr + rows // RPM, s_dec, mask=rmask & (rows % RPM == 0) & (tl.program_id(1) == 0))
+    sf, packed = _encode_blocks(lo, hi, _block_amax(lo, hi), s_enc[:, None], s_dec[:, None])
     tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-    tl.store(data_ptr + tl.multiple_of(r64 * stride_d, 8)[:, None, None] + nb[None, :, None] * 8 + pr[None, None, :],
-             packed, mask=mask3)
+    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=rmask[:, None, None] & bmask[None, :, None])
 
 
 @triton.jit
