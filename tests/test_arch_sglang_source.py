@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own model source is the judge of the catalog's SGLang module prefixes (GLM-4.5 MoE family).
 
-The published `sglang==0.5.23` wheel is fetched with pip (PyPI only, no dependencies, cached under
-~/.cache/policyc/wheels or $POLICYC_WHEEL_CACHE) and its `sglang/srt/models/glm4_moe.py` / `glm4_moe_nextn.py` are
+The published `sglang==0.5.23` wheel is fetched with pip (PyPI only, no dependencies) into the one wheel cache the
+SGLang oracle uses (tests/oracles/sglang_oracle.py `sglang_wheel`: $POLICYC_ORACLE_CACHE/wheels) and its `sglang/srt/models/glm4_moe.py` / `glm4_moe_nextn.py` are
 read as text and parsed with `ast` (never imported: SGLang needs CUDA). What is checked:
   * every module prefix the catalog gives a GLM tensor is built from `add_prefix("<name>", prefix)` names that the
     SGLang model classes really use (qkv_proj, o_proj, gate_up_proj, down_proj, experts, shared_experts, ...);
@@ -18,13 +18,11 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
+from oracles.sglang_oracle import cache_dir, sglang_wheel
 from precision_dsl.arch import architecture_from_config, load_architecture
 
 SGLANG_VERSION = "0.5.23"
@@ -32,19 +30,10 @@ SGLANG_VERSION = "0.5.23"
 
 @pytest.fixture(scope="module")
 def sglang_sources() -> dict[str, str]:
-    cache = Path(os.environ.get("POLICYC_WHEEL_CACHE", Path.home() / ".cache" / "policyc" / "wheels"))
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        if os.environ.get("POLICYC_OFFLINE") == "1":
-            pytest.skip("POLICYC_OFFLINE=1: the sglang wheel cannot be fetched")
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps",
-                               "--only-binary=:all:", "-q", "-d", str(cache)], capture_output=True, text=True,
-                              timeout=600)
-        wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        assert wheels, f"pip could not download sglang=={SGLANG_VERSION}:\n{proc.stderr[-2000:]}"
+    if os.environ.get("POLICYC_OFFLINE") == "1" and not list((cache_dir() / "wheels").glob("sglang-*.whl")):
+        pytest.skip("POLICYC_OFFLINE=1: the sglang wheel cannot be fetched")
     out = {}
-    with zipfile.ZipFile(wheels[0]) as z:
+    with zipfile.ZipFile(sglang_wheel()) as z:
         for name in ("glm4_moe.py", "glm4_moe_nextn.py"):
             out[name] = z.read(f"sglang/srt/models/{name}").decode()
     return out
