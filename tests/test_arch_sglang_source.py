@@ -19,6 +19,7 @@ import ast
 import os
 import re
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,22 @@ def test_glm_nextn_draft_model(sglang_sources):
         by = arch.by_name()
         t = by[f"model.layers.{arch.num_layers}.eh_proj.weight"]
         assert t.sglang_prefix is None and t.role == "mtp.eh_proj"
+
+
+def test_the_sglang_wheel_is_downloaded_and_stored_once(tmp_path, monkeypatch):
+    """One cache, one download: every test that reads SGLang takes its wheel from sglang_oracle.wheel (the oracle's
+    site is unpacked from that same file); no test module downloads a wheel of its own."""
+    from unittest import mock
+
+    from oracles import sglang_oracle
+
+    tests = Path(__file__).resolve().parent
+    needle = '"pip", ' + '"download"'  # a pip download call (split here so this file does not hold it)
+    downloaders = sorted(p.relative_to(tests).as_posix() for p in tests.rglob("*.py") if needle in p.read_text())
+    assert downloaders == ["oracles/sglang_oracle.py", "te_oracle.py"], downloaders
+    monkeypatch.setenv("POLICYC_ORACLE_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    whl = tmp_path / "wheels" / f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
+    whl.write_bytes(b"")
+    with mock.patch.object(sglang_oracle.subprocess, "run", side_effect=AssertionError("downloaded again")):
+        assert sglang_wheel() == whl
