@@ -11,6 +11,8 @@ these checks find what depends on the model's shapes and on how trainer (Megatro
   rollout-etp         the rollout etp is what SGLang derives from the launch args (moe_tp = tp / ep); another is
                       a contract SGLang never sees
   etp-mismatch        per-token (row) activation scales on routed experts need trainer.etp == rollout.etp
+  layout-trainer / layout-rollout  the layout breaks a divisibility rule Megatron / SGLang enforce when they build
+                      the model (heads, KV heads, experts, FFN widths, layers per stage: precision_dsl/parallel.py)
   (pipeline splits and BF16 layer runs are the Megatron emitter's business: it lays out uneven splits with
   --decoder-first/last-pipeline-num-layers and refuses, by name, what one TE precision file cannot express; the
   check/emit gate, precision_dsl/engine/gate.py, reports those refusals as errors of `policyc check`)
@@ -34,6 +36,7 @@ from typing import Optional
 
 from .arch.base import Architecture
 from .diagnostics import Diagnostic
+from .parallel import layout_violations
 from .plan import ParallelLayout, ParallelSide, Plan, TensorPlan, per_precision
 from .precision import BLACKWELL_ONLY_KINDS, FormatKind, Scope, TensorFormat, is_per_token
 
@@ -55,6 +58,8 @@ def check(plan: Plan, arch: Architecture, parallel: Optional[ParallelLayout] = N
     if parallel is not None:
         diags += check_rollout_etp(plan, parallel)
         diags += check_etp(plan, parallel)
+        diags += [Diagnostic(severity="error", code=f"layout-{v.side}", message=f"{v.rule}: {v.message}", hint=v.hint)
+                  for v in layout_violations(arch, parallel)]  # what Megatron / SGLang refuse at start-up
     return diags
 
 

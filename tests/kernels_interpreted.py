@@ -5,15 +5,16 @@
 Driven by tests/test_kernels_interpret.py in a fresh process: triton decides compiled vs interpreted when a kernel
 is decorated, so the environment variable must be set before the kernel modules are imported.
 
-Triton 3.6's interpreter models the GPU with numpy; in one place its model is not the hardware's and the check
-gives it the hardware's rule: the fp32 -> fp8 cast. The kernels use `.to(tl.float8e4nv / tl.float8e5)`, which on
-sm_89+ is `cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32` (round to nearest even, finite overflow and +-inf clamp to +-Fmax,
-NaN -> 0x7F); the interpreter's `_convert_float` instead rounds on the single cut-off bit with no ties-to-even, no
+Triton 3.6's interpreter models the GPU with numpy; in two places its model is not the hardware's and the check
+gives it the hardware's rule: the bf16 -> fp32 widening of subnormals (`exact_bf16_widening`) and the fp32 -> fp8
+cast. The kernels use `.to(tl.float8e4nv / tl.float8e5)`, which on sm_89+ is `cvt.rn.satfinite.{e4m3x2,e5m2x2}.f32`
+(round to nearest even, finite overflow and +-inf clamp to +-Fmax, NaN -> 0x7F); the interpreter's `_convert_float` instead rounds on the single cut-off bit with no ties-to-even, no
 carry into the exponent and no saturation (about 20 % of MXFP8 bytes come out one code off). `exact_fp8_cast`
-replaces that one builder method with the PTX rule (clamp, then torch's RNE cast). Everything else -- loads, bit
+replaces that builder method with the PTX rule (clamp, then torch's RNE cast). Everything else -- loads, bit
 manipulation, block maxima, E8M0 / E2M1 / E4M3-scale arithmetic, division, packing, stores -- is the kernels' own
 code run by the interpreter, and every output byte is compared.
 
+    TRITON_INTERPRET=1 python tests/kernels_interpreted.py subnormal        # bf16 subnormal tiles, every kernel
     TRITON_INTERPRET=1 python tests/kernels_interpreted.py fp8_pad_rowcol   # the padded / row+col FP8 block cases
 
 runs the FP8 block copies of the fp8 backward instead (random inputs with edge rows, no golden vectors): the
@@ -65,6 +66,30 @@ def exact_fp8_cast() -> None:
         return interpreter.TensorHandle(y.numpy().reshape(src.data.shape), dst)
 
     interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def exact_bf16_widening() -> None:
+    """The interpreter's departure from the hardware on bf16 subnormals: the kernels load bf16 and widen it with
+    `.to(tl.float32)`, which on the GPU is exact (`cvt.f32.bf16`: the bf16 bits shifted left by 16; no .ftz, so a
+    subnormal stays the same subnormal fp32 value). Triton 3.6's interpreter widens with `_convert_float`
+    (triton/runtime/interpreter.py, `InterpreterBuilder.cast_impl`), which normalizes a subnormal significand,
+    drops its leading bit, then clamps the (same-bias) fp32 exponent to 0: the value comes out as a different
+    fp32 subnormal (every power of two, 2^-133 .. 2^-127, -> 0; 3 * 2^-130 -> 2^-127). A block of bf16 subnormals then gets the
+    reference's E8M0 / FP8 block scale but wrong element codes (MXFP8: 0 instead of 24 / 44). Here the widening is
+    the hardware's bit shift; every other cast stays the interpreter's."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar != tl.bfloat16 or dst_type.scalar != tl.float32:
+            return original(self, src, dst_type)
+        bits = np.asarray(src.data).astype(np.uint32) << np.uint32(16)
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    interpreter.InterpreterBuilder.cast_impl = cast_impl
 
 
 def nan_ignoring_max() -> None:
@@ -391,6 +416,81 @@ def run_nvfp4_segments() -> None:
             case = f"nvfp4_row::{dtype_name}_k{k}_{vi}"
         print(json.dumps({"case": case, "checks": checks, "seconds": round(time.perf_counter() - t0, 2)}),
               flush=True)
+# ---- bf16 subnormal tiles ------------------------------------------------------------------------------------------
+# Blocks whose bf16 elements are all subnormal (|x| < 2^-126): their amax gives E8M0 = 0 / huge FP8 block and NVFP4
+# scales, so x * s is a normal fp32 value and every element gets a non-zero code. No golden vectors: the kernel path
+# against the reference quantization of the same x (tests/test_kernels.py runs them on the GPU).
+SUBNORMAL_SHAPE = (256, 256)
+
+
+def subnormal_input(m: int, k: int, seed: int):
+    """bf16 [m, k]: the rows [0, m/2) hold only bf16 subnormals, (rand * 2 - 1) * 2^-130 (every 32-, 16-, 1x128 and,
+    for m = 256, 128x128 block of them is all-subnormal); row 1 the smallest subnormals +-2^-133 and zeros; the rows
+    [m/2, m) a normal-range tile of which every other 32-column block is subnormal."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(m, k, generator=g) * 2 - 1) * 2.0 ** -130
+    x[1] = torch.tensor([2.0 ** -133, -(2.0 ** -133), 0.0, -0.0]).repeat(k // 4)
+    normal = torch.randn(m - m // 2, k, generator=g) * 3
+    x[m // 2:] = torch.where((torch.arange(k) // 32) % 2 == 0, normal, x[m // 2:])
+    return x.to(torch.bfloat16)
+
+
+def subnormal_cases() -> list[str]:
+    """The kernel calls of run_subnormal, by name."""
+    out = [f"mxfp8_{el}_{axis}" for el in ("e4m3", "e5m2") for axis in ("row", "col")]
+    out += [f"mxfp8_rowcol_{el}" for el in ("e4m3", "e5m2")]
+    out += [f"nvfp4_{scope}_{'16x16' if t2 else '1x16'}_{axis}" for scope in ("tensor", "row") for t2 in (False, True)
+            for axis in ("row", "col") if not (t2 and scope == "row")]
+    out += [f"fp8block_{el}_{b}_{'pow2' if p else 'fp32'}_{axis}" for el in ("e4m3", "e5m2") for b in ("1x128", "128x128")
+            for p in (True, False) for axis in ("row", "col")]
+    out += [f"fp8block_rowcol_{el}_{'pow2' if p else 'fp32'}" for el in ("e4m3", "e5m2") for p in (True, False)]
+    return out
+
+
+def _q_checks(got, want) -> dict:
+    checks = {"path": got.kernel == "triton", "keys": set(got.tensors()) == set(want.tensors()),
+              "meta": (tuple(got.shape), got.axis, got.fmt) == (tuple(want.shape), want.axis, want.fmt)}
+    for key, w in want.tensors().items():
+        checks[key] = key in got.tensors() and _same(got.tensors()[key].cpu(), w)
+    return checks
+
+
+def subnormal_checks(x, case: str) -> dict:
+    """Every output tensor of the kernel call `case` (a subnormal_cases() name) on x (CUDA, or CPU under the
+    interpreter) equals the reference quantization of x.cpu()."""
+    from precision_dsl import kernels
+
+    parts = case.split("_")
+    if case.startswith("mxfp8_rowcol"):
+        def call(v, k):
+            return kernels.mxfp8_quantize_rowcol(v, parts[2], kernel=k)
+    elif case.startswith("fp8block_rowcol"):
+        def call(v, k):
+            return kernels.fp8_block_quantize_rowcol(v, parts[2], parts[3] == "pow2", kernel=k)
+    elif parts[0] == "mxfp8":
+        def call(v, k):
+            return kernels.mxfp8_quantize(v, parts[1], axis=parts[2], kernel=k)
+    elif parts[0] == "nvfp4":
+        def call(v, k):
+            return kernels.nvfp4_quantize(v, axis=parts[3], scope=parts[1], tile_2d=parts[2] == "16x16", kernel=k)
+    else:
+        def call(v, k):
+            return kernels.fp8_block_quantize(v, parts[1], (1, 128) if parts[2] == "1x128" else (128, 128),
+                                              parts[3] == "pow2", axis=parts[4], kernel=k)
+    got, want = call(x, "triton"), call(x.cpu(), "reference")
+    if isinstance(want, tuple):  # the row+col calls: (rowwise, columnwise)
+        return {f"{n}.{c}": ok for n, g, w in zip(("row", "col"), got, want) for c, ok in _q_checks(g, w).items()}
+    return _q_checks(got, want)
+
+
+def run_subnormal() -> None:
+    x = subnormal_input(*SUBNORMAL_SHAPE, seed=130)
+    for case in subnormal_cases():
+        t0 = time.perf_counter()
+        print(json.dumps({"case": f"subnormal::{case}", "checks": subnormal_checks(x, case),
+                          "seconds": round(time.perf_counter() - t0, 2)}), flush=True)
 
 
 def cases(max_elements: int) -> list[tuple[str, str]]:
@@ -413,6 +513,7 @@ def cases(max_elements: int) -> list[tuple[str, str]]:
 def main() -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     exact_fp8_cast()
+    exact_bf16_widening()
     if sys.argv[1:] == ["fp8_pad_rowcol"]:
         run_fp8_pad_rowcol()
         return
@@ -420,6 +521,9 @@ def main() -> None:
         run_nvfp4_segments()
         return
     kind = sys.argv[2] if len(sys.argv) > 2 else ""  # optional: only the golden files of this kind (nvfp4, ...)
+    if sys.argv[1:] == ["subnormal"]:
+        run_subnormal()
+        return
     for file, variant in cases(int(sys.argv[1]) if len(sys.argv) > 1 else 8192):
         if kind and not file.startswith(f"{kind}__"):
             continue

@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own model source is the judge of the catalog's SGLang module prefixes (GLM-4.5 MoE family).
 
-The published `sglang==0.5.23` wheel is fetched with pip (PyPI only, no dependencies, cached under
-~/.cache/policyc/wheels or $POLICYC_WHEEL_CACHE) and its `sglang/srt/models/glm4_moe.py` / `glm4_moe_nextn.py` are
+The published `sglang==0.5.23` wheel is fetched with pip (PyPI only, no dependencies) into the one wheel cache the
+SGLang oracle uses (tests/oracles/sglang_oracle.py `sglang_wheel`: $POLICYC_ORACLE_CACHE/wheels) and its `sglang/srt/models/glm4_moe.py` / `glm4_moe_nextn.py` are
 read as text and parsed with `ast` (never imported: SGLang needs CUDA). What is checked:
   * every module prefix the catalog gives a GLM tensor is built from `add_prefix("<name>", prefix)` names that the
     SGLang model classes really use (qkv_proj, o_proj, gate_up_proj, down_proj, experts, shared_experts, ...);
@@ -18,13 +18,12 @@ from __future__ import annotations
 import ast
 import os
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from oracles.sglang_oracle import cache_dir, sglang_wheel
 from precision_dsl.arch import architecture_from_config, load_architecture
 
 SGLANG_VERSION = "0.5.23"
@@ -32,19 +31,10 @@ SGLANG_VERSION = "0.5.23"
 
 @pytest.fixture(scope="module")
 def sglang_sources() -> dict[str, str]:
-    cache = Path(os.environ.get("POLICYC_WHEEL_CACHE", Path.home() / ".cache" / "policyc" / "wheels"))
-    cache.mkdir(parents=True, exist_ok=True)
-    wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        if os.environ.get("POLICYC_OFFLINE") == "1":
-            pytest.skip("POLICYC_OFFLINE=1: the sglang wheel cannot be fetched")
-        proc = subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps",
-                               "--only-binary=:all:", "-q", "-d", str(cache)], capture_output=True, text=True,
-                              timeout=600)
-        wheels = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        assert wheels, f"pip could not download sglang=={SGLANG_VERSION}:\n{proc.stderr[-2000:]}"
+    if os.environ.get("POLICYC_OFFLINE") == "1" and not list((cache_dir() / "wheels").glob("sglang-*.whl")):
+        pytest.skip("POLICYC_OFFLINE=1: the sglang wheel cannot be fetched")
     out = {}
-    with zipfile.ZipFile(wheels[0]) as z:
+    with zipfile.ZipFile(sglang_wheel()) as z:
         for name in ("glm4_moe.py", "glm4_moe_nextn.py"):
             out[name] = z.read(f"sglang/srt/models/{name}").decode()
     return out
@@ -135,3 +125,22 @@ def test_glm_nextn_draft_model(sglang_sources):
         by = arch.by_name()
         t = by[f"model.layers.{arch.num_layers}.eh_proj.weight"]
         assert t.sglang_prefix is None and t.role == "mtp.eh_proj"
+
+
+def test_the_sglang_wheel_is_downloaded_and_stored_once(tmp_path, monkeypatch):
+    """One cache, one download: every test that reads SGLang takes its wheel from sglang_oracle.wheel (the oracle's
+    site is unpacked from that same file); no test module downloads a wheel of its own."""
+    from unittest import mock
+
+    from oracles import sglang_oracle
+
+    tests = Path(__file__).resolve().parent
+    needle = '"pip", ' + '"download"'  # a pip download call (split here so this file does not hold it)
+    downloaders = sorted(p.relative_to(tests).as_posix() for p in tests.rglob("*.py") if needle in p.read_text())
+    assert downloaders == ["oracles/sglang_oracle.py", "te_oracle.py"], downloaders
+    monkeypatch.setenv("POLICYC_ORACLE_CACHE", str(tmp_path))
+    (tmp_path / "wheels").mkdir()
+    whl = tmp_path / "wheels" / f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
+    whl.write_bytes(b"")
+    with mock.patch.object(sglang_oracle.subprocess, "run", side_effect=AssertionError("downloaded again")):
+        assert sglang_wheel() == whl

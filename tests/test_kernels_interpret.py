@@ -9,7 +9,8 @@ Not covered here, and why (see tests/kernels_interpreted.py):
   * MXFP8 32x32 tiles: there is no kernel; kernel="triton" refuses them (tested below).
   * inputs with NaN (golden `nan_inf`): the interpreter's block max propagates NaN, the GPU's max.f32 ignores it.
   * the fp32 -> fp8 conversion instruction itself: the interpreter's cast is not cvt.rn.satfinite, so the check
-    substitutes the PTX rule for that one operation; the instruction is exercised on the H200 only.
+    substitutes the PTX rule for that one operation; the instruction is exercised on the H200 only. Likewise the
+    bf16 -> fp32 widening: the interpreter's loses bf16 subnormals, the check uses the hardware's exact bit shift.
   * launch-config sweeps and the one-read MXFP8 row+col kernel on shapes above the size limit (GPU tests).
 FP8 block copies of the fp8 backward (no golden vectors: random inputs with edge rows vs the reference): the
 columnwise 1x128 copy of x zero-padded to a multiple of 128 rows in one launch (`fp8_block_quantize(...,
@@ -19,6 +20,7 @@ NVFP4 kernels of the live weight update (no golden vectors: random inputs vs the
 (`triton_segments.seg_amax` / `nvfp4_segment`, per-member and gate+up share-scale groups, bf16/fp16/fp32, several
 launch shapes, the non-finite count) and the register-chunked per-row kernel; the two-pass per-row loop kernel runs
 on the GPU only (the interpreter cannot loop over a kernel argument).
+bf16 subnormal tiles (no golden vectors: vs the reference): every kernel that reads bf16, blocks of subnormals only.
 """
 
 from __future__ import annotations
@@ -117,6 +119,23 @@ def test_fp8_block_padded_col_and_rowcol_kernels_match_the_reference():
     bad = {c: [k for k, ok in r["checks"].items() if not ok] for c, r in results.items()
            if len(r["checks"]) < 27 or not all(r["checks"].values())}
     assert not bad, f"padded / row+col FP8 block kernels differ from the reference: {bad}"
+
+
+def test_bf16_subnormal_tiles_match_the_reference():
+    """Blocks holding only bf16 subnormals (the case the golden vectors lack): every kernel that reads bf16 --
+    MXFP8 1x32 / 32x1 and row+col, NVFP4 per-tensor / per-row / 16x16, FP8 block 1x128 / 128x128 and row+col --
+    writes the reference's bytes. The subnormal rows of subnormal_input get non-zero codes (E8M0 = 0 scales the
+    block by 2^127), so a kernel or an interpreter that loses subnormals cannot pass."""
+    from precision_dsl.formats import mxfp8
+
+    x = ki.subnormal_input(*ki.SUBNORMAL_SHAPE, seed=130)
+    sub = x[: x.shape[0] // 2].float().abs()
+    assert 0 < sub.max() < 2.0 ** -126 and (mxfp8.quantize(x, "e4m3").data[: x.shape[0] // 2] != 0).float().mean() > 0.9
+    results = _interpret("subnormal")
+    assert set(results) == {f"subnormal::{c}" for c in ki.subnormal_cases()} and len(results) >= 30
+    bad = {c: [k for k, ok in r["checks"].items() if not ok] for c, r in results.items()
+           if len(r["checks"]) < 4 or not all(r["checks"].values())}
+    assert not bad, f"kernels differ from the reference on bf16 subnormal tiles: {bad}"
 
 
 def test_fp8_block_pad_rows_to_is_validated_and_defaults_to_no_padding():

@@ -1,8 +1,9 @@
 """SGLang 0.5.23, asked directly: what does the server make of the checkpoint config and launch args policyc emits?
 
 How SGLang is obtained: `pip download --no-deps` of the sglang 0.5.23 wheel (plus the few small pure runtime
-dependencies its config code builds classes on: msgspec, psutil, pybase64, dill) into the oracle cache
-($POLICYC_ORACLE_CACHE, default ~/.cache/policyc-oracles), unpacked once and reused. Nothing of SGLang is copied into
+dependencies its config code builds classes on: msgspec, psutil, pybase64, dill) into the one wheel cache
+($POLICYC_ORACLE_CACHE, default ~/.cache/policyc-oracles, /wheels: ~39 MB, sglang 38 MB of it), unpacked once and
+reused (~200 MB unpacked). Nothing of SGLang is copied into
 this repository. The package does not import on a CPU-only box with our dependencies, so its modules are imported in
 a sandbox (tests/oracles/_sandbox.py) where absent third-party imports (triton, sgl_kernel, zmq, ...) are inert stubs;
 SGLang's own code runs unchanged.
@@ -74,29 +75,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
 
 
+def wheel(req: str) -> Path:
+    """The wheel of `req` ("name==version") in the one wheel cache, cache_dir()/wheels: downloaded with pip
+    (--no-deps, PyPI) the first time, reused after. Every test reading SGLang (this oracle, the model-source tests)
+    takes the sglang wheel from here, so it is downloaded and stored once."""
+    wheels = cache_dir() / "wheels"
+    name, version = req.split("==")
+    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if found:
+        return found[0]
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), req]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheels.glob(pattern))
+    if r.returncode != 0 or not found:
+        raise OracleUnavailable(f"cannot download {req} from the package registry ({' '.join(cmd)}): "
+                                f"{(r.stderr or r.stdout).strip()[-600:]}")
+    return found[0]
+
+
+def sglang_wheel() -> Path:
+    return wheel(f"sglang=={SGLANG_VERSION}")
+
+
 def fetch_site() -> Path:
     """The unpacked sglang wheel (+ REAL_DEPS), downloaded with pip once and reused."""
     root = cache_dir()
     site = root / f"sglang-{SGLANG_VERSION}-site"
     if (site / ".complete").is_file():
         return site
-    wheels = root / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    for req in (f"sglang=={SGLANG_VERSION}",) + REAL_DEPS:
-        name, version = req.split("==")
-        if any(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl")):
-            continue
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), req]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise OracleUnavailable(f"cannot download {req} from the package registry ({' '.join(cmd)}): "
-                                    f"{(r.stderr or r.stdout).strip()[-600:]}")
+    whls = [wheel(req) for req in (f"sglang=={SGLANG_VERSION}",) + REAL_DEPS]
     tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
     try:
-        for whl in sorted(wheels.glob("*.whl")):
+        for whl in whls:
             with zipfile.ZipFile(whl) as z:
                 z.extractall(tmp, [n for n in z.namelist() if ".dist-info/" not in n])
-        (tmp / ".complete").write_text(json.dumps(sorted(p.name for p in wheels.glob("*.whl"))))
+        (tmp / ".complete").write_text(json.dumps(sorted(p.name for p in whls)))
         if site.exists():
             shutil.rmtree(site)
         os.rename(tmp, site)
