@@ -53,7 +53,7 @@ from precision_dsl.plan import Plan
 
 from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, UnsupportedByBackend, dump_json, module_of, plan_hash,
                      plan_json_bytes, plan_stamp)
-from precision_dsl.backends.durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
+from precision_dsl.backends.durable import Interrupted, OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
 from precision_dsl.backends.safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
 
 BACKEND = "converter"
@@ -420,13 +420,18 @@ class _TorchThreads:
         self._saved: Optional[int] = None
 
     def set(self, n: Optional[int]) -> None:
+        if n is None and self._saved is None:
+            # nothing to restore: never import torch here. This runs in the converter's `finally`, also after a
+            # Ctrl-C in the middle of `import torch`, when importing the half-initialised module again raises
+            # anything (AttributeError, circular ImportError, duplicate registrations) and hides the interrupt.
+            return
         import torch
 
         if n is not None and self._saved is None:
             self._saved = torch.get_num_threads()
             if self._saved != n:
                 torch.set_num_threads(n)
-        elif n is None and self._saved is not None:
+        elif n is None:
             if torch.get_num_threads() != self._saved:
                 torch.set_num_threads(self._saved)
             self._saved = None
@@ -617,8 +622,13 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         raise CheckpointError(f"output '{dst}' overlaps the source '{src}'", "write the output to another directory")
     if not dst.parent.is_dir():
         dst.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(_lock_path(dst), dst):
-        return _convert_locked(src, plan, dst, force, progress, on_shard_done, device)
+    try:
+        with OutputLock(_lock_path(dst), dst):
+            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt as err:  # every finished shard is kept: the same command resumes
+        raise Interrupted(*err.args) from None
 
 
 def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:

@@ -41,6 +41,13 @@ class OutputExists(PolicycError, FileExistsError):
     hint = "choose another --out or pass --force"
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a resumable writer: still a KeyboardInterrupt (nothing that stops on one changes), carrying
+    how to pick the work up again for the user."""
+
+    resume = "re-run the same command to resume"
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
