@@ -623,15 +623,21 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
     if not dst.parent.is_dir():
         dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with OutputLock(_lock_path(dst), dst):
-            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device)
+        with OutputLock(_lock_path(dst), dst) as lock:
+            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock)
     except Interrupted:
         raise
     except KeyboardInterrupt as err:  # every finished shard is kept: the same command resumes
         raise Interrupted(*err.args) from None
 
 
-def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:
+def _committed_mark(state: dict) -> str:
+    import hashlib
+
+    return "committed " + hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock: OutputLock) -> ConvertReport:
     from precision_dsl.backends import fp8_source
     from precision_dsl.backends.quantize import check_supported, checkpoint_tensors
 
@@ -639,7 +645,10 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
     srcc = open_source(src)
     state = {"plan_hash": plan_hash(plan), "source": str(src), "fingerprint": srcc.fingerprint()}
     report = ConvertReport(dst=dst)
-    if _recover(dst, work, state):
+    # Committed already: killed while tidying up after the commit (work dir still there: _recover), or after it
+    # (only the lock file was left, and its last mark says this very conversion was committed).
+    if _recover(dst, work, state) or (not work.exists() and dst.is_dir()
+                                      and lock.previous.endswith("\n" + _committed_mark(state))):
         report.shards_resumed = list(srcc.shards)
         return report
     if dst.exists() and not force:
@@ -775,6 +784,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         fsync_dir(work)
     os.rename(out_dir, dst)
     fsync_dir(dst.parent)
+    lock.mark(_committed_mark(state))  # from here a kill leaves a complete DST: the next run only tidies up
     discard(work)
     return report
 
