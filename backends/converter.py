@@ -679,6 +679,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
                 report.shards_resumed.append(shard)
+                report.bytes_in += sum(by[n].bytes_before for u in units for n in u)  # "X MiB in -> Y MiB" is all
                 prog.advance(sum(len(u) for u in units))
                 continue
             marker = work / "done" / f"{shard}.json"
@@ -847,6 +848,9 @@ def _progress(enabled: bool, total: int):
 # ---------------------------------------------------------------------------------------------------------------
 def read_plan(dst: Path) -> Plan:
     path = Path(dst) / PLAN_FILE
+    if not Path(dst).is_dir():
+        what = "is not a directory" if Path(dst).exists() else "does not exist"
+        raise CheckpointError(f"converted checkpoint '{dst}' {what}", "pass the --out directory of `policyc convert`")
     if not path.is_file():
         raise CheckpointError(f"'{dst}' has no {PLAN_FILE}: it was not written by `policyc convert`")
     try:
