@@ -43,8 +43,25 @@ def _register_all() -> None:
     engine_cli.register(app)
 
 
+def _flags_show_no_type() -> None:
+    """typer 0.29's rich help prints a type column even for a flag (`--json <bool>`, `--help <bool>`, as if each
+    took a value). Leave that column blank for flags; parsing is unchanged."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_policyc_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._policyc_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
 try:
     _register_all()
+    _flags_show_no_type()
 finally:
     if _previous_sigint is not None:
         signal.signal(signal.SIGINT, _previous_sigint)

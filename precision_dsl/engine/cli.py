@@ -79,6 +79,13 @@ def use_available_threads() -> str:
     return f"torch threads: {n} ({why})"
 
 
+def run_console():
+    """stdout of `policyc run`: console.console() (wide when piped, so a log keeps each line whole)."""
+    from ..console import console
+
+    return console()
+
+
 def _live_run(cfg, title: str):
     """Run the loop with a rich progress bar + live metrics on a terminal; one plain line per 10 steps otherwise
     (logs, CI). Returns RunResult."""
@@ -183,11 +190,9 @@ def register(app: typer.Typer) -> None:
         run.png. With --engine miles: write (and optionally --launch) the equivalent Miles launch instead."""
 
         def body():
-            from rich.console import Console
-
             from rich.markup import escape
 
-            con = Console(highlight=False, markup=False)
+            con = run_console()
             if engine == "miles":
                 from .miles import emit_miles_launch
 

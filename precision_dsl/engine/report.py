@@ -93,6 +93,7 @@ def run_summary(result) -> dict:
         "routing_replay": result.config.routing_replay, "rollout_numerics": result.config.rollout_numerics,
         "model": result.config.model,
         "gemm_paths": result.gemm_paths,
+        "emulated_formats": list(result.emulated) if not isinstance(result.emulated, bool) else None,
         "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics,
                                                         result.gemm_paths),
     }
