@@ -56,7 +56,8 @@ from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, Pr
                                           engine_format, fused_module_sizes, module_of, plan_json_bytes, plan_stamp,
                                           read_json_artifact)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
-from precision_dsl.backends.durable import OutputExists, OutputLock, copy_regular, discard, fsync_dir, open_regular, read_small, write_atomic
+from precision_dsl.backends.durable import (Interrupted, OutputExists, OutputLock, copy_regular, discard, fsync_dir,
+                                            open_regular, read_small, write_atomic)
 from precision_dsl.backends.safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
 
 BACKEND = "converter"
@@ -426,13 +427,18 @@ class _TorchThreads:
         self._saved: Optional[int] = None
 
     def set(self, n: Optional[int]) -> None:
+        if n is None and self._saved is None:
+            # nothing to restore: never import torch here. This runs in the converter's `finally`, also after a
+            # Ctrl-C in the middle of `import torch`, when importing the half-initialised module again raises
+            # anything (AttributeError, circular ImportError, duplicate registrations) and hides the interrupt.
+            return
         import torch
 
         if n is not None and self._saved is None:
             self._saved = torch.get_num_threads()
             if self._saved != n:
                 torch.set_num_threads(n)
-        elif n is None and self._saved is not None:
+        elif n is None:
             if torch.get_num_threads() != self._saved:
                 torch.set_num_threads(self._saved)
             self._saved = None
@@ -623,11 +629,22 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         raise CheckpointError(f"output '{dst}' overlaps the source '{src}'", "write the output to another directory")
     if not dst.parent.is_dir():
         dst.parent.mkdir(parents=True, exist_ok=True)
-    with OutputLock(_lock_path(dst), dst):
-        return _convert_locked(src, plan, dst, force, progress, on_shard_done, device)
+    try:
+        with OutputLock(_lock_path(dst), dst) as lock:
+            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt as err:  # every finished shard is kept: the same command resumes
+        raise Interrupted(*err.args) from None
 
 
-def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> ConvertReport:
+def _committed_mark(state: dict) -> str:
+    import hashlib
+
+    return "committed " + hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock: OutputLock) -> ConvertReport:
     from precision_dsl.backends import fp8_source
     from precision_dsl.backends.quantize import check_supported, checkpoint_tensors
 
@@ -635,7 +652,10 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
     srcc = open_source(src)
     state = {"plan_hash": plan.content_hash(), "source": str(src), "fingerprint": srcc.fingerprint()}
     report = ConvertReport(dst=dst)
-    if _recover(dst, work, state):
+    # Committed already: killed while tidying up after the commit (work dir still there: _recover), or after it
+    # (only the lock file was left, and its last mark says this very conversion was committed).
+    if _recover(dst, work, state) or (not work.exists() and dst.is_dir()
+                                      and lock.previous.endswith("\n" + _committed_mark(state))):
         report.shards_resumed = list(srcc.shards)
         return report
     if dst.exists() and not force:
@@ -666,6 +686,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
                 report.shards_resumed.append(shard)
+                report.bytes_in += sum(by[n].bytes_before for u in units for n in u)  # "X MiB in -> Y MiB" is all
                 prog.advance(sum(len(u) for u in units))
                 continue
             marker = work / "done" / f"{shard}.json"
@@ -771,6 +792,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device) -> C
         fsync_dir(work)
     os.rename(out_dir, dst)
     fsync_dir(dst.parent)
+    lock.mark(_committed_mark(state))  # from here a kill leaves a complete DST: the next run only tidies up
     discard(work)
     return report
 
@@ -833,6 +855,9 @@ def _progress(enabled: bool, total: int):
 # ---------------------------------------------------------------------------------------------------------------
 def read_plan(dst: Path) -> Plan:
     path = Path(dst) / PLAN_FILE
+    if not Path(dst).is_dir():
+        what = "is not a directory" if Path(dst).exists() else "does not exist"
+        raise CheckpointError(f"converted checkpoint '{dst}' {what}", "pass the --out directory of `policyc convert`")
     if not path.is_file():
         raise CheckpointError(f"'{dst}' has no {PLAN_FILE}: it was not written by `policyc convert`")
     try:

@@ -41,6 +41,13 @@ class OutputExists(PolicycError, FileExistsError):
     hint = "choose another --out or pass --force"
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C inside a resumable writer: still a KeyboardInterrupt (nothing that stops on one changes), carrying
+    how to pick the work up again for the user."""
+
+    resume = "re-run the same command to resume"
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -91,6 +98,8 @@ class OutputLock:
 
     def __init__(self, lock_path: Path, what: Path):
         self.path, self.what, self.fd = Path(lock_path), Path(what), None
+        # what a holder killed before removing the file left in it (its pid, then its last `mark`): "" otherwise
+        self.previous = ""
 
     def __enter__(self) -> "OutputLock":
         import fcntl
@@ -100,7 +109,7 @@ class OutputLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
-                pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or None
+                pid = os.pread(fd, 32, 0).decode(errors="replace").partition("\n")[0].strip() or None
                 os.close(fd)
                 if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise OutputBusy(self.what, pid) from None
@@ -115,15 +124,27 @@ class OutputLock:
                 break
             os.close(fd)
         try:  # the pid only improves the refusal message: a full disk must not fail (or leak) the lock
+            self.previous = os.pread(fd, 4096, 0).decode(errors="replace")
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._end = len(str(os.getpid()))
         except OSError:
-            pass
+            self._end = None
         except BaseException:
             os.close(fd)
             raise
         self.fd = fd
         return self
+
+    def mark(self, text: str) -> None:
+        """Record one line of progress after the pid (what `previous` shows the next holder if this process dies
+        before removing the file). Best effort, like the pid; not a filesystem mutation (the file exists)."""
+        if self.fd is None or self._end is None:
+            return
+        try:
+            os.pwrite(self.fd, f"\n{text}".encode(), self._end)
+        except OSError:
+            pass
 
     def __exit__(self, *exc) -> None:
         fd, self.fd = self.fd, None

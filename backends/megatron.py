@@ -252,7 +252,7 @@ def _check_nvfp4_scope(module: str, members: list[TensorPlan], plan: Plan, probs
                 BACKEND, ts[0].hf_name,
                 f"separate NVFP4 global scales for {', '.join(sorted(t.megatron_part or '?' for t in ts))}: TE "
                 f"computes one amax over the fused weight",
-                hint="declare a share-scale group over the fused siblings (e.g. share_scale(gate, up))"))
+                hint="declare a share-scale group over the fused siblings (e.g. `share_scale routed_experts.{gate, up}`)"))
 
 
 def _module_recipes(plan: Plan, probs: Problems) -> dict[str, Recipe]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import struct
 from pathlib import Path
@@ -29,6 +30,10 @@ from precision_dsl.precision import HP_DTYPE_NAMES
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
+# Tensors in ONE file. A released shard (~5 GB) holds a few thousand; even an unsharded Kimi-K2-sized model (384
+# experts x 61 layers x 3 weights + their scales) stays under it. Each parsed entry costs ~0.8 KB of Python objects,
+# so this also bounds what a hostile header costs before it is refused.
+MAX_HEADER_ENTRIES = 1 << 17
 SOURCE_DTYPES = {st for _, st in HP_DTYPE_NAMES.values()}  # what the converter reads: BF16 / F16 / F32
 
 
@@ -49,6 +54,27 @@ def _numel(shape) -> int:
     return n
 
 
+# `"data_offsets": [b, e]` in the raw header. In valid JSON a match is always a key (a quote ending a string right
+# after `data_offsets`, then `:`); a match that is not a tensor entry's offsets makes the header invalid anyway.
+_OFFSETS = re.compile(rb'"data_offsets"\s*:\s*\[\s*(\d{1,19})\s*,\s*(\d{1,19})\s*\]')
+
+
+def _check_budget(raw: bytes, data_len: int, path: Path) -> None:
+    """Refuse, on the raw bytes and before json builds one object per entry, a header with more entries than any
+    real file or whose entries declare more bytes than the data section holds (non-overlapping tensors inside the
+    file cannot). Counts and sums only; every entry is validated by name after parsing."""
+    entries = raw.count(b'"data_offsets"')
+    if entries > MAX_HEADER_ENTRIES:
+        raise CheckpointError(f"{path}: header declares {entries} tensors (limit {MAX_HEADER_ENTRIES} per file)",
+                              "the file is not a safetensors checkpoint shard")
+    declared = 0
+    for m in _OFFSETS.finditer(raw):
+        declared += max(0, int(m[2]) - int(m[1]))
+        if declared > data_len:
+            raise CheckpointError(f"{path}: tensors declare more than the {data_len}-byte data section holds "
+                                  "(overlapping or outside the file)", "the file is truncated or corrupt")
+
+
 def read_header(path: Path) -> dict[str, dict]:
     """{name: {dtype, shape, data_offsets}} of a safetensors file, validated against the file size."""
     path = Path(path)
@@ -67,6 +93,7 @@ def read_header(path: Path) -> dict[str, dict]:
             raw = f.read(n)
     except OSError as err:
         raise CheckpointError(f"{path}: cannot read: {err.strerror or err}") from None
+    _check_budget(raw, size - 8 - n, path)
     from precision_dsl.jsonsafe import loads_bounded
 
     header = loads_bounded(raw, f"{path}: header", CheckpointError, max_bytes=MAX_HEADER_BYTES, max_depth=4)

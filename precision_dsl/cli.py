@@ -3,7 +3,25 @@ commands; every heavy import (torch, transformers, megatron) happens inside a co
 
 from __future__ import annotations
 
-import typer
+import os
+import signal
+import sys
+import threading
+
+
+def _interrupted_at_start_up(signum, frame) -> None:
+    # Ctrl-C while the commands are still being imported: nothing has been written yet, and a KeyboardInterrupt
+    # raised inside a half-done import prints a traceback (or crashes the interpreter's teardown).
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+# Only the main thread may set handlers; restored once the commands are registered (a test importing this module
+# keeps its own handler).
+_previous_sigint = (signal.signal(signal.SIGINT, _interrupted_at_start_up)
+                    if threading.current_thread() is threading.main_thread() else None)
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="policyc",
@@ -25,7 +43,28 @@ def _register_all() -> None:
     engine_cli.register(app)
 
 
-_register_all()
+def _flags_show_no_type() -> None:
+    """typer 0.29's rich help prints a type column even for a flag (`--json <bool>`, `--help <bool>`, as if each
+    took a value). Leave that column blank for flags; parsing is unchanged."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_policyc_flags", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._policyc_flags = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+try:
+    _register_all()
+    _flags_show_no_type()
+finally:
+    if _previous_sigint is not None:
+        signal.signal(signal.SIGINT, _previous_sigint)
 
 
 def main() -> None:
@@ -36,7 +75,17 @@ def main() -> None:
     import gc
 
     gc.set_threshold(200_000, 50, 100)
-    app()
+    try:
+        app()
+    except SystemExit as done:
+        if done.code != 130:
+            raise
+        # Interrupted (console.guard printed how to resume): leave without the interpreter's teardown. A Ctrl-C
+        # that landed inside `import torch` leaves torch's C extension half-registered, and tearing that down
+        # segfaults; every `finally` of the command has already run.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 if __name__ == "__main__":

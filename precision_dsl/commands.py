@@ -33,6 +33,20 @@ def load_arch(model: str):
     return load_architecture(model)
 
 
+def policy_not_found(policy: Path) -> UserError:
+    """The error for a policy argument that is no policy file: say what the path is when it is something."""
+    from .resources import policy_hint
+
+    p = Path(policy)
+    if p.is_dir():
+        what = "is a directory"
+    elif p.exists():
+        what = "is not a regular file"
+    else:
+        what = "does not exist"
+    return UserError(f"policy file '{policy}' {what}", policy_hint())
+
+
 def build_plan(policy: Path, model: str, parallel: Optional[str] = None) -> Plan:
     return build_plan_and_arch(policy, model, parallel)[0]
 
@@ -43,12 +57,12 @@ def build_plan_and_arch(policy: Path, model: str, parallel: Optional[str] = None
     from .parallel import parse_parallel
     from .resolve import resolve
 
-    from .resources import find_policy, policy_hint
+    from .resources import find_policy
 
     layout = parse_parallel(parallel)
     path = find_policy(policy)
     if path is None:
-        raise UserError(f"policy file '{policy}' does not exist", policy_hint())
+        raise policy_not_found(policy)
     # A CLI process keeps the architecture and the plan (~1M objects for DeepSeek-V3, no reference cycles) until it
     # exits. Build them with the cyclic GC off and move them to its permanent generation before turning it back on:
     # otherwise the first collection after the build scans them all once (~50 ms), and every full collection
@@ -256,6 +270,15 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.1f}P{unit}"
 
 
+def _params(n: float, scale: float, digits: int = 1) -> str:
+    """A parameter count in the unit that fits `scale` (the largest number printed next to it, so that "x of y"
+    share one unit): 656.5B of 671.0B, 1.6M of 1.8M; never 0.0B for a tiny model."""
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if scale >= div:
+            return f"{n / div:.{digits}f}{unit}"
+    return f"{n:.0f}"
+
+
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -309,7 +332,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     con.print(by_role)
     experts = sum(n for g, n, _, _ in roles if g in ("routed_experts", "shared_experts"))
     if experts:
-        con.print(f"routed+shared experts: {experts / 1e9:.1f}B of {main / 1e9:.1f}B parameters "
+        con.print(f"routed+shared experts: {_params(experts, main)} of {_params(main, main)} parameters "
                   f"({100.0 * experts / main:.1f}%)")
     groups = len(plan.share_scale_groups)
     if groups:
@@ -426,7 +449,7 @@ def register(app: typer.Typer) -> None:
             from .resolve import explain
 
             if not Path(policy).is_file():
-                raise UserError(f"policy file '{policy}' does not exist")
+                raise policy_not_found(policy)
             arch = load_arch(model)
             names = [t.hf_name for t in arch.tensors]
             if tensor in names:
@@ -520,7 +543,8 @@ def register(app: typer.Typer) -> None:
             fp8 = [t.source_format for t in arch.tensors if t.source_format is not None]
             src = f"; the release stores {len(fp8)} linears as {fp8[0].short()}" if fp8 else ""
             table = Table(title=f"{arch.name} ({how}): {len(arch.tensors)} tensors, "
-                                f"{arch.total_params / 1e9:.2f}B parameters{src}", title_justify="left",
+                                f"{_params(arch.total_params, arch.total_params, 2)} parameters{src}",
+                          title_justify="left",
                           header_style="bold")
             for col in ("hf name", "shape", "role", "megatron", "sglang prefix"):
                 table.add_column(col, overflow="fold")

@@ -55,14 +55,22 @@ def fail(err: Exception) -> "typer.Exit":
     return typer.Exit(getattr(err, "code", 2) if isinstance(getattr(err, "code", None), int) else 2)
 
 
+INTERRUPTED = 130  # the shell's exit status of a process stopped by SIGINT (128 + 2)
+
+
 def guard(body):
     """Run a command body, turning every expected error into a diagnostic and an exit code: every `PolicycError`
-    (the one hierarchy of user-facing errors, precision_dsl/errors.py) and OSError. Anything else is a bug and
+    (the one hierarchy of user-facing errors, precision_dsl/errors.py), OSError, and Ctrl-C (exit 130, with how
+    to resume where a re-run resumes). Anything else is a bug and
     propagates with its traceback (CLI tests run with catch_exceptions=False, so they fail on it)."""
     try:
         return body()
     except typer.Exit:
         raise
+    except KeyboardInterrupt as err:
+        # a resumable writer (the converter) re-raises the interrupt with how to pick its work up again
+        resume = getattr(err, "resume", "")
+        raise fail(UserError("interrupted" + (f"; {resume}" if resume else ""), code=INTERRUPTED))
     except PolicycError as err:
         raise fail(err)
     except OSError as err:

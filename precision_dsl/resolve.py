@@ -556,7 +556,30 @@ def _sel_text(r: _Rule) -> str:
     txt = r.node.text
     if r.node.optional:
         txt = txt[len("optional"):].strip()
-    return txt.split(":", 1)[0].strip()
+    return _before_spec(txt).strip()
+
+
+def _before_spec(rule_text: str) -> str:
+    """The selector part of `selector: spec`: up to the first ':' outside brackets, parentheses and strings (a
+    layer slice `layers[5:2]` or a name glob `name("a:b")` has colons of its own)."""
+    depth, quote, escaped = 0, None, False
+    for i, ch in enumerate(rule_text):
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == ":" and depth == 0:
+            return rule_text[:i]
+    return rule_text
 
 
 def _group_id(names: tuple[str, ...]) -> str:

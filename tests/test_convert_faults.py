@@ -304,3 +304,42 @@ def test_symlinked_side_files_are_never_followed(micro, tmp_path):
     with pytest.raises(CheckpointError, match="regular file inside"):
         converter.convert(src, plan("bf16"), tmp_path / "o2")
     assert json.loads((out / "config.json").read_text())["model_type"]
+
+
+def test_killed_after_the_commit_the_next_run_finishes_and_leaves_only_the_output(src, tmp_path):
+    """A kill at any point after the output is in place (the last one: right before the lock file is removed)
+    leaves a complete DST; the same command then finishes (nothing to redo) and leaves nothing beside DST."""
+    clean = tmp_path / "clean"
+    rerun(src, clean)
+    want = tree(clean)
+    ops = enumerate_points(src, tmp_path / "enum")
+    commit = ops.index(("rename", "out"))
+    assert ops[-1] == ("unlink", ".enum.policyc-lock")
+    for k in range(commit + 1, len(ops)):
+        dst = tmp_path / f"c{k}"
+        crash_at(src, dst, k, after=False)
+        assert tree(dst) == want
+        rep = rerun(src, dst)
+        assert rep.shards_written == [] and tree(dst) == want and leftovers(dst) == [], (k, ops[k])
+
+
+def test_real_kill_before_the_lock_is_removed(src, tmp_path):
+    ops = enumerate_points(src, tmp_path / "enum")
+    dst = tmp_path / "killed"
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(REPO)!r})
+from tests.faultfs import FaultFS
+from precision_dsl.backends import converter
+from precision_dsl.arch import load_architecture
+from precision_dsl.resolve import resolve
+plan = resolve({str(_ROOT[0] / 'bf16.policy')!r}, load_architecture({str(_ROOT[0] / 'config.json')!r}), None)
+fs = FaultFS(crash_at={len(ops) - 1}, on_crash=lambda: os._exit(137))
+with fs.installed():
+    converter.convert({str(src)!r}, plan, {str(dst)!r})
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 137, r.stderr[-2000:]
+    assert leftovers(dst) == [".killed.policyc-lock"]
+    rep = converter.convert(src, plan("bf16"), dst)
+    assert rep.shards_written == [] and converter.verify(dst, src) == [] and leftovers(dst) == []

@@ -71,3 +71,14 @@ def test_miles_launch_without_miles_is_a_clear_error(tmp_path):
                             "--out", str(tmp_path / "m")])
     assert r.exit_code == 2 and "Miles is not installed" in r.output
     assert (tmp_path / "m" / "launch_miles.sh").exists()
+
+
+def test_a_plan_the_gate_refuses_exits_1_from_every_command(tmp_path):
+    """One exit-code contract: 1 = valid input that the gate refuses (check, emit and run --engine miles alike),
+    2 = bad usage."""
+    bad = ["nvfp4-pertoken-dequant-backward", "--model", "qwen3-30b-a3b",
+           "--parallel", "trainer:tp=2,etp=2,ep=4 rollout:tp=4,etp=1,ep=4"]
+    check = runner.invoke(app, ["check", "policies/nvfp4-pertoken-dequant-backward.policy", *bad[1:]])
+    assert check.exit_code == 1, check.output
+    r = runner.invoke(app, ["run", "--engine", "miles", *bad, "--out", str(tmp_path / "m")])
+    assert r.exit_code == 1 and "does not pass `policyc check`" in r.output, r.output

@@ -247,3 +247,23 @@ def test_left_pad_right_aligns_every_prompt_after_pad_slots():
     assert ids.tolist() == [[0, 0, 5, 6, 7], [0, 0, 0, 0, 9], [1, 2, 3, 4, 5], [0, 0, 0, 8, 8]]
     assert mask.tolist() == [[0, 0, 1, 1, 1], [0, 0, 0, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
     assert ids.dtype == mask.dtype == torch.long
+
+
+def test_transformers5_config_names_are_read_like_plan_and_check_read_them(tmp_path):
+    """transformers 5 saves a Qwen3-MoE config with `num_local_experts`; `policyc plan/check` accept it (arch's
+    aliases), so the embedded engine reads it through the same aliases."""
+    from precision_dsl.arch import load_architecture
+    from precision_dsl.errors import PolicycError
+
+    src = bundled_model_dir("tiny-moe")
+    raw = json.loads((src / "config.json").read_text())
+    d = tmp_path / "t5"
+    shutil.copytree(src, d)
+    t5 = {("num_local_experts" if k == "num_experts" else k): v for k, v in raw.items()}
+    (d / "config.json").write_text(json.dumps(t5))
+    load_architecture(str(d))  # plan/check accept it
+    assert Qwen3MoeConfig.from_file(d / "config.json") == Qwen3MoeConfig.from_dict(raw)
+    load_model(d)
+    (d / "config.json").write_text(json.dumps({**t5, "num_experts": t5["num_local_experts"] + 1}))
+    with pytest.raises(PolicycError, match="disagree"):
+        Qwen3MoeConfig.from_file(d / "config.json")

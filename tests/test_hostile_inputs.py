@@ -259,3 +259,44 @@ def test_parallel_degrees_are_bounded(spec):
     r = StrictCliRunner().invoke(app, ["plan", str(REPO / "policies" / "bf16.policy"), "--model", "tiny-moe",
                                  "--parallel", spec])
     assert r.exit_code == 2 and "out of range" in r.output
+
+
+_PEAK_RSS = """
+import sys
+from pathlib import Path
+from precision_dsl.backends.safetensors_io import read_header
+from precision_dsl.errors import PolicycError
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) // 1024  # MiB
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current RSS: count only what reading the header costs
+before = status("VmRSS")
+try:
+    read_header(Path(sys.argv[1]))
+    print("accepted")
+except PolicycError as err:
+    print("refused:", str(err)[:300])
+print(status("VmHWM") - before)
+"""
+
+
+@pytest.mark.parametrize("entry", [_t(), _t(shape=(0,), off=(0, 0))], ids=["overlapping", "zero-size"])
+def test_a_header_of_200k_entries_is_refused_cheaply(tmp_path, entry):
+    """200k entries (11 MiB of JSON) used to cost ~170 MiB of Python objects before the refusal: the entry count
+    and the declared bytes are checked on the raw header, before any per-entry object is built."""
+    import subprocess
+    import sys
+
+    body = json.dumps(entry, separators=(",", ":"))
+    hdr = ("{" + ",".join(f'"t{i}":{body}' for i in range(200_000)) + "}").encode()
+    p = tmp_path / "many.safetensors"
+    p.write_bytes(st_file(hdr, b"\0" * 8))
+    r = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(p)], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stdout.split("\n")
+    assert r.returncode == 0 and lines[0].startswith("refused:"), (r.stdout, r.stderr[-2000:])
+    assert int(lines[1]) < 40, f"refusing cost {lines[1]} MiB of peak RSS: {lines[0]}"

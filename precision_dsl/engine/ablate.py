@@ -184,6 +184,37 @@ def summarize_dir(out: Path, *, quiet: bool = False, jobs: int = 1) -> dict:
                      quiet=quiet, jobs=jobs, rollout_numerics=meta.get("rollout_numerics", "independent"))
 
 
+def mean_spread(values: Sequence[float]) -> str:
+    """`mean±std` over seeds; one seed has no spread to show (a ±0.000 would read as a measured one)."""
+    mean = statistics.fmean(values)
+    return f"{mean:.3f}" if len(values) < 2 else f"{mean:.3f}±{statistics.stdev(values):.3f}"
+
+
+def median_step_s(runs: Sequence[Sequence[dict]]) -> float:
+    """Median wall time of one step (all phases) over every step of every run: one stalled step (a busy machine,
+    a first-call compile) moves a mean, not the median."""
+    from .plots import PHASES
+
+    return statistics.median(sum(r[key] for key, _ in PHASES) for recs in runs for r in recs)
+
+
+def run_notes(summaries: dict[str, list[dict]]) -> list[str]:
+    """What the runs' numbers are, once per kind of run (formats emulated x rollout numerics), without each run's
+    own GEMM call counts (those stay in its summary.json)."""
+    from .report import numerics_note
+
+    notes = set()
+    for ss in summaries.values():
+        for s in ss:
+            if "emulated_formats" in s:
+                formats = s["emulated_formats"]
+                notes.add(numerics_note(True if formats is None else tuple(formats),
+                                        s.get("rollout_numerics", "independent")))
+            else:  # a summary written before it recorded its formats
+                notes.add(s["note"])
+    return sorted(notes)
+
+
 def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps: int, model: str,
               quiet: bool = False, jobs: int = 1, rollout_numerics: str = "independent") -> dict:
     """Table + figure + ablation.json from the run directories' summaries (re-runnable on a finished ablation)."""
@@ -206,7 +237,7 @@ def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps:
     rows = []
     table = Table(title="final reward (mean of last steps) and train-rollout mismatch")
     for col in ("config", "reward start", "reward end mean±std", "mean |Δlogp|", "× BF16", "k3 KL(rollout‖train)",
-                "KL vs BF16 ref", "routing differs", "grad spikes", "s/step"):
+                "KL vs BF16 ref", "routing differs", "grad spikes", "s/step (median)"):
         table.add_column(col)
     for label, ss in summaries.items():
         ss = sorted(ss, key=lambda s: s["seed"])
@@ -225,12 +256,11 @@ def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps:
             "routing_disagreement": statistics.fmean(routing) if routing else None,
             "grad_spikes": sum(s["grad_spikes"] for s in ss),
             "weights_identical_every_step": all(s["quantized_weights_identical_every_step"] for s in ss),
-            "s_per_step": statistics.fmean((s["time_rollout_s"] + s["time_train_s"] + s["time_weight_update_s"])
-                                           / max(s["steps"], 1) for s in ss),
+            "s_per_step": median_step_s(runs[label]),
         }
         row["mismatch_vs_bf16"] = row["mismatch_abs_logp"] / bf16_mis if bf16_mis else None
         rows.append(row)
-        table.add_row(label, f"{row['reward_start']:.3f}", f"{row['reward_end_mean']:.3f}±{row['reward_end_std']:.3f}",
+        table.add_row(label, f"{row['reward_start']:.3f}", mean_spread(ends),
                       f"{row['mismatch_abs_logp']:.2e}",
                       "-" if row["mismatch_vs_bf16"] is None else f"{row['mismatch_vs_bf16']:.2f}",
                       f"{row['mismatch_k3']:.2e}", f"{row['kl_ref_k3_end']:.2e}",
@@ -240,9 +270,9 @@ def summarize(out: Path, summaries: dict[str, list[dict]], *, seeds: int, steps:
     if not out_con.is_terminal:
         out_con.width = 190  # logs: do not squeeze the table to 80 columns
     out_con.print(table)
-    notes = sorted({s["note"] for ss in summaries.values() for s in ss})
+    notes = run_notes(summaries)
     for n in notes:
-        con.print(n, markup=False)
+        con.print(n, markup=False, soft_wrap=True)  # one line each: a piped log is not folded at 80 columns
     result = {"seeds": seeds, "steps": steps, "model": model, "rollout_numerics": rollout_numerics,
               "mismatch_bound": bound, "jobs": jobs, "rows": rows, "figure": str(fig), "notes": notes}
     write_json_atomic(out / "ablation.json", result)

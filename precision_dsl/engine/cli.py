@@ -57,6 +57,35 @@ def _step_info(m, window: list[float]) -> str:
             f"rollout {m.rollout_tokens_per_s:.0f} tok/s{ident}")
 
 
+PROGRESS_EVERY_S = 10.0  # a log without a line for longer reads like a hang
+
+
+def progress_due(step: int, total: int, since_last_s: float) -> bool:
+    """Whether a finished step gets a plain progress line: every 10th, the first and the last, and any step
+    PROGRESS_EVERY_S or more after the previous line (slow steps on a busy CPU)."""
+    return step % 10 == 0 or step in (1, total) or since_last_s >= PROGRESS_EVERY_S
+
+
+def use_available_threads() -> str:
+    """Set torch's intra-op threads to the cores this process may really use now (engine/threads.py); returns
+    the line that says so."""
+    import torch
+
+    from .threads import available_threads
+
+    n, why = available_threads()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return f"torch threads: {n} ({why})"
+
+
+def run_console():
+    """stdout of `policyc run`: console.console() (wide when piped, so a log keeps each line whole)."""
+    from ..console import console
+
+    return console()
+
+
 def _live_run(cfg, title: str):
     """Run the loop with a rich progress bar + live metrics on a terminal; one plain line per 10 steps otherwise
     (logs, CI). Returns RunResult."""
@@ -70,14 +99,37 @@ def _live_run(cfg, title: str):
     con = Console(stderr=True, highlight=False, markup=False)
     window: list[float] = []
     if not con.is_terminal:
+        import threading
+
         t0 = time.perf_counter()
+        last = [t0, 0]  # time of the last line, last finished step
+        lock = threading.Lock()
+
+        def say(text: str) -> None:
+            with lock:
+                last[0] = time.perf_counter()
+                con.print(f"{text} [{last[0] - t0:.0f}s]", soft_wrap=True)
 
         def on_plain_step(m):
             info = _step_info(m, window)
-            if m.step % 10 == 0 or m.step in (1, cfg.steps):
-                con.print(f"step {m.step}/{cfg.steps} [{time.perf_counter() - t0:.0f}s]  {info}", soft_wrap=True)
+            last[1] = m.step
+            if progress_due(m.step, cfg.steps, time.perf_counter() - last[0]):
+                say(f"step {m.step}/{cfg.steps}  {info}")
 
-        return run(cfg, on_step=on_plain_step)
+        stop = threading.Event()
+
+        def heartbeat():  # a line at least every PROGRESS_EVERY_S, also while one long step runs
+            while not stop.wait(1.0):
+                if time.perf_counter() - last[0] >= PROGRESS_EVERY_S:
+                    say(f"step {last[1] + 1}/{cfg.steps} running")
+
+        beat = threading.Thread(target=heartbeat, name="policyc-progress", daemon=True)
+        beat.start()
+        try:
+            return run(cfg, on_step=on_plain_step)
+        finally:
+            stop.set()
+            beat.join()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[info]}"), console=con, transient=False) as prog:
         from rich.markup import escape
@@ -138,11 +190,9 @@ def register(app: typer.Typer) -> None:
         run.png. With --engine miles: write (and optionally --launch) the equivalent Miles launch instead."""
 
         def body():
-            from rich.console import Console
-
             from rich.markup import escape
 
-            con = Console(highlight=False, markup=False)
+            con = run_console()
             if engine == "miles":
                 from .miles import emit_miles_launch
 
@@ -173,6 +223,7 @@ def register(app: typer.Typer) -> None:
                                                        f"{rollout_device}" if rollout_device else "")
                                                        + (" · routing replay" if routing_replay else "")),
                       markup=True)
+            con.print(use_available_threads())
             result = _live_run(cfg, name)
             s = write_run(result, out_dir)
             con.print(s["note"])

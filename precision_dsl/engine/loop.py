@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Union
 
 import torch
 from torch.profiler import record_function  # phase ranges for benchmarks/rl_step.py --profile (no-op otherwise)
@@ -103,7 +103,7 @@ class RunResult(BaseModel):
     rollout_plan_hash: str
     steps: list[StepMetrics] = Field(default_factory=list)
     wall_s: float = 0.0
-    emulated: bool = True
+    emulated: Union[tuple[str, ...], bool] = True  # the formats emulated (report.emulated_formats); True: unknown
     gemm_paths: dict[str, int] = Field(default_factory=dict)  # trainer GEMM calls per path (fastgemm.PATH_NOTES)
     rollout_gemm_paths: dict[str, int] = Field(default_factory=dict)  # in-process rollout's GEMM calls per path
     native_fp8_errors: dict[str, str] = Field(default_factory=dict)  # cuBLASLt refusals of native FP8 GEMMs, if any
@@ -184,10 +184,10 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
     spikes = SpikeDetector()
 
-    from .report import plan_is_emulated
+    from .report import emulated_formats
 
     result = RunResult(config=cfg, policy_name=plan.policy_name, plan_hash=plan.content_hash(),
-                       rollout_plan_hash=rollout_plan.content_hash(), emulated=plan_is_emulated(plan))
+                       rollout_plan_hash=rollout_plan.content_hash(), emulated=emulated_formats(plan))
     if on_start:
         on_start(result)
 

@@ -38,9 +38,9 @@ from .plans import load_plan, policy_path
 
 
 class MilesError(PolicycError, RuntimeError):
-    def __init__(self, message: str, hint: str = ""):
+    def __init__(self, message: str, hint: str = "", code: int = 2):
         super().__init__(message)
-        self.hint = hint
+        self.hint, self.code = hint, code
 
 
 # GRPO settings of the blog's ablation (miles.md section 5): 8 samples per prompt, KL diagnostic with coef 0, R3.
@@ -169,7 +169,8 @@ def emit_miles_launch(policy: Optional[str], model: str, parallel: Optional[str]
         msgs = "; ".join(d.message for d in res.errors()[:3])
         raise MilesError(f"the plan does not pass `policyc check` ({len(res.errors())} error(s)): {msgs}",
                          f"run `policyc check {path} --model {model}" + (f" --parallel '{parallel}'" if parallel
-                                                                          else "") + "` for the full list")
+                                                                          else "") + "` for the full list",
+                         code=1)  # valid input the gate refuses: 1, as from check / emit (2 is bad usage)
     script, _, arts = build_launch(plan, path, model, parallel, te_version)
     out_dir = Path(out_dir).resolve()
     for a in arts:

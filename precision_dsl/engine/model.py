@@ -46,6 +46,15 @@ def _identity(p: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # config
 # ---------------------------------------------------------------------------------------------------------------
+def _public_names(d: dict, source: str) -> dict:
+    """config.json with the attribute names transformers 5 writes (Qwen3-MoE `num_local_experts`) mapped onto the
+    public names, by the same family table `policyc plan/check` read configs with (one reading, not two)."""
+    from precision_dsl.arch.families import apply_aliases, dispatch
+
+    family, _arch_class = dispatch(d, source)
+    return apply_aliases(d, family.adapter, source)
+
+
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
     vocab_size: int
@@ -75,6 +84,8 @@ class Qwen3MoeConfig:
         if d.get("model_type") not in ("qwen3_moe", "qwen3", None):
             raise ModelLoadError(f"{source}: model_type is {d.get('model_type')!r}; the embedded engine implements "
                                  "qwen3_moe and qwen3 only (hint: use --engine miles for other architectures)")
+        if d.get("model_type") is not None:
+            d = _public_names(d, source)
         if d.get("model_type") == "qwen3":  # dense Qwen3: every layer is a DenseMLP
             d = {**d, "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0}
         required = ["vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -100,10 +101,10 @@ def plot_ablation(runs: dict[str, list[list[dict]]], out_path: Path, title: str,
         vals = []
         for label in labels:
             recs = [r for s in runs[label] for r in s]
-            vals.append(sum(r[key] for r in recs) / max(len(recs), 1))
+            vals.append(statistics.median(r[key] for r in recs) if recs else 0.0)  # one stalled step: not a mean
         ax[2].bar([i + k * width for i in range(len(labels))], vals, width=width, label=name)
     ax[2].set_xticks([i + width for i in range(len(labels))], labels, rotation=30, ha="right", fontsize=7)
-    ax[2].set(title="mean time per step and phase (s)" + ("\nruns shared the machine: not a speed comparison"
+    ax[2].set(title="median time per step and phase (s)" + ("\nruns shared the machine: not a speed comparison"
                                                           if concurrent else ""), ylabel="s")
     ax[2].legend(fontsize=7)
     fig.suptitle(title)

@@ -5,9 +5,23 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-EMULATED_NOTE = ("numerics: MXFP8/NVFP4 are emulated (bit-exact quantizers -> dequantized operands -> GEMM with fp32 "
-                 "accumulation: FP32 on CPU, BF16 tensor cores over bf16-exact operands on CUDA); times are NOT "
-                 "Blackwell speeds")
+# how a run names the formats it emulates (FormatKind values -> the names the docs use)
+FORMAT_NAMES = {"fp8": "FP8", "fp8_block": "FP8-block", "mxfp8": "MXFP8", "nvfp4": "NVFP4"}
+BLACKWELL_ONLY = ("MXFP8", "NVFP4")
+
+
+def emulated_note(formats) -> str:
+    """`formats`: the names the run quantizes to (emulated_formats), or True when they are not known."""
+    if isinstance(formats, bool):
+        names, verb, speed = "low-precision formats", "are", "native"
+    else:
+        names, verb = "/".join(formats), "is" if len(formats) == 1 else "are"
+        speed = "Blackwell" if set(formats) <= set(BLACKWELL_ONLY) else "native"
+    return (f"numerics: {names} {verb} emulated (bit-exact quantizers -> dequantized operands -> GEMM with fp32 "
+            "accumulation: FP32 on CPU, BF16 tensor cores over bf16-exact operands on CUDA); times are NOT "
+            f"{speed} speeds")
+
+
 ROLLOUT_NOTES = {
     "independent": "rollout: its own quantizers + quantized-domain bf16-input/fp32-accumulate GEMMs over the received "
                    "bytes, bf16 model (engine/rollout_gemm.py)",
@@ -15,10 +29,11 @@ ROLLOUT_NOTES = {
 }
 
 
-def numerics_note(emulated: bool, rollout_numerics: str = "independent", gemm_paths: dict | None = None) -> str:
-    """What a run's numbers are: a BF16 plan is not 'emulated' (nothing is quantized); `gemm_paths` (trainer GEMM
-    calls per path, qlinear.TrainerExecutor.gemm_report) says which ran natively (fastgemm.PATH_NOTES)."""
-    trainer = EMULATED_NOTE if emulated else "numerics: BF16 (trainer: fp32 model, GEMMs over bf16 operands)"
+def numerics_note(emulated, rollout_numerics: str = "independent", gemm_paths: dict | None = None) -> str:
+    """What a run's numbers are: `emulated` = the formats the plan quantizes to (emulated_formats; a BF16 plan has
+    none and is not 'emulated'); `gemm_paths` (trainer GEMM calls per path, qlinear.TrainerExecutor.gemm_report)
+    says which ran natively (fastgemm.PATH_NOTES)."""
+    trainer = emulated_note(emulated) if emulated else "numerics: BF16 (trainer: fp32 model, GEMMs over bf16 operands)"
     if gemm_paths:
         trainer += "; trainer GEMM calls by path: " + ", ".join(f"{k} {v}" for k, v in gemm_paths.items())
         if gemm_paths.get("native-fp8"):
@@ -27,7 +42,15 @@ def numerics_note(emulated: bool, rollout_numerics: str = "independent", gemm_pa
 
 
 def plan_is_emulated(plan) -> bool:
-    return any(t.precision.weight.is_quantized or t.precision.activation.is_quantized for t in plan.tensors)
+    return bool(emulated_formats(plan))
+
+
+def emulated_formats(plan) -> tuple[str, ...]:
+    """The low-precision formats of the plan's weights and activations, by name (FP8-block, MXFP8, ...), in
+    FORMAT_NAMES order: what a run's note says it emulates."""
+    kinds = {f.kind.value for t in plan.tensors for f in (t.precision.weight, t.precision.activation)
+             if f.is_quantized}
+    return tuple(name for kind, name in FORMAT_NAMES.items() if kind in kinds)
 
 
 def write_run(result, out: Path) -> dict:
@@ -70,6 +93,7 @@ def run_summary(result) -> dict:
         "routing_replay": result.config.routing_replay, "rollout_numerics": result.config.rollout_numerics,
         "model": result.config.model,
         "gemm_paths": result.gemm_paths,
+        "emulated_formats": list(result.emulated) if not isinstance(result.emulated, bool) else None,
         "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics,
                                                         result.gemm_paths),
     }

@@ -277,8 +277,9 @@ class JsonlMathTask:
             if not isinstance(prompt, str):
                 raise TaskError(f"{self.path}:{ln}: 'prompt' must be a string or a chat message list")
             out.append(Problem(prompt=prompt, answer=str(obj["label"])))
-        if not out:
-            raise TaskError(f"{self.path}: no problems found")
+        if not out:  # "no problems found" read like a clean bill of health
+            raise TaskError(f"{self.path}: the task file is empty (no JSON lines) (hint: one JSON object per line "
+                            "with 'prompt' and 'label', dapo-math style)")
         return out
 
     def sample(self, rng: random.Random, n: int) -> list[Problem]:
