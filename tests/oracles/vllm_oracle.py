@@ -402,18 +402,18 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
-    expert_map = model.get_expert_mapping() if hasattr(model, "get_expert_mapping") else []
     out: dict[str, ModuleQuant] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, (LinearBase, RoutedExperts, VocabParallelEmbedding)):
             continue
         method = getattr(mod, "quant_method", None)
-        prefix = rec.prefix.get(id(mod), name)
+        experts = isinstance(mod, RoutedExperts)
+        # unasked modules (no quant config) keep vLLM's name; RoutedExperts is asked as its layer_name `...experts`
+        prefix = rec.prefix.get(id(mod), getattr(mod, "layer_name", name) if experts else name)
         note = rec.decided.get(id(method)) if method is not None else None
         keys = note["keys"] if note else {}
-        experts = isinstance(mod, RoutedExperts)
         if experts:
-            shards, fused = _expert_shards(prefix, expert_map), None
+            shards, fused = _expert_shards(prefix, mod.get_expert_mapping()), None
         else:
             parent, _, last = prefix.rpartition(".")
             fused = packed.get(last)
@@ -433,9 +433,9 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
 
 
 def _expert_shards(prefix: str, expert_map) -> list[str]:
-    """HF names of the experts a RoutedExperts covers, from the model's own `get_expert_mapping()`
-    ((param_name, weight_name, expert_id, shard_id), weight_name like `experts.3.up_proj.`)."""
-    parent = prefix.rsplit(".", 1)[0] if prefix.endswith(".experts") else prefix
+    """HF names of the experts a RoutedExperts covers, from its own `get_expert_mapping()` ((param_name,
+    weight_name, expert_id, shard_id), weight_name like `experts.3.up_proj.`, under the parent of `...experts`)."""
+    parent = prefix.rsplit(".", 1)[0]
     names = []
     for _param, weight_name, _e, _shard in expert_map:
         names.append(f"{parent}.{weight_name.rstrip('.')}")
