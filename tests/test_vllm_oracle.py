@@ -145,7 +145,9 @@ def test_online_nvfp4_per_token_covers_moe_only(vllm_033, tmp_path):
     for m in experts:
         assert m.method == "Nvfp4OnlineMoEMethod"
         assert m.activation == "nvfp4 per-token"
-        assert m.formats[m.shards[0]] == "nvfp4[1x16,shared]"  # one global scale over the whole w13
+        gate, up, down = (f"{m.shards[0].rsplit('.', 2)[0]}.0.{p}_proj" for p in ("gate", "up", "down"))
+        assert m.formats[gate] == m.formats[up] == "nvfp4[1x16,shared]"  # one global scale over the whole w13
+        assert m.formats[down] == "nvfp4[1x16,per_tensor]"
     others = [m for m in mods.values() if m.layer != "RoutedExperts"]
     assert others and all(m.weight == "bf16" and m.activation == "bf16" for m in others)
 
@@ -187,3 +189,10 @@ def test_engine_args_refusals_are_vllms_own(vllm_033, tmp_path):
     with pytest.raises(VllmRefused):  # an unknown key of the online schema
         parse_engine_args(V, ["--model", str(d), "--skip-tokenizer-init", "--quantization", "online",
                               "--quantization-config", '{"linear": "fp8_per_block", "typo": 1}'])
+
+
+def test_online_nvfp4_per_token_needs_blackwell(vllm_033, tmp_path):
+    """On Hopper vLLM still picks the online NVFP4 MoE method, whose constructor refuses anything but SM100."""
+    mods = vllm_modules(V, model_dir(tmp_path, "tiny-moe"), ["--quantization", "nvfp4_per_token"], target="hopper")
+    experts = mods["model.layers.0.mlp.experts"]
+    assert experts.method == "Nvfp4OnlineMoEMethod" and "SM100" in experts.kernel_error

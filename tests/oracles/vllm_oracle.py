@@ -21,6 +21,10 @@ What is asked, per (model dir, engine args), with VLLM_TARGET_DEVICE=cpu and HF_
     `prefix` vLLM's own module name.
 
 Simulated, because the box has no GPU (documented, narrow):
+  * The plan's target GPU capability (SM100 for blackwell, SM90 for hopper; `target=None`: the CPU's own answer,
+    none) as vLLM's platform reports it (`Platform.get_device_capability`, which `has_device_capability` /
+    `is_device_capability_family` and the quantization min-capability check read); the platform stays vLLM's CPU
+    platform otherwise.
   * The model registry inspects a model class in a subprocess only so as not to initialise CUDA
     (`vllm/model_executor/models/registry.py:_run_in_subprocess`); here it runs in-process.
   * Tensor / pipeline / data parallel sizes are checked by `create_engine_config` as given, but the model is built
@@ -45,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -62,6 +66,7 @@ STUBS = {
                "xgrammar", "zmq"),
 }
 STUBS["0.24.0"] = STUBS["0.33.0"]
+TARGET_CAPABILITY = {"blackwell": (10, 0), "hopper": (9, 0)}
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "VLLM_DO_NOT_TRACK": "1", "VLLM_CONFIGURE_LOGGING": "0"}
 
@@ -274,14 +279,15 @@ class VllmOracle:
         # the model is given as --model (serve's positional also works); no tokenizer exists in a config-only dir
         return ["--model", str(model_dir), "--skip-tokenizer-init", "--load-format", "dummy", *engine_args]
 
-    def parse_engine_args(self, argv: list[str]):
+    def parse_engine_args(self, argv: list[str], target: Optional[str] = "blackwell"):
         """vLLM's VllmConfig for the `vllm serve` argv (which names the model with --model or positionally)."""
-        with self.sandbox, env(self._env()), _in_process_registry():
+        with self.sandbox, env(self._env()), _in_process_registry(), _capability(target):
             return self._engine_config(list(argv))
 
     # -- the model vLLM builds ------------------------------------------------------------------------------------
-    def modules(self, model_dir, engine_args: list[str]) -> dict[str, ModuleQuant]:
-        with self.sandbox, env(self._env()), _in_process_registry(), ExitStack() as stack:
+    def modules(self, model_dir, engine_args: list[str], target: Optional[str] = "blackwell") \
+            -> dict[str, ModuleQuant]:
+        with self.sandbox, env(self._env()), _in_process_registry(), _capability(target), ExitStack() as stack:
             import torch
             from vllm.config import set_current_vllm_config
             from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
@@ -386,6 +392,23 @@ class _in_process_registry:
         return False
 
 
+@contextmanager
+def _capability(target: Optional[str]):
+    """vLLM's platform reports the target GPU's compute capability (None: the CPU platform's own, no capability)."""
+    if target is None:
+        yield
+        return
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    if target not in TARGET_CAPABILITY:
+        raise ValueError(f"unknown target {target!r} (known: {', '.join(TARGET_CAPABILITY)})")
+    cap = DeviceCapability(*TARGET_CAPABILITY[target])
+    with mock.patch.object(type(current_platform), "get_device_capability",
+                           classmethod(lambda cls, device_id=0: cap)):
+        yield
+
+
 def _quant_configs(qc) -> list:
     out = []
     if qc is not None:
@@ -455,13 +478,15 @@ def oracle(version: str) -> VllmOracle:
     return VllmOracle(fetch_site(version), version)
 
 
-def parse_engine_args(version: str, argv: list[str]):
+def parse_engine_args(version: str, argv: list[str], target: Optional[str] = "blackwell"):
     """vLLM's real serve parser + `AsyncEngineArgs.from_cli_args(...).create_engine_config()` on a local model dir
     (HF_HUB_OFFLINE=1, VLLM_TARGET_DEVICE=cpu): the VllmConfig, or VllmRefused with the engine's own error text."""
-    return oracle(version).parse_engine_args(argv)
+    return oracle(version).parse_engine_args(argv, target)
 
 
-def vllm_modules(version: str, model_dir, engine_args: list[str]) -> dict[str, ModuleQuant]:
+def vllm_modules(version: str, model_dir, engine_args: list[str], target: Optional[str] = "blackwell") \
+        -> dict[str, ModuleQuant]:
     """vLLM's quant prefix -> ModuleQuant for every linear / MoE / embedding / lm_head module vLLM builds for the
-    checkpoint config in `model_dir` with `engine_args` (VllmRefused with vLLM's text where it refuses)."""
-    return oracle(version).modules(model_dir, list(engine_args))
+    checkpoint config in `model_dir` with `engine_args`, as on the `target` GPU (VllmRefused with vLLM's text
+    where it refuses)."""
+    return oracle(version).modules(model_dir, list(engine_args), target)
