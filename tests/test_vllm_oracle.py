@@ -196,3 +196,36 @@ def test_online_nvfp4_per_token_needs_blackwell(vllm_033, tmp_path):
     mods = vllm_modules(V, model_dir(tmp_path, "tiny-moe"), ["--quantization", "nvfp4_per_token"], target="hopper")
     experts = mods["model.layers.0.mlp.experts"]
     assert experts.method == "Nvfp4OnlineMoEMethod" and "SM100" in experts.kernel_error
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+def test_both_versions_exclude_by_substring_and_quantize_the_qwen3_router(version, tmp_path):
+    """verl 0.9.1's vLLM (0.24.0) and 0.33.0 agree on these; 0.24.0 runs in a worker process when 0.33.0 is
+    loaded here (one vLLM per process)."""
+    q = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_scheme": None,
+         "ignore": ["lm_head", "model.layers.0.mlp.gate"]}
+    try:
+        mods = vllm_modules(version, model_dir(tmp_path / "q", "tiny-moe", q), [])
+    except OracleUnavailable as err:
+        pytest.fail(f"vLLM {version} oracle unavailable: {err}", pytrace=False)
+    assert mods["model.layers.0.mlp.gate"].weight == "bf16"
+    assert mods["model.layers.1.mlp.gate"].weight == "nvfp4[1x16,per_tensor]"
+    assert mods["model.layers.1.self_attn.qkv_proj"].weight == "nvfp4[1x16,shared]"
+    assert mods["model.layers.1.mlp.experts"].method == "ModelOptNvFp4FusedMoE"
+    assert mods["lm_head"].weight == "bf16"
+    # a ModelOpt checkpoint's method wins over --quantization, even one that names no method
+    assert parse_engine_args(version, ["--model", str(tmp_path / "q" / "tiny-moe"), "--skip-tokenizer-init",
+                                       "--quantization", "nvfp4"]).model_config.quantization == "modelopt_fp4"
+    with pytest.raises(VllmRefused, match="nvfp4"):
+        parse_engine_args(version, ["--model", str(model_dir(tmp_path / "b", "tiny-moe")), "--skip-tokenizer-init",
+                                    "--quantization", "nvfp4"])
+    q = {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_scheme": None,
+         "ignore": ["lm_head", "model.layers.0.mlp.gate"]}
+    glm_dir = model_dir(tmp_path / "g", "glm-4.5-air", q, layers=2)
+    if version == "0.24.0":  # its ModelConfig._verify_quantization misses modelopt_mxfp8 in its override order
+        with pytest.raises(VllmRefused, match="mxfp8 is an override"):
+            vllm_modules(version, glm_dir, [])
+        return
+    glm = vllm_modules(version, glm_dir, [])
+    assert glm["model.layers.0.mlp.gate_up_proj"].weight == "bf16"
+    assert glm["model.layers.0.mlp.down_proj"].weight == "mxfp8/e4m3[1x32]"

@@ -10,7 +10,8 @@ every other absent package (flashinfer, deep_gemm, triton_kernels, zentorch, ...
 `find_spec` / `try: import` probes of optional kernels answer as on a box without them. vLLM's code runs unchanged.
 
 What is asked, per (model dir, engine args), with VLLM_TARGET_DEVICE=cpu and HF_HUB_OFFLINE=1:
-  * `parse_engine_args`: vLLM's real serve parser (`vllm/entrypoints/common/cli_args.py:make_arg_parser`, which
+  * `parse_engine_args`: vLLM's real serve parser (`vllm/entrypoints/common/cli_args.py:make_arg_parser`; 0.24.0:
+    `vllm/entrypoints/openai/cli_args.py`, which
     adds `AsyncEngineArgs.add_cli_args`), `AsyncEngineArgs.from_cli_args` and `create_engine_config()` - the
     checkpoint's config.json `quantization_config` / hf_quant_config.json, `--quantization`,
     `--quantization-config` (online), `--hf-overrides`, the parallel sizes, all checked by vLLM itself.
@@ -25,6 +26,8 @@ Simulated, because the box has no GPU (documented, narrow):
     none) as vLLM's platform reports it (`Platform.get_device_capability`, which `has_device_capability` /
     `is_device_capability_family` and the quantization min-capability check read); the platform stays vLLM's CPU
     platform otherwise.
+  * vLLM 0.24.0 knows it runs on a CPU only from a `+cpu` package version; its CPU platform is selected by
+    reporting that version while vLLM is first imported (`_cpu_platform`).
   * The model registry inspects a model class in a subprocess only so as not to initialise CUDA
     (`vllm/model_executor/models/registry.py:_run_in_subprocess`); here it runs in-process.
   * Tensor / pipeline / data parallel sizes are checked by `create_engine_config` as given, but the model is built
@@ -42,6 +45,7 @@ Where vLLM cannot be obtained or loaded, `OracleUnavailable` is raised with the 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import shutil
@@ -66,6 +70,9 @@ STUBS = {
                "xgrammar", "zmq"),
 }
 STUBS["0.24.0"] = STUBS["0.33.0"]
+PLATFORM_FROM_TARGET_DEVICE = ("0.33.0",)  # versions that read VLLM_TARGET_DEVICE (see _cpu_platform)
+# Where `vllm serve`'s parser (make_arg_parser) lives.
+SERVE_PARSER = {"0.33.0": "vllm.entrypoints.common.cli_args", "0.24.0": "vllm.entrypoints.openai.cli_args"}
 TARGET_CAPABILITY = {"blackwell": (10, 0), "hopper": (9, 0)}
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
        "VLLM_DO_NOT_TRACK": "1", "VLLM_CONFIGURE_LOGGING": "0"}
@@ -147,6 +154,8 @@ def weight_format(key, fused: bool) -> str:
     """policyc format short string of a weight stored per vLLM's QuantKey `key` (None: high precision, bf16)."""
     if key is None:
         return "bf16"
+    if isinstance(key, _Unknown):
+        return f"unknown:{key.method}"
     d, s = _dtype(key.dtype), key.scale
     g, sd = _group(s.group_shape), _dtype(s.dtype)
     if d == "uint8" and sd == "float8_e4m3fn" and g == (1, 16) and key.scale2 is not None:
@@ -166,6 +175,8 @@ def activation_format(key, experts: bool = False) -> str:
     """The activation scheme of vLLM's QuantKey `key` (None: not quantized, bf16)."""
     if key is None:
         return "bf16"
+    if isinstance(key, _Unknown):
+        return f"unknown:{key.method}"
     d, s = _dtype(key.dtype), key.scale
     g, sd = _group(s.group_shape), _dtype(s.dtype)
     mode = "static" if s.static else "dynamic"
@@ -183,6 +194,17 @@ def activation_format(key, experts: bool = False) -> str:
     return f"vllm:{key}"
 
 
+# Quant-method classes that hold no QuantKey (vLLM 0.24.0's per-format ModelOpt classes): the keys their
+# create_weights / apply implement, by vLLM's own constant names (vllm/model_executor/layers/quantization/utils/
+# quant_utils.py). Read only where neither the method nor the frames that built it give a key.
+CLASS_KEYS = {
+    "ModelOptNvFp4LinearMethod": ("kNvfp4Static", "kNvfp4Dynamic"),
+    "ModelOptNvFp4W4A16LinearMethod": ("kNvfp4Static", None),
+    "ModelOptMxFp8LinearMethod": ("kMxfp8Static", "kMxfp8Dynamic"),
+    "ModelOptMxFp8FusedMoE": ("kMxfp8Static", "kMxfp8Dynamic"),
+    "ModelOptFp8LinearMethod": ("kFp8StaticTensorSym", "kFp8StaticTensorSym"),
+    "ModelOptFp8PcPtLinearMethod": ("kFp8StaticChannelSym", "kFp8DynamicTokenSym"),
+}
 _KEY_NAMES = {"weight": ("weight_quant_key", "weight_key"), "activation": ("activation_quant_key", "activation_key")}
 
 
@@ -243,9 +265,9 @@ class VllmOracle:
         self.sandbox = Sandbox(str(site), ("vllm",), STUBS[version])
         self._dist_dir = tempfile.mkdtemp(prefix="policyc-vllm-dist-")
         try:
-            with self.sandbox, env(self._env()):
+            with self.sandbox, env(self._env()), _cpu_platform(version):
                 import vllm.engine.arg_utils  # noqa: F401
-                import vllm.entrypoints.common.cli_args  # noqa: F401
+                importlib.import_module(SERVE_PARSER[version])
                 import vllm.model_executor.layers.quantization  # noqa: F401
                 import vllm.model_executor.model_loader.utils  # noqa: F401
                 import vllm.model_executor.models.registry  # noqa: F401
@@ -260,9 +282,9 @@ class VllmOracle:
     # -- the engine's argument parsing and config creation ---------------------------------------------------------
     def _engine_config(self, argv: list[str]):
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.common.cli_args import make_arg_parser
         from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+        make_arg_parser = importlib.import_module(SERVE_PARSER[self.version]).make_arg_parser
         parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
         try:
             ns = parser.parse_args(argv)
@@ -319,6 +341,22 @@ class VllmOracle:
                                         distributed_init_method=f"file://{self._dist_dir}/init")
         ps.initialize_model_parallel(1, 1)
         self._dist_ready = True
+
+
+@contextmanager
+def _cpu_platform(version: str):
+    """vLLM's own CpuPlatform as the platform it resolves (once, when `vllm` is first imported). 0.33.0 picks it
+    from VLLM_TARGET_DEVICE=cpu; 0.24.0 only where the installed package's version names a CPU build (`+cpu`,
+    vllm/platforms/__init__.py: cpu_platform_plugin -> vllm_version_matches_substr): its sources are the same, so
+    while it is first imported its package version reads as that of the CPU build."""
+    if version in PLATFORM_FROM_TARGET_DEVICE:
+        yield
+        return
+    import importlib.metadata as md
+
+    real = md.version
+    with mock.patch.object(md, "version", lambda name: f"{version}+cpu" if name == "vllm" else real(name)):
+        yield
 
 
 class _Recorder:
@@ -436,11 +474,14 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
         note = rec.decided.get(id(method)) if method is not None else None
         keys = note["keys"] if note else {}
         if experts:
-            shards, fused = _expert_shards(prefix, mod.get_expert_mapping()), None
+            # the layer's own mapping (0.33); 0.24.0 has it on the model only (same entries for every layer)
+            mapping = mod.get_expert_mapping() if hasattr(mod, "get_expert_mapping") else model.get_expert_mapping()
+            shards, fused = _expert_shards(prefix, mapping), None
         else:
             parent, _, last = prefix.rpartition(".")
             fused = packed.get(last)
             shards = [f"{parent}.{s}" if parent else s for s in fused] if fused else [prefix]
+        keys = _complete_keys(keys, note["method"] if note else type(method).__name__)
         w = keys.get("weight")
         if experts:
             formats = {s: weight_format(w, fused=not s.endswith("down_proj")) for s in shards}
@@ -453,6 +494,27 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
                                   layer=type(mod).__name__, formats=formats,
                                   kernel_error=note["kernel_error"] if note else None)
     return out
+
+
+def _complete_keys(keys: dict, method: str) -> dict:
+    """The recorded keys, completed from CLASS_KEYS; a quantized method whose keys are unknown is reported as
+    unknown (never as bf16)."""
+    from vllm.model_executor.layers.quantization.utils import quant_utils
+
+    keys = dict(keys)
+    if method in CLASS_KEYS:
+        for role, name in zip(("weight", "activation"), CLASS_KEYS[method]):
+            keys.setdefault(role, None if name is None else getattr(quant_utils, name))
+    if not method.startswith("Unquantized") and method != "NoneType":
+        for role in ("weight", "activation"):
+            if role not in keys:
+                keys[role] = _Unknown(method)
+    return keys
+
+
+class _Unknown:
+    def __init__(self, method: str):
+        self.method = method
 
 
 def _expert_shards(prefix: str, expert_map) -> list[str]:
@@ -471,17 +533,38 @@ def _expert_index(name: str) -> int:
 
 
 # ---- the API the tests use ----------------------------------------------------------------------------------------
+# One vLLM per process: its import registers process-global torch types and ops (torch.library, e.g.
+# vllm/utils/torch_utils.py: register_opaque_type(LayerName)), which a second vLLM version cannot register again.
+# The first version asked is loaded here; any other is asked in a worker process of its own.
+_LOADED: list[str] = []
+_WORKERS: dict[str, "_Worker"] = {}
+_REPLY = "@@policyc-vllm-oracle@@ "
+
+
 @functools.lru_cache(maxsize=None)
 def oracle(version: str) -> VllmOracle:
-    """vLLM `version` itself, loaded once per process (OracleUnavailable with the reason where it cannot be)."""
+    """vLLM `version` itself, loaded in this process (OracleUnavailable with the reason where it cannot be)."""
     _check_version(version)
-    return VllmOracle(fetch_site(version), version)
+    if _LOADED and _LOADED[0] != version:
+        raise OracleUnavailable(f"vLLM {_LOADED[0]} is loaded in this process; vLLM {version} is asked in a worker "
+                                f"process (vllm_modules / parse_engine_args do that)")
+    o = VllmOracle(fetch_site(version), version)
+    _LOADED.append(version)
+    return o
+
+
+def _local(version: str) -> bool:
+    return not _LOADED or _LOADED[0] == version
 
 
 def parse_engine_args(version: str, argv: list[str], target: Optional[str] = "blackwell"):
     """vLLM's real serve parser + `AsyncEngineArgs.from_cli_args(...).create_engine_config()` on a local model dir
-    (HF_HUB_OFFLINE=1, VLLM_TARGET_DEVICE=cpu): the VllmConfig, or VllmRefused with the engine's own error text."""
-    return oracle(version).parse_engine_args(argv, target)
+    (HF_HUB_OFFLINE=1, VLLM_TARGET_DEVICE=cpu): the VllmConfig (from a worker process: its fields as nested
+    namespaces), or VllmRefused with the engine's own error text."""
+    _check_version(version)
+    if _local(version):
+        return oracle(version).parse_engine_args(list(argv), target)
+    return _namespace(_worker(version).ask("parse", argv=list(argv), target=target))
 
 
 def vllm_modules(version: str, model_dir, engine_args: list[str], target: Optional[str] = "blackwell") \
@@ -489,4 +572,106 @@ def vllm_modules(version: str, model_dir, engine_args: list[str], target: Option
     """vLLM's quant prefix -> ModuleQuant for every linear / MoE / embedding / lm_head module vLLM builds for the
     checkpoint config in `model_dir` with `engine_args`, as on the `target` GPU (VllmRefused with vLLM's text
     where it refuses)."""
-    return oracle(version).modules(model_dir, list(engine_args), target)
+    _check_version(version)
+    if _local(version):
+        return oracle(version).modules(model_dir, list(engine_args), target)
+    reply = _worker(version).ask("modules", model_dir=str(model_dir), engine_args=list(engine_args), target=target)
+    return {k: ModuleQuant(**v) for k, v in reply.items()}
+
+
+class _Worker:
+    def __init__(self, version: str):
+        import atexit
+
+        self.version = version
+        self.log = tempfile.TemporaryFile(mode="w+")
+        tests = str(Path(__file__).resolve().parents[1])
+        code = f"import sys; sys.path.insert(0, {tests!r}); from oracles.vllm_oracle import _serve; _serve({version!r})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, bufsize=1)
+        atexit.register(self.close)
+
+    def ask(self, op: str, **kwargs):
+        try:
+            self.proc.stdin.write(json.dumps({"op": op, **kwargs}) + "\n")
+            self.proc.stdin.flush()
+            for line in self.proc.stdout:
+                if line.startswith(_REPLY):
+                    reply = json.loads(line[len(_REPLY):])
+                    break
+            else:
+                raise EOFError("the worker exited")
+        except (OSError, EOFError, ValueError) as e:
+            self.log.seek(0)
+            raise OracleUnavailable(f"the vLLM {self.version} worker process failed ({e}): "
+                                    f"{self.log.read()[-2000:]}") from e
+        kind = reply.pop("kind")
+        if kind == "refused":
+            raise VllmRefused(reply["message"])
+        if kind == "unavailable":
+            raise OracleUnavailable(reply["message"])
+        return reply["value"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _worker(version: str) -> _Worker:
+    w = _WORKERS.get(version)
+    if w is None or w.proc.poll() is not None:
+        w = _WORKERS[version] = _Worker(version)
+    return w
+
+
+def _serve(version: str) -> None:
+    """Worker process: answers the JSON requests on stdin, one reply line each on stdout."""
+    from dataclasses import asdict
+
+    out = sys.stdout
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            if req["op"] == "modules":
+                mods = vllm_modules(version, req["model_dir"], req["engine_args"], req["target"])
+                reply = {"kind": "ok", "value": {k: asdict(v) for k, v in mods.items()}}
+            else:
+                reply = {"kind": "ok", "value": _plain(parse_engine_args(version, req["argv"], req["target"]))}
+        except VllmRefused as e:
+            reply = {"kind": "refused", "message": str(e)}
+        except OracleUnavailable as e:
+            reply = {"kind": "unavailable", "message": str(e)}
+        except Exception as e:  # noqa: BLE001 - the parent reports it
+            reply = {"kind": "unavailable", "message": f"{type(e).__name__}: {e}"}
+        out.write(_REPLY + json.dumps(reply) + "\n")
+        out.flush()
+
+
+def _plain(obj, depth: int = 0):
+    """A VllmConfig's fields as JSON (two levels: vllm_config.<config>.<field>), values not JSON-able as str."""
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v, depth + 1) for v in obj]
+    if isinstance(obj, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in obj.items()}
+    fields = getattr(obj, "__dataclass_fields__", None)
+    if fields is not None and depth < 2:
+        return {"__fields__": {n: _plain(getattr(obj, n, None), depth + 1) for n in fields}}
+    return str(obj)
+
+
+def _namespace(value):
+    from types import SimpleNamespace
+
+    if isinstance(value, dict) and "__fields__" in value:
+        return SimpleNamespace(**{k: _namespace(v) for k, v in value["__fields__"].items()})
+    if isinstance(value, dict):
+        return {k: _namespace(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_namespace(v) for v in value]
+    return value
