@@ -2,8 +2,8 @@
 
 How vLLM is obtained: `pip download --no-deps` of the vllm wheel into the oracle cache ($POLICYC_ORACLE_CACHE,
 default ~/.cache/policyc-oracles; the 0.33.0 wheel is 336 MB, 0.24.0 279 MB), of which only the Python sources are
-unpacked (56 MB / 35 MB: .py and .json; the compiled kernels, the rust router and the vendored CUDA headers are left in the wheel), once,
-and reused. Nothing of vLLM is copied into this repository. vLLM does not import on a CPU-only box with our
+unpacked (56 MB / 35 MB of .py and .json; the compiled kernels, the rust router and the vendored CUDA headers stay
+in the wheel), once, and reused. Nothing of vLLM is copied into this repository. vLLM does not import on a CPU-only box with our
 dependencies, so its modules are imported in a sandbox (tests/oracles/_sandbox.py) where the absent third-party
 modules it imports unconditionally (servers, tokenizer grammars, serialisers: STUBS) are inert stubs. Only those:
 every other absent package (flashinfer, deep_gemm, triton_kernels, zentorch, ...) stays absent, so vLLM's own
