@@ -16,6 +16,7 @@ import os
 import sys
 import types
 from contextlib import contextmanager
+from typing import Optional
 
 
 class _StubMeta(type):
@@ -92,8 +93,9 @@ class _StubModule(types.ModuleType):
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Last on sys.meta_path: answers only for modules no real finder has, imported from an engine module."""
 
-    def __init__(self, packages: tuple[str, ...]):
+    def __init__(self, packages: tuple[str, ...], only: Optional[frozenset[str]] = None):
         self.packages = packages
+        self.only = only  # None: any absent module an engine imports; else just these top-level names
         self.stubbed: set[str] = set()  # top-level names
 
     def _from_engine(self) -> bool:
@@ -110,6 +112,8 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if top in self.packages:
             return None
         if top not in self.stubbed:
+            if self.only is not None and top not in self.only:
+                return None
             if not self._from_engine():
                 return None
             for finder in sys.meta_path:
@@ -133,10 +137,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 class Sandbox:
     """`with sandbox:` makes the engine importable (site dir on sys.path, its modules and stubs in sys.modules)."""
 
-    def __init__(self, site: str, packages: tuple[str, ...]):
+    def __init__(self, site: str, packages: tuple[str, ...], stubs: Optional[tuple[str, ...]] = None):
+        """`stubs`: the only absent top-level modules that may be stubbed (an engine that probes optional packages
+        with `try: import x` / `find_spec` must see every other absent package as absent); None: any."""
         self.site = site
         self.packages = packages
-        self.finder = _StubFinder(packages)
+        self.finder = _StubFinder(packages, None if stubs is None else frozenset(stubs))
         self._kept: dict[str, types.ModuleType] = {}
         self._own_tops = set(packages)
 
