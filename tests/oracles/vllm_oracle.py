@@ -263,7 +263,8 @@ class VllmOracle:
     def __init__(self, site: Path, version: str):
         self.site, self.version = site, version
         self.sandbox = Sandbox(str(site), ("vllm",), STUBS[version])
-        self._dist_dir = tempfile.mkdtemp(prefix="policyc-vllm-dist-")
+        self._dist_dir = Path(tempfile.mkdtemp(prefix="policyc-vllm-dist-"))
+        self._dist_uses = 0
         try:
             with self.sandbox, env(self._env()), _cpu_platform(version):
                 import vllm.engine.arg_utils  # noqa: F401
@@ -321,6 +322,7 @@ class VllmOracle:
                 setattr(vc.parallel_config, name, 1)  # built at world size 1 (see the module docstring)
             vc.parallel_config.world_size = 1
             stack.enter_context(set_current_vllm_config(vc))
+            stack.callback(self._teardown_parallel)
             self._init_parallel()
             rec = _Recorder(str(self.site), QuantKey, QuantizeMethodBase)
             for qc in _quant_configs(vc.quant_config):
@@ -337,10 +339,24 @@ class VllmOracle:
 
         if self._dist_ready and ps.model_parallel_is_initialized():
             return
+        init = self._dist_dir / f"init-{self._dist_uses}"  # a fresh rendezvous file per build (file:// store)
+        self._dist_uses += 1
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"file://{self._dist_dir}/init")
+                                        distributed_init_method=f"file://{init}")
         ps.initialize_model_parallel(1, 1)
         self._dist_ready = True
+
+    def _teardown_parallel(self) -> None:
+        """Leave no process group behind: the rest of the test session (the engine's own torch.distributed tests)
+        must find torch.distributed uninitialised."""
+        import torch.distributed as dist
+        from vllm.distributed import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._dist_ready = False
 
 
 @contextmanager
