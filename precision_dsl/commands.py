@@ -19,6 +19,7 @@ import typer
 
 from .console import UserError, console, guard
 from .plan import Plan, TensorPlan
+from .precision import BLACKWELL_ONLY_KINDS
 
 EMULATION_NOTE = ("MXFP8/NVFP4 GEMMs are Blackwell-only: on Hopper and CPU policyc runs them by exact emulation "
                   "(quantize -> dequantize -> BF16/FP32 GEMM); FP8 per-tensor/blockwise run natively on Hopper.")
@@ -340,7 +341,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     con.print(f"plan hash: {plan.content_hash()}")
     for note in plan.notes:
         con.print(f"[yellow]note:[/] {escape(note)}", markup=True)
-    if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
+    if any(t.weight.kind in BLACKWELL_ONLY_KINDS or t.activation.kind in BLACKWELL_ONLY_KINDS
            for t in plan.tensors if t.is_linear):
         con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
 
