@@ -14,7 +14,7 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
-  * fast path (issue 12; benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
+  * fast path (benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
     into the shard writer's staging buffers and NaN/Inf-checked there; the writer CRC32s and writes full 32 MB
     buffers on two threads, with O_DIRECT where the filesystem allows it (POLICYC_DIRECT_IO=0: page cache);
     reads are recycled through one arena; with device="cuda" only quantization goes to the GPU, with one host
@@ -421,7 +421,7 @@ def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writ
 
 
 class _TorchThreads:
-    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= what it was before)."""
+    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= the count saved by the first `set(n)`)."""
 
     def __init__(self):
         self._saved: Optional[int] = None

@@ -67,7 +67,8 @@ def build_plan_and_arch(policy: Path, model: str, parallel: Optional[str] = None
     # A CLI process keeps the architecture and the plan (~1M objects for DeepSeek-V3, no reference cycles) until it
     # exits. Build them with the cyclic GC off and move them to its permanent generation before turning it back on:
     # otherwise the first collection after the build scans them all once (~50 ms), and every full collection
-    # triggered while the backends build their per-tensor manifests rescans them (~40% of `policyc emit` before).
+    # triggered while the backends build their per-tensor manifests rescans them (~40% of `policyc emit` with the
+    # collector left on).
     import gc
 
     gc.disable()
