@@ -421,7 +421,8 @@ def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writ
 
 
 class _TorchThreads:
-    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= the count saved by the first `set(n)`)."""
+    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= the count saved by the first
+    `set(n)`)."""
 
     def __init__(self):
         self._saved: Optional[int] = None

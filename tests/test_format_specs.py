@@ -126,7 +126,8 @@ def _kind_branches(source: str) -> list[tuple[int, str]]:
 
 def test_the_scan_finds_kind_branches():
     src = ("from x import FormatKind\nT = {FormatKind.MXFP8: 1}\n"
-           "def f(w, k):\n    if w.kind == FormatKind.NVFP4: pass\n    if k in (FormatKind.BF16, FormatKind.FP16): pass\n"
+           "def f(w, k):\n    if w.kind == FormatKind.NVFP4: pass\n"
+           "    if k in (FormatKind.BF16, FormatKind.FP16): pass\n"
            "    if w.kind.value != 'fp8': pass\n    return {FormatKind.FP8: 2}[k]\n")
     assert sorted(line for line, _ in _kind_branches(src)) == [4, 5, 6, 7]
 
