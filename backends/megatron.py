@@ -67,7 +67,8 @@ RECIPE_KIND = {"mxfp8": "mxfp8", "blockwise": "fp8_block", "tensorwise": "fp8", 
 _FP4_RECIPES = {"nvfp4"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Variables TE reads whose default is the exact behaviour: unset in env.sh rather than exported (NVTE_USE_FAST_MATH
-# is read by TE's C++ quantizer, quantizers.md 3.10; NVTE_NVFP4_4OVER6 exists from TE 2.17, default "none").
+# is read by TE's C++ quantizer, transformer_engine/pytorch/csrc/quantizer.cpp; NVTE_NVFP4_4OVER6 exists from TE 2.17,
+# default "none": TE 2.20.2 common/recipe/__init__.py).
 UNSET_ENV = ("NVTE_USE_FAST_MATH", "NVTE_NVFP4_4OVER6", "NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH")
 
 
@@ -610,8 +611,8 @@ def _trainer_config(plan: Plan, te_version: Optional[str]) -> TrainerConfig:
             flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
                       "--num-layers-at-end-in-bf16", str(end)]
         # Param gather keeps TE weights in the low-precision format; it is global (cannot vary per module, and the
-        # per-module YAML does not change param init - TransformerEngineMixedPrecision.md), so only when the whole
-        # trainer is one recipe with no BF16 linears.
+        # per-module YAML does not change param init - megatron/core/extensions/TransformerEngineMixedPrecision.md in
+        # Megatron-LM core_v0.16.1), so only when the whole trainer is one recipe with no BF16 linears.
         if len(counts) == 1 and all(r == global_recipe for r in recipes.values()):
             flags += ["--fp4-param-gather" if global_recipe.name in _FP4_RECIPES else "--fp8-param-gather"]
         if len({r.name in _FP4_RECIPES for r in counts}) > 1:
