@@ -793,8 +793,8 @@ class MegatronBackend(Backend):
     role = "trainer"
     description = "Megatron-LM flags, TransformerEngine per-module precision YAML and NVTE_* env (trainer)"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
-        return problems.run(emit, plan, te_version=options.te_version) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
+        return emit(plan, te_version=options.te_version)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The trainer's weight formats from megatron/flags.json (flags + env) and the TE YAML it names, resolved

@@ -653,8 +653,8 @@ class SGLangBackend(Backend):
     role = "rollout"
     description = f"SGLang {SGLANG_VERSION} server args, env and the checkpoint quantization_config (rollout)"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
-        return problems.run(emit, plan) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
+        return emit(plan)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The rollout's weight formats from sglang/quantization_config.json, matched with SGLang's exemption
