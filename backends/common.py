@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping, Optional, TypeVar, Union
 
 from precision_dsl.plan import Plan, TensorPlan
-from precision_dsl.precision import FormatKind, TensorFormat
+from precision_dsl.precision import FormatKind, TensorFormat, spec_of
 from precision_dsl.errors import PolicycError
 
 _T = TypeVar("_T")
@@ -249,21 +249,10 @@ def check_artifacts(out_dir: Path, plan: Plan) -> list[str]:
 # ---------------------------------------------------------------------------------------------------------------
 def engine_format(kind: str, *, block: Optional[tuple[int, int]] = None, scale_dtype: Optional[str] = None,
                   shared: bool = False) -> str:
-    """`TensorFormat.short()` of a weight an engine reads as `kind`, with the fields the engine fixes for that kind
-    (every engine here runs E4M3 FP8 weights, 1x32 MXFP8, 128x128 FP8-block and 1x16 NVFP4 unless the artifacts say
-    otherwise) and those read from the artifacts: `block`, the FP8-block `scale_dtype`, and whether an NVFP4 weight
-    shares its global scale with the other members of its fused module (`shared`)."""
-    k = FormatKind(kind)
-    if k in (FormatKind.BF16, FormatKind.FP16, FormatKind.FP32):
-        return k.value
-    fields = {
-        FormatKind.FP8: dict(element="e4m3"),
-        FormatKind.MXFP8: dict(element="e4m3", block=block or (1, 32), scale_dtype="e8m0"),
-        FormatKind.FP8_BLOCK: dict(element="e4m3", block=block or (128, 128), scale_dtype=scale_dtype or "fp32"),
-        FormatKind.NVFP4: dict(element="e2m1", block=block or (1, 16), scale_dtype="e4m3",
-                               global_scale="group" if shared else "tensor"),
-    }[k]
-    return TensorFormat(kind=k, **fields).short()
+    """`TensorFormat.short()` of a weight an engine reads as `kind` (a FormatKind or its name): the fields the
+    engines fix for that kind and those read from the artifacts (`block`, the FP8-block `scale_dtype`, an NVFP4
+    global scale `shared` by a fused module); `FormatSpec.engine_weight` has the facts."""
+    return TensorFormat(**spec_of(kind).engine_weight(block, scale_dtype, shared)).short()
 
 
 def fused_module_sizes(arch) -> dict[str, int]:

@@ -14,7 +14,7 @@ plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer
 Properties:
   * streams: one work unit (a tensor, or one share-scale group) in memory at a time; safetensors headers are
     validated before anything is allocated (safetensors_io.read_header); no pickle.
-  * fast path (issue 12; benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
+  * fast path (benchmarks/RESULTS.md "Checkpoint converter"): tensors stored unchanged are read straight
     into the shard writer's staging buffers and NaN/Inf-checked there; the writer CRC32s and writes full 32 MB
     buffers on two threads, with O_DIRECT where the filesystem allows it (POLICYC_DIRECT_IO=0: page cache);
     reads are recycled through one arena; with device="cuda" only quantization goes to the GPU, with one host
@@ -421,7 +421,8 @@ def _copy_through(members, uspecs, srcc: SourceCheckpoint, reader: _Reader, writ
 
 
 class _TorchThreads:
-    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= what it was before)."""
+    """torch's intra-op thread count for the current unit: `set(1)` or `set(None)` (= the count saved by the first
+    `set(n)`)."""
 
     def __init__(self):
         self._saved: Optional[int] = None
@@ -1020,9 +1021,12 @@ def emit(plan: Plan) -> list[Artifact]:
                      "every output tensor (name, dtype, shape) per plan tensor + checkpoint configs")]
 
 
-def specs_of_manifest(doc: dict) -> dict[str, str]:
-    """{output tensor name: dtype} of converter/manifest.json."""
-    return {n: dt for specs in (doc.get("tensors") or {}).values() for n, dt, _ in specs}
+def derive_formats_of_outputs(artifacts, path: str, outputs, arch) -> dict[str, str]:
+    """`derive_formats_from_specs` of the output tensors a JSON manifest artifact lists (`outputs(doc)`: its
+    (name, dtype, shape) lists): the converter's checkpoint and the tensors the weight update sends are read the
+    same way, as a loader reads a checkpoint."""
+    doc = read_json_artifact(artifacts, path)
+    return derive_formats_from_specs({n: dt for specs in outputs(doc) for n, dt, _ in specs}, arch)
 
 
 @register_backend
@@ -1031,10 +1035,10 @@ class ConverterBackend(Backend):
     role = "checkpoint"
     description = "the quantized checkpoint `policyc convert` writes: every output tensor and the configs"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
-        return problems.run(emit, plan) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
+        return emit(plan)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The checkpoint's weight formats from the output tensors converter/manifest.json announces."""
-        return derive_formats_from_specs(specs_of_manifest(read_json_artifact(artifacts, "converter/manifest.json")),
-                                         arch)
+        return derive_formats_of_outputs(artifacts, "converter/manifest.json",
+                                         lambda doc: (doc.get("tensors") or {}).values(), arch)

@@ -1,6 +1,6 @@
 """FP8-block SOURCE checkpoints for the converter: DeepSeek-V3 / R1 / V3.1, Kimi-K2 releases (E4M3 + weight_scale_inv).
 
-Source format (DeepSeek `README_WEIGHTS.md`, ../shared/research/backends.md §D): a quantized linear `X` is
+Source format (deepseek-ai/DeepSeek-V3 `README_WEIGHTS.md`, inference/fp8_cast_bf16.py): a quantized linear `X` is
 `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` float32 [ceil(N/bn), ceil(K/bk)] with (bn, bk) =
 quantization_config.weight_block_size = (128, 128); everything else (embeddings, lm_head, norms, router, the FP32
 `e_score_correction_bias`, MTP eh_proj / shared_head.head, `modules_to_not_convert`) is stored in torch_dtype. Which

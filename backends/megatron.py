@@ -55,7 +55,7 @@ from precision_dsl.precision import BackwardMode, FormatKind, Precision
 from precision_dsl.backends import versions
 from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
                                           engine_format, fused_module_sizes, kind_handler, plan_stamp,
-                                          read_json_artifact)
+                                          read_json_artifact, unsupported_kind)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "megatron"
@@ -67,7 +67,8 @@ RECIPE_KIND = {"mxfp8": "mxfp8", "blockwise": "fp8_block", "tensorwise": "fp8", 
 _FP4_RECIPES = {"nvfp4"}
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Variables TE reads whose default is the exact behaviour: unset in env.sh rather than exported (NVTE_USE_FAST_MATH
-# is read by TE's C++ quantizer, quantizers.md 3.10; NVTE_NVFP4_4OVER6 exists from TE 2.17, default "none").
+# is read by TE's C++ quantizer, transformer_engine/pytorch/csrc/quantizer.cpp; NVTE_NVFP4_4OVER6 exists from TE 2.17,
+# default "none": TE 2.20.2 common/recipe/__init__.py).
 UNSET_ENV = ("NVTE_USE_FAST_MATH", "NVTE_NVFP4_4OVER6", "NVTE_NVFP4_4OVER6_ERR_USE_FAST_MATH")
 
 
@@ -347,14 +348,47 @@ def _fp8_block_env(plan: Plan, fb: list[TensorPlan], env: dict[str, str], probs:
     reqs.append(versions.requirement("te.fp8_block_fp32_scales"))
 
 
+def _no_recipe(t: TensorPlan, fmt: str, quant_bwd: bool) -> Recipe:
+    raise unsupported_kind(BACKEND, t.hf_name, t.precision.weight.kind)
+
+
+def _bf16_held(t: TensorPlan) -> Optional[tuple[str, str]]:
+    if t.role == "router.bias":
+        return ("bf16 expert bias: megatron-core keeps the router's expert_bias in fp32 (router.py "
+                "_maintain_float32_expert_bias)", "keep router.bias fp32")
+    return None
+
+
+def _fp32_held(t: TensorPlan) -> Optional[tuple[str, str]]:
+    # router.weight: --moe-router-dtype fp32 (below); router.bias: expert_bias is an fp32 buffer in megatron-core
+    if t.role in ("router.weight", "router.bias"):
+        return None
+    return (f"fp32 {t.role}: megatron-core 0.16.1 under --bf16 holds {t.role} in bf16 (fp32 only as the optimizer's "
+            "main copy) and has no per-module fp32 option", f"keep {t.role} bf16 for the Megatron trainer")
+
+
+def _fp16_held(t: TensorPlan) -> Optional[tuple[str, str]]:
+    return (f"fp16 {t.role}: the trainer runs --bf16 and megatron-core 0.16.1 has no per-module fp16",
+            f"keep {t.role} bf16 for the Megatron trainer")
+
+
+def _held_derived(kind: FormatKind) -> Callable[[dict, bool], str]:
+    return lambda env, fused: engine_format(kind)
+
+
 @dataclass(frozen=True)
 class _TeFormat:
-    """How the trainer runs one quantized format kind: its TE recipe (checked against the plan's format) and the
-    process-wide TE env vars it sets (None: none). Derivation reads the same table back (`_derived_weight`)."""
+    """How the trainer runs one format kind. A quantized kind: its TE recipe (checked against the plan's format)
+    and the process-wide TE env vars it sets (None: none). A high-precision kind: whether megatron-core 0.16.1 under
+    --bf16 holds a tensor of that kind (`held`: None, or the refusal's (capability, hint)) and the
+    --moe-router-dtype that runs routers in it (None: the default, params_dtype). Derivation reads the same table
+    back (`_derived_weight`)."""
 
     recipe: Callable[[TensorPlan, str, bool], Recipe]
     env: Optional[Callable[[Plan, list, dict, Problems, list], None]]
     derived: Callable[[dict, bool], str]  # (env of the emitted flags.json, fused module?) -> weight format short()
+    held: Optional[Callable[[TensorPlan], Optional[tuple[str, str]]]] = None
+    router_dtype: Optional[str] = None
 
 
 def _mxfp8_derived(env: dict, fused: bool) -> str:
@@ -376,53 +410,44 @@ def _fp8_derived(env: dict, fused: bool) -> str:
     return engine_format("fp8")
 
 
-# THE format table of the Megatron/TE backend: a quantized kind not here is refused (common.kind_handler). Order
-# matters only for the env: the NVFP4 variables are written before the FP8-block one.
+# THE format table of the Megatron/TE backend, one entry per kind (a quantized kind without a TE recipe would be
+# refused: common.kind_handler). Order matters only for the env: the NVFP4 variables are written before the
+# FP8-block one.
 _TE_FORMATS = {
     FormatKind.MXFP8: _TeFormat(_mxfp8_recipe, None, _mxfp8_derived),
     FormatKind.NVFP4: _TeFormat(_nvfp4_recipe, _nvfp4_env, _nvfp4_derived),
     FormatKind.FP8_BLOCK: _TeFormat(_fp8_block_recipe, _fp8_block_env, _fp8_block_derived),
     FormatKind.FP8: _TeFormat(_fp8_recipe, None, _fp8_derived),
+    FormatKind.BF16: _TeFormat(_no_recipe, None, _held_derived(FormatKind.BF16), held=_bf16_held),
+    # TopKRouter.gating runs router_gating_linear in fp32 (the live parameter is params_dtype; the optimizer's main
+    # copy is fp32)
+    FormatKind.FP32: _TeFormat(_no_recipe, None, _held_derived(FormatKind.FP32), held=_fp32_held,
+                               router_dtype="fp32"),
+    FormatKind.FP16: _TeFormat(_no_recipe, None, _held_derived(FormatKind.FP16), held=_fp16_held),
 }
 
 
 def _high_precision_flags(plan: Plan, probs: Problems) -> list[str]:
-    """FP32/FP16 exceptions of non-quantized tensors, expressed in megatron-core 0.16.1's terms or refused."""
+    """High-precision (fp32/fp16/bf16) exceptions of non-quantized tensors, expressed in megatron-core 0.16.1's
+    terms or refused (the `held` / `router_dtype` entries of the format table)."""
     flags: list[str] = []
     routers = [t for t in plan.tensors if t.role == "router.weight"]
-    kinds = {t.weight.kind for t in routers}
-    if FormatKind.FP32 in kinds:
-        if kinds != {FormatKind.FP32}:
-            odd = next(t for t in routers if t.weight.kind != FormatKind.FP32)
+    dtypes = [kind_handler(_TE_FORMATS, t.weight.kind, BACKEND, t.hf_name).router_dtype for t in routers]
+    wanted = sorted({d for d in dtypes if d is not None})
+    if wanted:
+        if len(set(dtypes)) > 1:
+            odd = next(t for t, d in zip(routers, dtypes) if d != wanted[0])
             probs.add(UnsupportedByBackend(BACKEND, odd.hf_name,
-                                           f"router {odd.weight.kind.value} next to fp32 routers: megatron-core's "
-                                           "--moe-router-dtype is one setting for every MoE layer",
+                                           f"router {odd.weight.kind.value} next to {wanted[0]} routers: "
+                                           "megatron-core's --moe-router-dtype is one setting for every MoE layer",
                                            hint="give every router one precision"))
         else:
-            # TopKRouter.gating runs router_gating_linear in fp32 (the live parameter is params_dtype; the
-            # optimizer's main copy is fp32).
-            flags += ["--moe-router-dtype", "fp32"]
+            flags += ["--moe-router-dtype", wanted[0]]
     for t in plan.tensors:
-        w = t.precision.weight
-        k = w.kind
-        if k == FormatKind.BF16 and t.role != "router.bias":
-            continue
-        if w.is_quantized or k == FormatKind.BF16:
-            if t.role == "router.bias" and k == FormatKind.BF16:
-                probs.add(UnsupportedByBackend(BACKEND, t.hf_name,
-                                               "bf16 expert bias: megatron-core keeps the router's expert_bias in "
-                                               "fp32 (router.py _maintain_float32_expert_bias)",
-                                               hint="keep router.bias fp32"))
-            continue
-        if t.role == "router.weight" and k == FormatKind.FP32:
-            continue
-        if t.role == "router.bias" and k == FormatKind.FP32:
-            continue  # expert_bias is an fp32 buffer in megatron-core
-        why = ("the trainer runs --bf16 and megatron-core 0.16.1 has no per-module fp16" if k == FormatKind.FP16
-               else f"megatron-core 0.16.1 under --bf16 holds {t.role} in bf16 (fp32 only as the optimizer's main "
-                    "copy) and has no per-module fp32 option")
-        probs.add(UnsupportedByBackend(BACKEND, t.hf_name, f"{k.value} {t.role}: {why}",
-                                       hint=f"keep {t.role} bf16 for the Megatron trainer"))
+        held = kind_handler(_TE_FORMATS, t.precision.weight.kind, BACKEND, t.hf_name).held
+        refusal = held(t) if held is not None else None  # a quantized kind: its recipe decides
+        if refusal is not None:
+            probs.add(UnsupportedByBackend(BACKEND, t.hf_name, refusal[0], hint=refusal[1]))
     return flags
 
 
@@ -586,8 +611,8 @@ def _trainer_config(plan: Plan, te_version: Optional[str]) -> TrainerConfig:
             flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(start),
                       "--num-layers-at-end-in-bf16", str(end)]
         # Param gather keeps TE weights in the low-precision format; it is global (cannot vary per module, and the
-        # per-module YAML does not change param init - TransformerEngineMixedPrecision.md), so only when the whole
-        # trainer is one recipe with no BF16 linears.
+        # per-module YAML does not change param init - megatron/core/extensions/TransformerEngineMixedPrecision.md in
+        # Megatron-LM core_v0.16.1), so only when the whole trainer is one recipe with no BF16 linears.
         if len(counts) == 1 and all(r == global_recipe for r in recipes.values()):
             flags += ["--fp4-param-gather" if global_recipe.name in _FP4_RECIPES else "--fp8-param-gather"]
         if len({r.name in _FP4_RECIPES for r in counts}) > 1:
@@ -759,8 +784,6 @@ def derive_kinds(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
 
 
 def _derived_weight(kind: str, env: dict, fused: bool) -> str:
-    if kind in ("bf16", "fp16", "fp32"):
-        return kind
     return _TE_FORMATS[FormatKind(kind)].derived(env, fused)
 
 
@@ -770,8 +793,8 @@ class MegatronBackend(Backend):
     role = "trainer"
     description = "Megatron-LM flags, TransformerEngine per-module precision YAML and NVTE_* env (trainer)"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
-        return problems.run(emit, plan, te_version=options.te_version) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
+        return emit(plan, te_version=options.te_version)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The trainer's weight formats from megatron/flags.json (flags + env) and the TE YAML it names, resolved

@@ -5,7 +5,8 @@ tensor and the capability). Every backend is a registered `Backend` subclass wit
 
   * `name` (the `--backend` choice) and `description`;
   * `emit(plan, options, problems) -> [Artifact]`: records EVERY refusal in `problems` (common.Problems) instead of
-    raising at the first; the artifacts are complete only when it recorded none;
+    raising at the first; the artifacts are complete only when it recorded none. The default runs the backend's
+    `artifacts(plan, options)`, a raising emitter that collects its own refusals into one BackendErrors;
   * `derive_formats(artifacts, arch) -> {hf_name: format}`: how the engine reads what was emitted (artifact
     relative path -> file bytes in; per HF tensor the `TensorFormat.short()` of the weight the engine will use
     out), independently of the plan: the fast self-check and what an audit of emitted files reads.
@@ -48,8 +49,9 @@ class EmitOptions:
 
 
 class Backend:
-    """Base class of every backend (see the module docstring). Subclasses set `name` and `description` and
-    implement `emit` and `derive_formats`."""
+    """Base class of every backend (see the module docstring). Subclasses set `name`, `role` and `description` and
+    implement `derive_formats` and either `artifacts` (a raising emitter: the default `emit` records what it
+    raises) or `emit` itself (a backend that collects its refusals as it goes)."""
 
     name: str = ""
     description: str = ""
@@ -58,6 +60,12 @@ class Backend:
     role: str = ""
 
     def emit(self, plan, options: EmitOptions, problems: "Problems") -> list["Artifact"]:
+        """`artifacts(plan, options)`, or [] with the refusals it raised (one UnsupportedByBackend, or BackendErrors
+        naming several) recorded in `problems`."""
+        return problems.run(self.artifacts, plan, options) or []
+
+    def artifacts(self, plan, options: EmitOptions) -> list["Artifact"]:
+        """The artifacts of `plan`; raises UnsupportedByBackend (BackendErrors for several) when it cannot."""
         raise NotImplementedError
 
     def derive_formats(self, artifacts: Mapping[str, bytes], arch) -> dict[str, str]:

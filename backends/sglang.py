@@ -49,7 +49,7 @@ from precision_dsl.format_specs import is_per_token
 from precision_dsl.precision import FormatKind
 from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, engine_format,
                                           fused_module_sizes, is_quantized, kind_handler, module_of, plan_stamp,
-                                          read_json_artifact)
+                                          read_json_artifact, unsupported_kind)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "sglang"
@@ -149,19 +149,19 @@ def _check_tensor(t: TensorPlan, plan: Plan) -> None:
     if t.role in _NEVER_QUANTIZED_ROLES:
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"quantized {t.role}: {_NEVER_QUANTIZED_ROLES[t.role]}")
     check_supported(t, BACKEND)
-    kind_handler(_SERVING, t.weight.kind, BACKEND, t.hf_name).check(t)
+    _served(t.weight.kind, t.hf_name).check(t)
 
 
 def _check_mxfp8(t: TensorPlan) -> None:
     a = t.precision.activation
-    if a.kind != FormatKind.MXFP8 or a.block != (1, 32):
+    if a.kind != t.weight.kind or a.block != (1, 32):  # W8A8: the activations in the weight's format
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang mxfp8 is W8A8 with dynamic 1x32 MXFP8 "
                                                        f"activations; plan has activations {a.short()}")
 
 
 def _check_fp8_block(t: TensorPlan) -> None:
     a = t.precision.activation
-    if a.kind != FormatKind.FP8_BLOCK or a.block != (1, 128):
+    if a.kind != t.weight.kind or a.block != (1, 128):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"SGLang block FP8 quantizes activations dynamically "
                                                        f"1x128; plan has activations {a.short()}")
     if a.scale_dtype not in (None, "fp32"):
@@ -173,7 +173,7 @@ def _check_fp8_block(t: TensorPlan) -> None:
 
 def _check_nvfp4(t: TensorPlan) -> None:
     a = t.precision.activation
-    if a.kind != FormatKind.NVFP4 or not is_per_token(a):
+    if a.kind != t.weight.kind or not is_per_token(a):
         raise UnsupportedByBackend(
             BACKEND, t.hf_name,
             f"NVFP4 activations {a.short()}: SGLang either needs a calibrated static input_scale (per-tensor) "
@@ -195,7 +195,7 @@ def _check_shapes(t: TensorPlan, plan: Plan) -> None:
     split = max(tp // ep, 1) if t.role.startswith("routed_experts.") else tp
     kind = t.weight.kind
     rules = _SERVING.get(kind)
-    if rules is None:
+    if rules is None or rules.check is None:
         return  # a kind SGLang does not serve: refused by _check_tensor
     n, k = t.shape
     bk = rules.block_k
@@ -248,20 +248,16 @@ def _exclusions(plan: Plan, modelopt: bool) -> list[str]:
 def _check_high_precision(plan: Plan, probs: Problems) -> dict:
     """FP32/FP16 exceptions must reach SGLang or be refused by name. SGLang 0.5.23 builds every weight in the model
     dtype (`--dtype auto` -> config torch_dtype, bf16 for the bundled models), so a checkpoint fp32/fp16 tensor would
-    be cast on load, except: DeepSeek-V2/V3 `MoEGate.weight` is fp32 when the HF config says `router_fp32`
-    (models/deepseek_v2.py MoEGate), which we set with `--json-model-override-args`; the noaux_tc router bias
-    (`e_score_correction_bias`) is fp32 anyway. Returns the model-config overrides to pass; a refusal is recorded
-    once per (role, dtype), at its first tensor."""
+    be cast on load, except what the format table's `held` entries keep (see `_fp32_held`). Returns the model-config
+    overrides to pass; a refusal is recorded once per (role, dtype), at its first tensor."""
     overrides: dict = {}
     refused: set[tuple] = set()
     for t in plan.tensors:
         kind = t.precision.weight.kind
-        if kind not in (FormatKind.FP32, FormatKind.FP16):
-            continue
-        if t.role == "router.bias" and kind == FormatKind.FP32:
-            continue  # MoEGate keeps e_score_correction_bias in fp32 (noaux_tc)
-        if t.role == "router.weight" and kind == FormatKind.FP32 and plan.model_type in ("deepseek_v3", "deepseek_v2"):
-            overrides["router_fp32"] = True
+        held = _SERVING[kind].held if kind in _SERVING else None
+        kept = held(t, plan) if held is not None else {}  # a quantized kind: its handler checks it
+        if kept is not None:
+            overrides.update(kept)
             continue
         what = {"lm_head": "ParallelLMHead holds its weight in the model dtype (--enable-fp32-lm-head only makes "
                            "the logits fp32; the weight is still cast to bf16 on load)",
@@ -274,6 +270,25 @@ def _check_high_precision(plan: Plan, probs: Problems) -> dict:
                                            hint=f"keep {t.role} in bf16 for the rollout, or serve with another "
                                                 "engine"))
     return overrides
+
+
+def _model_dtype_held(t: TensorPlan, plan: Plan) -> Optional[dict]:
+    return {}  # the model dtype: nothing to override
+
+
+def _cast_on_load(t: TensorPlan, plan: Plan) -> Optional[dict]:
+    return None  # SGLang would cast the checkpoint tensor to the model dtype: refused
+
+
+def _fp32_held(t: TensorPlan, plan: Plan) -> Optional[dict]:
+    """DeepSeek-V2/V3 `MoEGate.weight` is fp32 when the HF config says `router_fp32` (models/deepseek_v2.py
+    MoEGate), which we set with `--json-model-override-args`; the noaux_tc router bias (`e_score_correction_bias`)
+    is fp32 anyway."""
+    if t.role == "router.bias":
+        return {}  # MoEGate keeps e_score_correction_bias in fp32 (noaux_tc)
+    if t.role == "router.weight" and plan.model_type in ("deepseek_v3", "deepseek_v2"):
+        return {"router_fp32": True}
+    return None
 
 
 def _check_rollout_etp(plan: Plan) -> None:
@@ -374,7 +389,7 @@ def _rollout_config(plan: Plan) -> RolloutConfig:
         if has_moe:
             args += ["--moe-runner-backend", "auto"]
     else:
-        q = kind_handler(_SERVING, kind, BACKEND, kinds[kind].hf_name).config(
+        q = _served(kind, kinds[kind].hf_name).config(
             plan, _Layout(ep=ep, has_moe=has_moe, experts_quantized=experts_quantized))
         args += q.args
         env.update(q.env)
@@ -489,26 +504,43 @@ def _nvfp4_derived(qcfg: dict, fused: bool) -> str:
 
 @dataclass(frozen=True)
 class _ServingFormat:
-    """How SGLang serves one quantized format kind: the per-tensor check, the quant method's configuration, the
-    checkpoint `quant_method` it is read back from, and the weight format SGLang runs for a module it quantizes
-    ((quantization_config, fused module?) -> TensorFormat.short())."""
+    """How SGLang serves one format kind. A quantized kind: the per-tensor check, the quant method's configuration,
+    the checkpoint `quant_method` it is read back from. A high-precision kind: whether SGLang holds a tensor of that
+    kind (`held(t, plan)`: the model-config overrides that keep it, None: refused). Both: the weight format SGLang
+    runs for a module ((quantization_config, fused module?) -> TensorFormat.short())."""
 
-    check: Callable[[TensorPlan], None]
-    config: Callable[[Plan, _Layout], _Quant]
-    quant_method: str
     derived: Callable[[dict, bool], str]
-    block_k: int  # K elements per scale block: K per TP rank must be a multiple
+    check: Optional[Callable[[TensorPlan], None]] = None
+    config: Optional[Callable[[Plan, _Layout], _Quant]] = None
+    quant_method: Optional[str] = None
+    block_k: int = 1  # K elements per scale block: K per TP rank must be a multiple
     moe_block_n: Optional[int] = None  # FusedMoE needs N per expert-TP rank % this (block FP8's 128-row blocks)
     fused_one_global_scale: bool = False  # one global scale per fused module (ModelOpt NVFP4 weight_scale_2)
+    held: Optional[Callable[[TensorPlan, Plan], Optional[dict]]] = None
 
 
-# THE format table of the SGLang backend: a quantized kind not here is refused (common.kind_handler).
+def _served(kind: FormatKind, tensor: str) -> _ServingFormat:
+    """The quantized serving rules of `kind` (a kind SGLang does not quantize with: refused, common.kind_handler)."""
+    rules = kind_handler(_SERVING, kind, BACKEND, tensor)
+    if rules.check is None:
+        raise unsupported_kind(BACKEND, tensor, kind)
+    return rules
+
+
+def _held_derived(kind: FormatKind) -> Callable[[dict, bool], str]:
+    return lambda qcfg, fused: engine_format(kind)
+
+
+# THE format table of the SGLang backend: a quantized kind not here (FP8 per-tensor) is refused (`_served`).
 _SERVING = {
-    FormatKind.MXFP8: _ServingFormat(_check_mxfp8, _mxfp8_config, "mxfp8", _mxfp8_derived, 32),
-    FormatKind.FP8_BLOCK: _ServingFormat(_check_fp8_block, _fp8_block_config, "fp8", _fp8_block_derived, 128,
+    FormatKind.MXFP8: _ServingFormat(_mxfp8_derived, _check_mxfp8, _mxfp8_config, "mxfp8", 32),
+    FormatKind.FP8_BLOCK: _ServingFormat(_fp8_block_derived, _check_fp8_block, _fp8_block_config, "fp8", 128,
                                          moe_block_n=128),
-    FormatKind.NVFP4: _ServingFormat(_check_nvfp4, _nvfp4_config, "modelopt", _nvfp4_derived, 16,
+    FormatKind.NVFP4: _ServingFormat(_nvfp4_derived, _check_nvfp4, _nvfp4_config, "modelopt", 16,
                                      fused_one_global_scale=True),
+    FormatKind.BF16: _ServingFormat(_held_derived(FormatKind.BF16), held=_model_dtype_held),
+    FormatKind.FP32: _ServingFormat(_held_derived(FormatKind.FP32), held=_fp32_held),
+    FormatKind.FP16: _ServingFormat(_held_derived(FormatKind.FP16), held=_cast_on_load),
 }
 
 
@@ -591,7 +623,8 @@ def derive_kinds(quant_config: Optional[dict], arch) -> dict[str, str]:
         kind = {"NVFP4": "nvfp4"}[quant_config["quant_algo"]]
         skipped = _ModelOptMatcher(list(quant_config.get("ignore") or quant_config.get("exclude_modules") or []))
     else:
-        kind = next((k.value for k, r in _SERVING.items() if r.quant_method == method), None)
+        kind = next((k.value for k, r in _SERVING.items() if r.quant_method is not None and r.quant_method == method),
+                    None)
         if kind is None:
             raise ValueError(f"quant_method {method!r}: not one SGLang {SGLANG_VERSION} method policyc emits")
         entries = set(quant_config.get("modules_to_not_convert") or quant_config.get("ignored_layers") or [])
@@ -611,11 +644,7 @@ def derive_formats_of_config(quant_config: Optional[dict], arch) -> dict[str, st
     """{hf_name: TensorFormat.short()} of the weight SGLang runs for each tensor under `quant_config`."""
     kinds = derive_kinds(quant_config, arch)
     fused = fused_module_sizes(arch)
-    out = {}
-    for n, k in kinds.items():
-        rules = _SERVING.get(FormatKind(k)) if k not in ("bf16", "fp16", "fp32") else None
-        out[n] = rules.derived(quant_config or {}, fused.get(n, 1) > 1) if rules is not None else k
-    return out
+    return {n: _SERVING[FormatKind(k)].derived(quant_config or {}, fused.get(n, 1) > 1) for n, k in kinds.items()}
 
 
 @register_backend
@@ -624,8 +653,8 @@ class SGLangBackend(Backend):
     role = "rollout"
     description = f"SGLang {SGLANG_VERSION} server args, env and the checkpoint quantization_config (rollout)"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems: Problems) -> list[Artifact]:
-        return problems.run(emit, plan) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
+        return emit(plan)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The rollout's weight formats from sglang/quantization_config.json, matched with SGLang's exemption

@@ -70,6 +70,7 @@ def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, 
     import torch
     from safetensors.torch import save_file
 
+    from precision_dsl.backends.fp8_source import READABLE_SOURCE_KINDS
     from precision_dsl.formats import quantize
 
     dst = Path(dst)
@@ -89,7 +90,7 @@ def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, 
                 x = torch.randn(t.shape, generator=g) * scale
             x = x.to(getattr(torch, t.dtype))
             sf = t.source_format
-            if sf is not None and sf.kind.value == "fp8_block":
+            if sf is not None and sf.kind in READABLE_SOURCE_KINDS:  # the source formats the converter reads
                 q = quantize(x, sf, axis="row")
                 n, k = t.shape
                 mod = t.hf_name.rsplit(".", 1)[0]

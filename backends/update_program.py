@@ -338,7 +338,9 @@ class UpdateProgram:
                     if xi.is_floating_point():
                         ks.check_copy(xi, None, bad)
                 out = checkpoint_tensors(list(zip(unit, xs)), backend="weight_update", check_finite=False)
-                for y in out.values():  # finite after the cast too (issue 11), counted on the GPU: no host sync
+                # finite after the cast too (a finite value can overflow the target dtype); counted on the GPU: no
+                # host sync
+                for y in out.values():
                     if y.is_floating_point():
                         bad.add_((~torch.isfinite(y.float())).sum().to(torch.int32))
                 for i, t in enumerate(unit):

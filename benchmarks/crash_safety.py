@@ -1,4 +1,5 @@
-"""Cost of the crash-safety and integrity machinery of issue 11, measured on this machine in one run.
+"""Cost of the crash-safety and integrity machinery (the converter's fsyncs, the weight update's per-bucket
+checksums), measured on this machine in one run.
 
     python benchmarks/crash_safety.py [--layers 4] [--shards 4] [--bucket-mib 64]
 

@@ -1,6 +1,6 @@
 """Does this torch run FP8 GEMMs with DeepSeek-style block scales (activations 1x128, weights 128x128) natively on
-Hopper, and how fast against the BF16 GEMM of the same shape? (issue 12, goal 3: native FP8 for
-fp8-blockwise-hopper). Operands come from our own byte-exact quantizers (precision_dsl.kernels.fp8_block_quantize).
+Hopper, and how fast against the BF16 GEMM of the same shape? (whether fp8-blockwise-hopper can run its GEMMs
+natively). Operands come from our own byte-exact quantizers (precision_dsl.kernels.fp8_block_quantize).
 
     python3 benchmarks/fp8_gemm_probe.py --out $OUT/fp8_probe.json
 """

@@ -1,6 +1,6 @@
 """Probe: what the engine's fp32 non-GEMM ops cost per trainer micro-batch, and what fused alternatives would cost.
 
-    python3 benchmarks/fused_ops_probe.py --out fused_ops.json     # H200 (issue 12 goal 3: is BF16 GEMM-bound?)
+    python3 benchmarks/fused_ops_probe.py --out fused_ops.json     # H200 (is the BF16 step GEMM-bound?)
 
 Shapes are one moe-h3072 micro-batch (2048 sequences x 24 tokens, hidden 3072, 24 heads x 128, 4 KV heads). Each
 candidate runs forward + backward; the table gives its median time (CUDA events, after warm-up), its result's max
@@ -85,7 +85,7 @@ def main() -> None:
         var = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(var + eps) * w
 
-    ref = case("rmsnorm eager (engine before session 12)", rms_eager)
+    ref = case("rmsnorm eager (x * rsqrt(mean(x^2) + eps) * w)", rms_eager)
     case("rmsnorm F.rms_norm", lambda: F.rms_norm(x, (h,), w, eps), ref)
     try:
         comp = torch.compile(rms_eager, dynamic=True)
@@ -98,7 +98,7 @@ def main() -> None:
     wq = torch.ones(d, device=dev, requires_grad=True)
     pos = torch.arange(t, device=dev)[None].expand(b, t)
 
-    def eager_rope(x):  # the engine's RoPE before session 12: tables per call, on the [B, H, T, D] view
+    def eager_rope(x):  # RoPE with its tables computed per call, on the [B, H, T, D] view
         inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d))
         ang = pos.to(torch.float32)[..., None] * inv
         emb = torch.cat([ang, ang], dim=-1)[:, None]
@@ -109,7 +109,7 @@ def main() -> None:
         var = qf.pow(2).mean(-1, keepdim=True)
         return eager_rope((qf * torch.rsqrt(var + eps) * wq).transpose(1, 2))
 
-    ref = case("q_norm + rope eager (engine before session 12)", qnorm_rope_eager)
+    ref = case("q_norm + rope eager (tables per call)", qnorm_rope_eager)
     cos, sin = M.rope_tables(pos, d, 1e6)
     case("q_norm + rope (engine now: F.rms_norm, shared tables, _Rope)",
          lambda: M._rope(F.rms_norm(qf, (d,), wq, eps), cos, sin).transpose(1, 2), ref)

@@ -4,7 +4,7 @@
 
 Prints: architecture enumeration time, resolution time (in process, this checkout), and the CPU time (user + sys)
 and peak RSS of the whole CLI calls `policyc plan`, `plan --json` and `emit` in fresh processes including imports
-(issue 12 goals: plan --json < 1 s CPU, emit < 3 s CPU on the 2-core machine), each the minimum of --repeat runs.
+(the targets: plan --json < 1 s CPU, emit < 3 s CPU on the 2-core machine), each the minimum of --repeat runs.
 `--against DIR` runs the same CLI calls from another checkout too, alternating with this one's runs, and prints
 the ratios (the side-by-side comparison the guide asks for: both see the same machine load).
 """

@@ -1,6 +1,6 @@
 """RL step time of every seed policy (+ fp8-blockwise-hopper) relative to BF16, in one process, plus rollout tokens/s.
 
-    # H200, issue 12 goal 3: the hidden-3072 Qwen3-MoE (1024 prompts x 8, trainer micro-batches of 2048 sequences)
+    # H200: the hidden-3072 Qwen3-MoE (1024 prompts x 8, trainer micro-batches of 2048 sequences)
     # and the tiny model side by side (benchmarks/device_rl.sh)
     python benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
         --model benchmarks/models/moe-h3072:1024:6:2048 --model tiny-moe:64:2 --profile-bf16

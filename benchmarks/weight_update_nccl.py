@@ -1,4 +1,4 @@
-"""Weight update trainer GPU0 -> rollout GPU1 over NCCL through the GPU update program (issue 12, goal 1).
+"""Weight update trainer GPU0 -> rollout GPU1 over NCCL through the GPU update program.
 
     source benchmarks/device_setup.sh && python3 benchmarks/weight_update_nccl.py --out $OUT/wu_nccl.json
 

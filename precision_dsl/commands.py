@@ -19,6 +19,7 @@ import typer
 
 from .console import UserError, console, guard
 from .plan import Plan, TensorPlan
+from .precision import BLACKWELL_ONLY_KINDS
 
 EMULATION_NOTE = ("MXFP8/NVFP4 GEMMs are Blackwell-only: on Hopper and CPU policyc runs them by exact emulation "
                   "(quantize -> dequantize -> BF16/FP32 GEMM); FP8 per-tensor/blockwise run natively on Hopper.")
@@ -66,7 +67,8 @@ def build_plan_and_arch(policy: Path, model: str, parallel: Optional[str] = None
     # A CLI process keeps the architecture and the plan (~1M objects for DeepSeek-V3, no reference cycles) until it
     # exits. Build them with the cyclic GC off and move them to its permanent generation before turning it back on:
     # otherwise the first collection after the build scans them all once (~50 ms), and every full collection
-    # triggered while the backends build their per-tensor manifests rescans them (~40% of `policyc emit` before).
+    # triggered while the backends build their per-tensor manifests rescans them (~40% of `policyc emit` with the
+    # collector left on).
     import gc
 
     gc.disable()
@@ -340,7 +342,7 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     con.print(f"plan hash: {plan.content_hash()}")
     for note in plan.notes:
         con.print(f"[yellow]note:[/] {escape(note)}", markup=True)
-    if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
+    if any(t.weight.kind in BLACKWELL_ONLY_KINDS or t.activation.kind in BLACKWELL_ONLY_KINDS
            for t in plan.tensors if t.is_linear):
         con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
 

@@ -9,6 +9,8 @@ A spec owns, for its format and nowhere else:
   * element / block / scale facts and the byte accounting (`nbytes`: data + block scales + FP32 second-level
     scales, the numbers `precision.storage_bytes` answers);
   * the display (`short`, e.g. `nvfp4[1x16,per_token]`);
+  * the weight an engine reads as this kind (`engine_weight`: the fields the engines fix, the rest read from the
+    emitted artifacts), what every backend's `derive_formats` answers with;
   * hardware facts: runs natively on Hopper (SM90), only on Blackwell (SM100), has a quantized backward;
   * the ONE mapping TensorFormat -> reference-quantizer / kernel keyword arguments (`quantizer_kwargs`, validated;
     `precision_dsl.formats` and `precision_dsl.kernels` both dispatch through it, so they cannot drift).
@@ -148,6 +150,15 @@ class FormatSpec:
         """Stored bytes of an [M, K] tensor quantized along `axis`; partial blocks count as whole blocks."""
         return m * k * ELEMENT_BITS[fmt.element] // 8
 
+    # ---- what an engine reads -----------------------------------------------------------------------------------
+    def engine_weight(self, block: Optional[tuple[int, int]] = None, scale_dtype: Optional[str] = None,
+                      shared: bool = False) -> dict[str, Any]:
+        """`TensorFormat` fields of a weight an engine reads as this kind: the fields every engine policyc emits for
+        fixes (E4M3 FP8 weights, 1x32 MXFP8, 128x128 FP8-block with fp32 scales, 1x16 NVFP4 with a per-tensor
+        global scale) unless the emitted artifacts say otherwise: the `block`, the FP8-block `scale_dtype`, and
+        whether an NVFP4 weight shares its global scale with the other members of its fused module (`shared`)."""
+        return {"kind": self.kind, "element": self.name}
+
     # ---- the reference / kernel argument mapping ----------------------------------------------------------------
     def quantizer_kwargs(self, fmt, axis: str) -> dict[str, Any]:
         """The keyword arguments of `formats.<kind>.quantize` and of the kernel entry for `fmt` (validated)."""
@@ -170,6 +181,9 @@ class _FP8Tensor(FormatSpec):
 
     def nbytes(self, fmt, m, k, axis):
         return m * k + 4  # + the FP32 scale_inv
+
+    def engine_weight(self, block=None, scale_dtype=None, shared=False):
+        return {"kind": self.kind, "element": "e4m3"}
 
     def quantizer_kwargs(self, fmt, axis):
         return {"element": fmt.element, "axis": axis}
@@ -194,6 +208,10 @@ class _FP8Block(FormatSpec):
         rows, cols = (m, k) if axis == "row" else (k, m)
         br, bc = fmt.block or (1, 128)
         return m * k + 4 * _cdiv(rows, br) * _cdiv(cols, bc)
+
+    def engine_weight(self, block=None, scale_dtype=None, shared=False):
+        return {"kind": self.kind, "element": "e4m3", "block": block or (128, 128),
+                "scale_dtype": scale_dtype or "fp32"}
 
     @staticmethod
     def pow2(fmt) -> bool:
@@ -228,6 +246,9 @@ class _MXFP8(FormatSpec):
             return m * k + _cdiv(m, 32) * _cdiv(k, 32)
         col = axis == "col" or block == (32, 1)
         return m * k + (_cdiv(m, 32) * k if col else m * _cdiv(k, 32))
+
+    def engine_weight(self, block=None, scale_dtype=None, shared=False):
+        return {"kind": self.kind, "element": "e4m3", "block": block or (1, 32), "scale_dtype": "e8m0"}
 
     def quantizer_kwargs(self, fmt, axis):
         block = tuple(fmt.block or (1, 32))
@@ -267,6 +288,10 @@ class _NVFP4(FormatSpec):
         data = rows * _cdiv(cols, 2)
         scales = _cdiv(rows, 16) * _cdiv(cols, 16) if tile_2d else rows * _cdiv(cols, 16)
         return data + scales + 4 * (rows if is_per_token(fmt) else 1)  # + S_dec: one per row, or one
+
+    def engine_weight(self, block=None, scale_dtype=None, shared=False):
+        return {"kind": self.kind, "element": "e2m1", "block": block or (1, 16), "scale_dtype": "e4m3",
+                "global_scale": Scope.GROUP if shared else Scope.TENSOR}
 
     def quantizer_kwargs(self, fmt, axis):
         block = tuple(fmt.block or (1, 16))

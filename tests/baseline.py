@@ -7,7 +7,8 @@ Figures: the content hash of every shipped policy x bundled model plan (or the e
 (bytes before/after of every tensor, as one sha256), the sha256 of every
 artifact `policyc emit` writes for tiny-moe, and the sha256 of every file the checkpoint converter writes for the
 bundled tiny-moe checkpoint under each shipped policy (or the exact refusal). tests/test_baseline.py recomputes
-them and compares. Recorded on the commit before issue 14's restructure ("one house").
+them and compares. Recorded before everything moved under the one import name `precision_dsl`, so the figures are
+the behaviour that move (and every refactor since) had to keep.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "baseline_hashes.json"
 CONVERT_MODEL = "tiny-moe"
 # The bundled models when the figures were first recorded. Models bundled later (kimi-k2, glm-4.5-air,
-# qwen3-235b-a22b, qwen3-8b; issue 10) are covered by tests/test_public_models.py instead: 11 policies x Kimi-K2's
+# qwen3-235b-a22b, qwen3-8b) are covered by tests/test_public_models.py instead: 11 policies x Kimi-K2's
 # 70k tensors alone would add minutes to every run of this suite.
 MODELS = ("deepseek-v3", "llama-3.2-1b", "qwen3-0.6b", "qwen3-30b-a3b", "tiny-moe")
 
@@ -31,9 +32,9 @@ def policies() -> list[Path]:
     return sorted((ROOT / "policies").glob("*.policy"))
 
 
-# TensorPlan fields added after the recording (issue 14: the IR carries fused groups and the source dtype). They
+# TensorPlan fields added after the recording (the IR carries fused groups and the source dtype / format). They
 # are left out of content_hash; a plan JSON file is compared with them removed, everything else byte for byte.
-NEW_IR_FIELDS = {"fused_group", "source_dtype", "source_format"}  # source_format: issue 10 (FP8-block sources)
+NEW_IR_FIELDS = {"fused_group", "source_dtype", "source_format"}  # source_format: FP8-block sources
 PLAN_FILE = "policyc_plan.json"
 
 

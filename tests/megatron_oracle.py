@@ -113,8 +113,9 @@ def validate_args(kw: dict, num_layers: int) -> None:
 
 @contextlib.contextmanager
 def _without_te():
-    """megatron-core's MoE x FP8 checks call is_te_min_version, which returns None without TE on this CPU box
-    (backends.md A.5): answer 'new enough' so the rest of __post_init__ validates."""
+    """megatron-core's MoE x FP8 checks call is_te_min_version, which fails without TE on this CPU box (megatron-core
+    0.16.1 megatron/core/utils.py: get_te_version() is None, compared with a Version): answer 'new enough' so the
+    rest of __post_init__ validates."""
     import megatron.core.transformer.transformer_config as tc
 
     orig = tc.is_te_min_version

@@ -64,9 +64,9 @@ def reads_env(version: str, var: str) -> list[str]:
 
 # Capabilities that are not a variable of their own: a source pattern that shows the behaviour.
 # (file path regex, pattern); the file is looked up by a path regex because TE moves its reference quantizers between releases
-# (custom_recipes/ in 2.14, elsewhere from 2.16; quantizers.md open question 6).
+# (custom_recipes/ in 2.14, elsewhere from 2.16: the wheels in ~/.cache/policyc-oracles/te).
 BEHAVIOUR = {
-    # 2.14: NVFP4 block scale a_b x RN(S_enc * RN(1/6)) in the Python reference (quantizers.md 3.3)
+    # 2.14: NVFP4 block scale a_b x RN(S_enc * RN(1/6)) in the Python reference (TE <= 2.13: RN(RN(a_b / 6) x S_enc))
     "te.nvfp4_formula": (r"custom_recipes/\w*nvfp4\.py",
                          r"global_encode_scale\s*\*\s*torch\.reciprocal\(FLOAT4_E2M1_MAX\)"),
     # 2.18: `dequantized` backward does not keep the saved high-precision input (linear.py; grouped_linear.py too)

@@ -1,6 +1,6 @@
 """Behaviour stays byte-identical: plan hashes and byte accounting of every shipped policy x bundled model, the
 artifacts `policyc emit` writes for tiny-moe, and the converter's output files for the bundled tiny-moe checkpoint,
-against the figures recorded before issue 14's restructure (tests/data/baseline_hashes.json, tests/baseline.py)."""
+against the recorded figures (tests/data/baseline_hashes.json, written by tests/baseline.py)."""
 
 from __future__ import annotations
 

@@ -184,11 +184,11 @@ def test_sample_batch_responses_are_the_masked_tokens_of_each_row():
     assert b.rows(slice(1, 2)).responses() == [[8, 2, 0]] and b.rows(slice(0, 9)) is b
 
 
-def _eager_norm(x, w, eps):  # the engine's RMSNorm before F.rms_norm (session 12)
+def _eager_norm(x, w, eps):  # the eager RMSNorm formula F.rms_norm must equal bit for bit
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _eager_rope(x, pos, theta):  # the engine's RoPE before the shared tables (session 12): x [B, H, T, D]
+def _eager_rope(x, pos, theta):  # RoPE with per-call tables, the oracle of the shared ones: x [B, H, T, D]
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     ang = pos.to(torch.float32)[..., None] * inv

@@ -86,3 +86,59 @@ def test_no_code_compares_a_scope_against_the_raw_row_literal():
                 if pattern.search(line):
                     bad.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not bad, "\n".join(bad)
+
+
+# Where a branch on a format kind may live: the format unit itself. Backends dispatch through their one kind-keyed
+# format table (module-level dicts, allowed everywhere), the engines through `FormatSpec` facts and kind sets.
+_KIND_BRANCH_ALLOWED = {
+    "precision_dsl/format_specs.py",
+    # the next backend to clean: its fp8_block / mxfp8 / nvfp4 / fp32 / fp16 checks still compare kinds inline
+    "backends/vllm.py",
+}
+
+
+def _kind_branches(source: str) -> list[tuple[int, str]]:
+    """(line, code) of every comparison against a `FormatKind.X` member or a `.kind.value`, and of every dict keyed
+    by `FormatKind.X` built inside a function (an ad-hoc dispatch instead of a table)."""
+    import ast
+
+    def is_member(n) -> bool:
+        return isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "FormatKind"
+
+    def is_kind_value(n) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr == "value" and isinstance(n.value, ast.Attribute) \
+            and n.value.attr == "kind"
+
+    found = []
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            flat = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+            if any(is_member(e) or is_kind_value(e) for e in flat):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Dict) and any(k is not None and is_member(k) for k in sub.keys):
+                    found.append((sub.lineno, ast.unparse(sub)[:80]))
+    return found
+
+
+def test_the_scan_finds_kind_branches():
+    src = ("from x import FormatKind\nT = {FormatKind.MXFP8: 1}\n"
+           "def f(w, k):\n    if w.kind == FormatKind.NVFP4: pass\n"
+           "    if k in (FormatKind.BF16, FormatKind.FP16): pass\n"
+           "    if w.kind.value != 'fp8': pass\n    return {FormatKind.FP8: 2}[k]\n")
+    assert sorted(line for line, _ in _kind_branches(src)) == [4, 5, 6, 7]
+
+
+def test_no_format_kind_branch_outside_the_spec_and_the_backend_tables():
+    bad = []
+    for base in (ROOT / "precision_dsl", ROOT / "backends"):
+        for path in sorted(base.rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in _KIND_BRANCH_ALLOWED:
+                continue
+            bad += [f"{rel}:{line}: {code}" for line, code in _kind_branches(path.read_text())]
+    assert not bad, "branch through format_specs (a FormatSpec fact / kinds_where) or the backend's format table:\n" \
+                    + "\n".join(bad)

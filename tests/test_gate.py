@@ -1,6 +1,6 @@
 """`policyc check` and `policyc emit` are one gate (precision_dsl/engine/gate.py): what check accepts, emit emits; what an emitter
 would refuse, check reports first; all problems are reported together. Over the shipped policies x models x layouts
-of tests/matrix.py, plus the disagreements issue 9 found."""
+of tests/matrix.py, plus the cases where the two once disagreed."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ def test_emit_refuses_a_layout_check_refuses(tmp_path):
 
 
 def test_check_reports_what_emit_would_refuse():
-    # issue 9: check said ok, emit refused (NVFP4 per-tensor weight scale under expert-TP 2)
+    # a refusal only emit used to find (NVFP4 per-tensor weight scale under expert-TP 2) is check's too
     res = _cli("check", policy_file("nvfp4-pertoken-hp-backward"), "--model", "tiny-moe",
                "--parallel", "trainer:etp=2,ep=2 rollout:etp=2,ep=2", "-b", "megatron")
     assert res.exit_code == 1 and "unsupported-by-megatron" in res.output and "TP=2" in res.output
 
 
 def test_deepseek_uneven_pipelines_agree(tmp_path):
-    # issue 9: emit refused DeepSeek-V3 on pp=16 (61 layers) while check said ok. Now both give one verdict: pp=4 is
+    # DeepSeek-V3 (61 layers) under pipeline parallelism: check and emit give one verdict. pp=4 is
     # laid out unevenly (16/15/15/15); pp=16 is refused by both, by name - its 10 BF16 tail layers exceed
     # --num-layers-at-end-in-bf16's cap (61 // 16 = 3) and one TE file cannot single them out on every stage
     pol = policy_file("mxfp8-e2e")

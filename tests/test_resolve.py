@@ -420,10 +420,10 @@ def test_deepseek_v3_resolve_is_fast():
         plan = resolve(policy, arch)
         best = min(best, time.process_time() - t0)
     assert len(plan.tensors) == len(arch.tensors) > 45_000
-    # Measured (min of 3): 0.56 s CPU on the idle 2-core box before issue 14, 1.18 s after it (pydantic model_copy
-    # per TensorPlan, O(members) share-group lookups); 0.28 s since issue 12 (TensorPlans built by the checked
-    # unvalidated constructor, share groups keyed by fused instance, GC paused while building) on the same box
-    # loaded by other jobs (load average 3). The bound allows ~2x for a loaded machine, not a return to 1 s.
+    # Measured (min of 3): 0.28 s CPU on the 2-core box loaded by other jobs (load average 3), with TensorPlans built
+    # by the checked unvalidated constructor, share groups keyed by fused instance and the GC paused while building;
+    # a pydantic model_copy per TensorPlan with O(members) share-group lookups took 1.18 s. The bound allows ~2x for
+    # a loaded machine, not a return to 1 s.
     assert best < 0.6, f"resolve took {best:.3f} s CPU"
 
 

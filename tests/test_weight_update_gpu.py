@@ -130,8 +130,8 @@ def test_program_bytes_equal_converter_bytes(policy, grouped):
 def test_nonfinite_aborts_both_ends(policy, value):
     """NaN/Inf is counted on the GPU while the buckets move - by the quantize kernels themselves, in the pass that
     reads the weights (NVFP4's amax pass, MXFP8's and FP8-block's quantize pass); the sender then aborts instead of
-    closing (issue 11's protocol): it raises WeightUpdateAborted caused by NonFiniteWeight, the receiver discards
-    what it got."""
+    closing (the update protocol: a bad weight never lands): it raises WeightUpdateAborted caused by NonFiniteWeight,
+    the receiver discards what it got."""
     from precision_dsl.backends.quantize import NonFiniteWeight
     from precision_dsl.backends.weight_update import WeightReceiver, WeightSender, WeightUpdateAborted
     from precision_dsl.arch import load_architecture

@@ -57,15 +57,13 @@ class WeightUpdateBackend(Backend):
     role = "update"
     description = "the live weight update: per Megatron parameter the rollout tensors it sends, atomic groups, buckets"
 
-    def emit(self, plan: Plan, options: EmitOptions, problems) -> list:
-        return problems.run(emit, plan, bucket_bytes=options.bucket_bytes) or []
+    def artifacts(self, plan: Plan, options: EmitOptions) -> list:
+        return emit(plan, bucket_bytes=options.bucket_bytes)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The rollout's weight formats from the tensors weight_update/manifest.json says the update sends (read
         like the converter's checkpoint: the receiver loads the same tensors)."""
-        from precision_dsl.backends.common import read_json_artifact
-        from precision_dsl.backends.converter import derive_formats_from_specs
+        from precision_dsl.backends.converter import derive_formats_of_outputs
 
-        doc = read_json_artifact(artifacts, "weight_update/manifest.json")
-        specs = {n: dt for p in (doc.get("params") or {}).values() for n, dt, _ in p["outputs"]}
-        return derive_formats_from_specs(specs, arch)
+        return derive_formats_of_outputs(artifacts, "weight_update/manifest.json",
+                                         lambda doc: [p["outputs"] for p in (doc.get("params") or {}).values()], arch)

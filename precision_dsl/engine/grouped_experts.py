@@ -4,9 +4,10 @@ elementwise pass, one combine, and per expert only its GEMMs.
 The per-expert loop (model.SparseMoeBlock) gathers each expert's tokens, runs its three linears through the executor
 (each quantizing its own input: a kernel launch plus Python per expert and per operand, in the forward and again in
 the backward) and adds its output back. On the H200 that host work, not the GPU, set the pace of native FP8 at
-hidden 4096 (session 13 profile: fp8-blockwise-hopper spent LESS kernel time than BF16 in the rollout and the train
-phase, and more wall time; benchmarks/RESULTS.md "RL step, session 13"). Megatron runs the same experts as a grouped GEMM with one input quantization for all experts (TE
-GroupedLinear); this module does the same with per-expert GEMMs over one grouped buffer:
+hidden 4096 (profiled: fp8-blockwise-hopper spent LESS kernel time than BF16 in the rollout and the train phase,
+and more wall time; benchmarks/RESULTS.md, "routed experts as one grouped op"). Megatron runs the same experts as a
+grouped GEMM with one input quantization for all experts (TE GroupedLinear); this module does the same with
+per-expert GEMMs over one grouped buffer:
 
 * dispatch: the (token, slot) pairs sorted by expert (stable), each expert's rows placed at a segment of a padded
   buffer whose segments start at multiples of `align` rows; pad rows are zero. The positions are computed on the

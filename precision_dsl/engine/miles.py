@@ -1,7 +1,8 @@
 """`policyc run --engine miles`: emit the complete Miles launch for a plan (and optionally execute it).
 
 Everything precision-related comes from the plan through the project's backends, so trainer, converter, rollout and
-live update read ONE contract (../shared/research/miles.md sections 1-3; Miles read at 31f1ca9):
+live update read ONE contract (radixark/miles at 31f1ca9: miles/utils/arguments.py, tools/convert_hf_to_*.py,
+miles/backends/megatron_utils/actor.py for the live update):
 
   megatron/   Megatron-LM flags + TE per-module precision YAML + NVTE_* env      (precision_dsl.backends.megatron.emit)
   sglang/     SGLang server args (passed to Miles as --sglang-*), quantization_config, env (precision_dsl.backends.sglang.emit)
@@ -43,7 +44,8 @@ class MilesError(PolicycError, RuntimeError):
         self.hint, self.code = hint, code
 
 
-# GRPO settings of the blog's ablation (miles.md section 5): 8 samples per prompt, KL diagnostic with coef 0, R3.
+# GRPO settings of the ablation in the Miles MXFP8/NVFP4 RL blog (lmsys.org/blog/2026-07-29-mxfp8-nvfp4-rl): 8 samples
+# per prompt, KL diagnostic with coef 0, R3.
 RL_FLAGS = [
     "--advantage-estimator", "grpo",
     "--n-samples-per-prompt", "8",
@@ -57,7 +59,7 @@ LIVE_UPDATE_FLAGS = ["--update-weight-transfer-mode", "broadcast", "--check-weig
                      "--check-weight-update-selector", "all"]
 
 
-MILES_COMMIT = "31f1ca961a"  # radixark/miles HEAD read for this emitter (miles.md; benchmarks/miles_args_check.py)
+MILES_COMMIT = "31f1ca961a"  # radixark/miles commit this emitter was written against (benchmarks/miles_args_check.py)
 
 
 def _sglang_passthrough(server_args: list[str]) -> list[str]:

@@ -2,7 +2,7 @@
 
 For every GEMM weight the plan's `TensorPlan.precision` gives the weight / activation / gradient formats and the
 backward mode. `QLinearFunction` implements the forward and the three backward rules of TransformerEngine's
-`NVTE_BACKWARD_OVERRIDE` (TE PR #2644, see ../shared/research/miles.md section 5):
+`NVTE_BACKWARD_OVERRIDE` (NVIDIA/TransformerEngine#2644; TE 2.20.2 common/recipe/__init__.py `backward_override`):
 
   forward          y  = Q_a(x) @ Q_w(W)^T                   (Q = fake quantization in the plan's format)
   high_precision   dx = g @ W_bf16,         dW = g^T @ x_bf16         (backward on the ORIGINAL BF16 operands)

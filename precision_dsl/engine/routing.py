@@ -1,4 +1,5 @@
-"""Rollout routing replay (Miles' R3, `--use-rollout-routing-replay`; ../shared/research/miles.md section 1.2).
+"""Rollout routing replay (Miles' R3: `--use-rollout-routing-replay` in radixark/miles 31f1ca9
+miles/utils/arguments.py).
 
 An MoE rollout engine and the trainer compute router logits with different kernels and precisions, so near-ties
 between experts can be broken differently: the trainer then scores a token with experts the sampler never used,

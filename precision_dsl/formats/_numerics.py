@@ -1,14 +1,16 @@
 """Shared bit-level helpers of the reference quantizers (fp32 bit patterns, fp8 casts, input checks).
 
-Rules every reference follows (see ../shared/research/quantizers.md section 1):
-  * all arithmetic is IEEE fp32 round-to-nearest-even (RN), no flush-to-zero; bf16/fp16 inputs are upcast
-    exactly to fp32 first;
+Rules every reference follows:
+  * all arithmetic is IEEE fp32 round-to-nearest-even (RN), no flush-to-zero, as TE's cast kernels (compiled without
+    --use_fast_math: TE transformer_engine/common/CMakeLists.txt); bf16/fp16 inputs are upcast exactly to fp32 first;
   * a correctly rounded quotient a/b is computed as `torch.div(a_t, b_t)` with both operands fp32 tensors of the
-    SAME shape and device: on CUDA `tensor / python_scalar` (and a CPU 0-dim divisor) is `x * RN(1/b)`, and
-    `scalar / tensor` is `reciprocal(t) * scalar` - two roundings;
+    SAME shape and device: on CUDA `tensor / python_scalar` (and a CPU 0-dim divisor) is `x * RN(1/b)` (ATen
+    native/cuda/BinaryDivTrueKernel.cu `div_true_kernel_cuda`), and `scalar / tensor` is `reciprocal(t) * scalar`
+    (torch/_tensor.py `__rtruediv__`) - two roundings;
   * float8 casts are preceded by a clamp to +-Fmax: eager casts did not saturate finite overflow before torch 2.13,
     and the E5M2 cast still turns overflow into inf (checked on torch 2.13 CPU);
-  * never `torch.compile` these functions: Triton lowers fp32 `/` to an approximate division.
+  * never `torch.compile` these functions: Triton lowers fp32 `/` to an approximate division (triton-lang/triton
+    #10661).
 """
 
 from __future__ import annotations

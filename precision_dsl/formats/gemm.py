@@ -1,5 +1,6 @@
 """Emulated low-precision GEMMs: what trainer and rollout run when native MXFP8 / NVFP4 / FP8 kernels are absent
-(CPU, Hopper for MXFP8/NVFP4 - see ../shared/research/quantizers.md section 7).
+(CPU, and Hopper for MXFP8/NVFP4: TE 2.20.2 transformer_engine/pytorch/quantization.py `_compute_mxfp8_support` /
+`_compute_nvfp4_support` require compute capability 10.0).
 
     y = fake_quantize(x, act_fmt) @ dequantize(weight_q).T + bias
 
