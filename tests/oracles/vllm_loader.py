@@ -48,6 +48,11 @@ SENTINEL = 0x5A  # every parameter byte before loading: a byte left unwritten re
 class _NoKernel:
     """The GEMM kernel a CPU cannot have (never called: only weights are loaded here)."""
 
+    def input_quant_key(self):
+        """What vllm/model_executor/layers/fusion/quant_activation.py expose_input_quant_key reads while the method
+        creates its weights: no pre-quantized input."""
+        return None
+
     def process_weights_after_loading(self, layer) -> None:
         raise AssertionError("kernel-format processing is not run in the loader test")
 
