@@ -335,7 +335,8 @@ def test_vllm_online_quantizers_against_the_plans_formats():
     blocks[:, 0], blocks[:, 1] = vals, -vals * 0.5
     with o.sandbox, env(o._env()):
         q, s = _vllm("vllm.utils.deep_gemm.per_block_cast_to_fp8")(w, block_size=[128, 128], use_ue8m0=False)
-        mq, ms = _vllm("vllm.model_executor.layers.quantization.utils.mxfp8_utils._mxfp8_e4m3_quantize_torch")(blocks)
+        mx_torch = _vllm("vllm.model_executor.layers.quantization.utils.mxfp8_utils._mxfp8_e4m3_quantize_torch")
+        mq, ms = mx_torch(blocks)
         online_nvfp4 = _vllm("vllm.model_executor.layers.quantization.online.nvfp4.scaled_fp4_quant")
         kernel = _vllm("vllm._custom_ops.scaled_fp4_quant")
         with pytest.raises(AttributeError, match="scaled_fp4_quant"):  # a CUDA op: no pure-torch path
