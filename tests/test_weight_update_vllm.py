@@ -314,7 +314,7 @@ def test_nccl_engine_init_must_be_unpacked():
         VLLMHTTPTransport(plan, "http://127.0.0.1:1")
 
 
-# ---- NeMo-RL style: BF16 sent, vLLM re-quantizes on reload -------------------------------------------------------------
+# ---- NeMo-RL style: BF16 sent, vLLM re-quantizes on reload --------------------------------------------------------
 def _vllm(fn_path: str):
     module, _, name = fn_path.rpartition(".")
     import importlib
