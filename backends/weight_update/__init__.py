@@ -7,7 +7,8 @@ API (used by the RL engine)::
 
     from precision_dsl.backends.weight_update import WeightSender, WeightReceiver, InProcessTransport
 
-    transport = InProcessTransport()                      # or TorchDistributedTransport(), SGLangHTTPTransport(url)
+    transport = InProcessTransport()        # or TorchDistributedTransport(), SGLangHTTPTransport(url),
+                                            # VLLMHTTPTransport(plan, url, broadcast_fn=...)
     report = WeightSender(plan, transport, bucket_bytes=512 << 20).send(state_dict_iter, weight_version="step-7")
     weights = WeightReceiver(plan, transport).receive()   # {hf_name: QuantizedTensor | Tensor}
 
@@ -30,9 +31,10 @@ API (used by the RL engine)::
   message; the receiver compares what it holds and raises `WeightUpdateMismatch` listing the differing tensors.
 
 Modules (by concern): `buckets` (atomic units, the wire form of a bucket, checksums), `transports` (in-process,
-torch.distributed, SGLang HTTP), `sender` (WeightSender), `receiver` (WeightReceiver), `program` (the GPU update
-program's plumbing on both ends; the program itself is backends/update_program.py), `names` (Megatron -> HF names,
-TP/EP shard gathering), `backend` (`emit`: the weight_update/manifest.json artifact), `errors`.
+torch.distributed, SGLang HTTP), `vllm_transport` (vLLM 0.33's weight-transfer API), `sender` (WeightSender),
+`receiver` (WeightReceiver), `program` (the GPU update program's plumbing on both ends; the program itself is
+backends/update_program.py), `names` (Megatron -> HF names, TP/EP shard gathering), `backend` (`emit`: the
+weight_update/manifest.json artifact), `errors`.
 """
 
 from precision_dsl.backends.common import PlanMismatch
@@ -46,9 +48,10 @@ from precision_dsl.backends.weight_update.receiver import WeightReceiver
 from precision_dsl.backends.weight_update.sender import SendReport, WeightSender
 from precision_dsl.backends.weight_update.transports import (InProcessTransport, SGLangHTTPTransport,
                                                              TorchDistributedTransport)
+from precision_dsl.backends.weight_update.vllm_transport import VLLMHTTPTransport, vllm_named_tensors
 
 __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistributedTransport",
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
            "PlanMismatch", "WeightUpdateMismatch", "WeightUpdateError", "WeightUpdateAborted", "SendReport",
            "bucket_checksum", "emit", "atomic_groups", "pack_bucket", "unpack_bucket", "layout_index",
-           "PreparedUpdate", "SAMPLED_FINGERPRINT_STRIDE"]
+           "PreparedUpdate", "SAMPLED_FINGERPRINT_STRIDE", "VLLMHTTPTransport", "vllm_named_tensors"]
