@@ -54,9 +54,12 @@ DEEPSEEK_MINI = dict(hidden_size=256, intermediate_size=256, moe_intermediate_si
 @pytest.fixture(scope="module", autouse=True)
 def vllm_033():
     try:
-        return oracle(vllm_loader.VERSION)
+        o = oracle(vllm_loader.VERSION)
     except OracleUnavailable as err:
         pytest.fail(f"vLLM oracle unavailable: {err}", pytrace=False)
+    yield o
+    with o.sandbox:  # the models built here keep vLLM's process group; the rest of the session must not see it
+        o._teardown_parallel()
 
 
 @functools.lru_cache(maxsize=None)
