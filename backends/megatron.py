@@ -860,6 +860,9 @@ def trainer_tensors(flags: list[str], yamls: dict[str, dict], env: dict, arch, u
             continue
         is_fused = fused.get(t.hf_name, 1) > 1
         why = [r.why]
+        if extra_hf or extra_megatron:
+            why.append(f"no --extra-high-precision-layers-hf {list(extra_hf)} / -megatron {list(extra_megatron)} "
+                       f"substring is in {t.hf_name} / {t.megatron_name}")
         fields: dict = {}
         if r.kind == "nvfp4":
             row = env.get("NVTE_NVFP4_ROW_SCALED_ACTIVATION") == "1"

@@ -179,9 +179,13 @@ def trainer_operands(dep: Deployment, arch) -> dict[str, Operand]:
         doc = yamls.get(Path(name).name)
         if doc is not None:
             yamls = {megatron.TE_YAML: doc}
+    import warnings
+
     try:
-        read = megatron.trainer_tensors(s.flags, yamls, s.env, arch, use_megatron=use_megatron,
-                                        extra_hf=s.extra_hf, extra_megatron=s.extra_megatron)
+        with warnings.catch_warnings():  # megatron-core warns at import that TE / Apex are absent: not our news
+            warnings.simplefilter("ignore")
+            read = megatron.trainer_tensors(s.flags, yamls, s.env, arch, use_megatron=use_megatron,
+                                            extra_hf=s.extra_hf, extra_megatron=s.extra_megatron)
     except (KeyError, ValueError, TypeError) as err:
         raise AuditError(f"megatron-core cannot read the trainer's flags / TE YAML: {type(err).__name__}: {err}") \
             from None
