@@ -186,7 +186,7 @@ def trainer_operands(dep: Deployment, arch) -> dict[str, Operand]:
             warnings.simplefilter("ignore")
             read = megatron.trainer_tensors(s.flags, yamls, s.env, arch, use_megatron=use_megatron,
                                             extra_hf=s.extra_hf, extra_megatron=s.extra_megatron)
-    except (KeyError, ValueError, TypeError) as err:
+    except (KeyError, ValueError, TypeError, AttributeError) as err:
         raise AuditError(f"megatron-core cannot read the trainer's flags / TE YAML: {type(err).__name__}: {err}") \
             from None
     return {t.hf_name: trainer_operand(read[t.hf_name]) for t in arch.tensors if t.is_linear}
@@ -194,6 +194,8 @@ def trainer_operands(dep: Deployment, arch) -> dict[str, Operand]:
 
 def rollout_operands(dep: Deployment, arch) -> dict[str, Operand]:
     s = dep.rollout
+    if s.quant_config is not None and not isinstance(s.quant_config, dict):
+        raise AuditError(f"the quantization config of {s.quant_from} is not an object")
     if s.engine == "vllm":
         from ..backends import vllm
 
@@ -206,7 +208,7 @@ def rollout_operands(dep: Deployment, arch) -> dict[str, Operand]:
 
         try:
             read = sglang.rollout_tensors(s.quant_config, s.env, s.flags, arch)
-        except (KeyError, ValueError) as err:
+        except (KeyError, ValueError, TypeError, AttributeError) as err:
             raise AuditError(f"SGLang cannot read the checkpoint's quantization config "
                              f"({s.quant_from}): {type(err).__name__}: {err}") from None
     return {t.hf_name: rollout_operand(read[t.hf_name]) for t in arch.tensors if t.is_linear and t.hf_name in read}
@@ -214,7 +216,7 @@ def rollout_operands(dep: Deployment, arch) -> dict[str, Operand]:
 
 def _cell(t) -> str:
     w, a = t.weight.short(), t.activation.short()
-    return w if w == a else f"W:{w} A:{a}"
+    return w if w == a and not t.weight.is_quantized else f"W:{w} A:{a}"
 
 
 def compare(trainer, rollout, t_ops: dict[str, Operand], r_ops: dict[str, Operand]) -> list[Disagreement]:
@@ -277,7 +279,8 @@ def collapse(names: list[str]) -> list[tuple[str, int]]:
     for key, idx in pat.items():
         text = key
         for pos in range(key.count("#")):
-            text = text.replace("#", "{" + _ranges(i[pos] for i in idx) + "}", 1)
+            r = _ranges(i[pos] for i in idx)
+            text = text.replace("#", r if r.isdigit() else "{" + r + "}", 1)
         out.append((text, len(idx)))
     return out
 

@@ -190,9 +190,9 @@ def _read_emitted(d: Path, dep: Deployment) -> None:
         if not isinstance(doc, dict):
             raise AuditError(f"{flags_json} is not a policyc megatron/flags.json")
         dep.trainer.present = True
-        dep.trainer.flags = [str(x) for x in doc.get("flags") or []]
-        dep.trainer.env.update({str(k): str(v) for k, v in (doc.get("env") or {}).items()})
-        for name in doc.get("te_precision_files") or []:
+        dep.trainer.flags = _strings(doc.get("flags"), f"{flags_json}: flags")
+        dep.trainer.env.update(_mapping(doc.get("env"), "env"))
+        for name in _strings(doc.get("te_precision_files"), f"{flags_json}: te_precision_files"):
             y = d / "megatron" / str(name)
             if not y.is_file():
                 raise AuditError(f"{y} (named by {flags_json}) is missing")
@@ -204,14 +204,14 @@ def _read_emitted(d: Path, dep: Deployment) -> None:
         doc = _json(_text(sg), str(sg))
         if not isinstance(doc, dict):
             raise AuditError(f"{sg} is not a policyc sglang/server_args.json")
-        _set_rollout(dep, "sglang", [str(x) for x in doc.get("server_args") or []], doc.get("env") or {})
+        _set_rollout(dep, "sglang", _strings(doc.get("server_args"), "server_args"), _mapping(doc.get("env"), "env"))
         dep.rollout.quant_config, dep.rollout.quant_from = doc.get("quantization_config"), str(sg)
         what.append("rollout (sglang/server_args.json)")
     elif vl.is_file():
         doc = _json(_text(vl), str(vl))
         if not isinstance(doc, dict):
             raise AuditError(f"{vl} is not a policyc vllm/serve_args.json")
-        _read_vllm_argv(dep, [str(x) for x in doc.get("engine_args") or []], doc.get("env") or {}, str(vl))
+        _read_vllm_argv(dep, _strings(doc.get("engine_args"), "engine_args"), _mapping(doc.get("env"), "env"), str(vl))
         what.append("rollout (vllm/serve_args.json)")
     dep.read_as.append((str(d), "policyc emit directory: " + ", ".join(what)))
 
@@ -332,17 +332,17 @@ def _read_json_file(p: Path, doc, dep: Deployment) -> None:
         raise AuditError(f"cannot tell what {p} is (a JSON value that is not an object)")
     if "flags" in doc and "te_precision_files" in doc:
         dep.trainer.present = True
-        dep.trainer.flags += [str(x) for x in doc.get("flags") or []]
-        dep.trainer.env.update({str(k): str(v) for k, v in (doc.get("env") or {}).items()})
+        dep.trainer.flags += _strings(doc.get("flags"), f"{p}: flags")
+        dep.trainer.env.update(_mapping(doc.get("env"), "env"))
         _take_yaml_paths(p, dep)
         dep.read_as.append((str(p), "trainer: megatron flags.json"))
     elif "server_args" in doc:
-        _set_rollout(dep, "sglang", [str(x) for x in doc["server_args"] or []], doc.get("env") or {})
+        _set_rollout(dep, "sglang", _strings(doc["server_args"], f"{p}: server_args"), _mapping(doc.get("env"), "env"))
         if doc.get("quantization_config") is not None:
             dep.rollout.quant_config, dep.rollout.quant_from = doc["quantization_config"], str(p)
         dep.read_as.append((str(p), "rollout: SGLang server_args.json"))
     elif "engine_args" in doc:
-        _read_vllm_argv(dep, [str(x) for x in doc["engine_args"] or []], doc.get("env") or {}, str(p))
+        _read_vllm_argv(dep, _strings(doc["engine_args"], f"{p}: engine_args"), _mapping(doc.get("env"), "env"), str(p))
         dep.read_as.append((str(p), "rollout: vLLM serve_args.json"))
     elif "quant_method" in doc or isinstance(doc.get("quantization_config"), dict) or (
             isinstance(doc.get("quantization"), dict)):
@@ -368,6 +368,22 @@ def _take_yaml_paths(p: Path, dep: Deployment) -> None:
                 dep.trainer.yamls[cand.name] = doc
                 return
     dep.pending_yaml.append(name)
+
+
+def _strings(v, where: str) -> list[str]:
+    if v is None:
+        return []
+    if not isinstance(v, list) or not all(isinstance(x, (str, int, float)) for x in v):
+        raise AuditError(f"{where} is not a list of arguments")
+    return [str(x) for x in v]
+
+
+def _mapping(v, where: str) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise AuditError(f"{where} is not an object of environment variables")
+    return {str(k): str(x) for k, x in v.items()}
 
 
 def _value(argv: list[str], flag: str) -> Optional[str]:
