@@ -54,14 +54,14 @@ def emitted(plan, out: Path, rollout: str = "sglang") -> Path:
 # ---------------------------------------------------------------------------------------------------------------
 # round trip
 # ---------------------------------------------------------------------------------------------------------------
-CASES = [(p, m) for m in ROUND_TRIP_MODELS for p in POLICIES]
+CASES = [(p, m, r) for r in ("sglang", "vllm") for m in ROUND_TRIP_MODELS for p in POLICIES]
 
 
-@pytest.mark.parametrize("policy,model", CASES, ids=[f"{p}-{m}" for p, m in CASES])
-def test_emit_then_audit_agrees_and_recovers_the_plan(policy, model, tmp_path):
+@pytest.mark.parametrize("policy,model,rollout", CASES, ids=[f"{p}-{m}-{r}" for p, m, r in CASES])
+def test_emit_then_audit_agrees_and_recovers_the_plan(policy, model, rollout, tmp_path):
     plan = plan_of(policy, model)
     try:
-        out = emitted(plan, tmp_path / "out")
+        out = emitted(plan, tmp_path / "out", rollout)
     except UnsupportedByBackend as err:  # a plan the backends refuse has no deployment to audit
         assert err.capability
         return
@@ -70,7 +70,7 @@ def test_emit_then_audit_agrees_and_recovers_the_plan(policy, model, tmp_path):
     assert res.trainer.content_hash() == plan.content_hash()
     # the policy the audit writes resolves to the same plan
     assert plan_of_text(res.trainer_policy, model).content_hash() == plan.content_hash()
-    assert any("policyc emit directory" in what for _, what in res.read_as)
+    assert any("policyc emit directory" in what and rollout in what for _, what in res.read_as)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -276,6 +276,48 @@ def test_sglang_reading_of_a_hand_written_launch_is_sglangs(sglang_oracle, tmp_p
     ours = sglang.rollout_tensors(cfg.quantization_config, cfg.env, args, arch)
     assert launch.shared_experts_fused == 1
     assert launch.kinds and {n: ours[n].kind for n in launch.kinds} == launch.kinds
+
+
+def test_drift_vllm_launch_without_the_per_token_override(tmp_path):
+    """A hand-written `vllm serve` without the `moe.activation nvfp4_per_token` override: vLLM's ModelOpt NVFP4 MoE
+    uses the checkpoint's static input_scale while the trainer scales per token."""
+    from precision_dsl.backends import vllm
+
+    plan = plan_of("miles-nvfp4", "tiny-moe")
+    out = emitted(plan, tmp_path / "out", "vllm")
+    args = json.loads((out / vllm.MANIFEST).read_text())["engine_args"]
+    i = args.index("--quantization-config")
+    launch = tmp_path / "serve.sh"
+    launch.write_text("VLLM_USE_DEEP_GEMM=0 vllm serve /ckpt " + shlex.join(args[:i] + args[i + 2:]) + "\n")
+    res = audit([out / "megatron" / "flags.json", launch], arch_of("tiny-moe"))
+    assert res.disagreements and all("static per-tensor input_scale" in d.cause for d in res.disagreements)
+    assert {n for d in res.disagreements for n in d.tensors} == {
+        t.hf_name for t in plan.tensors if t.role.startswith("routed_experts.") and t.weight.is_quantized}
+
+
+def test_vllm_reading_of_a_hand_written_launch_is_vllms(tmp_path):
+    """vLLM 0.33's own engine-arg parser and quant methods (tests/oracles/vllm_oracle.py) on a hand-edited Hopper
+    launch of a dense model whose exclusion list lost the last layer's MLP: the audit's serving reading is what
+    vLLM builds, module by module (the lost entries now served in FP8-block)."""
+    from oracles import vllm_oracle
+    from precision_dsl.backends import vllm
+    from test_vllm_judge import model_dir_for, module_of_tensor
+
+    plan = plan_of("fp8-blockwise-hopper", "qwen3-0.6b")
+    arts = {a.path: a.data() for a in vllm.emit(plan)}
+    manifest = json.loads(arts[vllm.MANIFEST])
+    args = list(manifest["engine_args"])
+    i = args.index("--hf-overrides") + 1
+    qcfg = json.loads(args[i])["quantization_config"]
+    last = plan.num_layers - 1
+    qcfg["ignored_layers"] = [e for e in qcfg["ignored_layers"] if f"layers.{last}.mlp" not in e]
+    args[i] = json.dumps({"quantization_config": qcfg})
+    modules = vllm_oracle.vllm_modules(vllm.VLLM_VERSION, model_dir_for(plan, tmp_path), args)
+    ours = vllm.serve_tensors(qcfg, None, manifest["env"], arch_of("qwen3-0.6b"))
+    where = module_of_tensor(modules, plan)
+    names = [n for n in where if n in ours]  # a tied lm_head answers for model.embed_tokens.weight
+    assert len(names) > 100 and {n: ours[n].weight for n in names} == {n: where[n][1].weight for n in names}
+    assert ours[f"model.layers.{last}.mlp.down_proj.weight"].kind == "fp8_block"
 
 
 def test_te_reads_the_env_the_trainer_reading_keys_on():

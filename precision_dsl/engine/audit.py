@@ -89,7 +89,7 @@ def rollout_operand(r) -> Operand:
     if r.kind == "nvfp4":
         return Operand(_nvfp4_call(r.act_scope, r.block, act=r.act_scope is not None)
                        + ("" if r.act_scope is not None else ", act=bf16"), r.shared, r.why)
-    if r.kind == "nvfp4" or r.kind == "mxfp8":
+    if r.kind == "mxfp8":
         return Operand("mxfp8", False, r.why)
     if r.kind == "fp8_block":
         return Operand(f"fp8_block(scales={getattr(r, 'scale_dtype', None) or 'fp32'})", False, r.why)
