@@ -674,7 +674,8 @@ class ServedTensor:
     scale_dtype: Optional[str] = None
 
 
-def serve_tensors(qcfg: Optional[dict], online: Optional[dict], env: Mapping[str, str], arch) -> dict[str, ServedTensor]:
+def serve_tensors(qcfg: Optional[dict], online: Optional[dict], env: Mapping[str, str],
+                  arch) -> dict[str, ServedTensor]:
     """{hf_name: ServedTensor} for every tensor vLLM loads into a GEMM module, read with the same `_Reader` as
     derive_formats (hand-written engine args: `--hf-overrides` quantization_config, `--quantization-config`, env).
     Raises ValueError where vLLM would refuse the configuration."""

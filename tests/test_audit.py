@@ -244,7 +244,8 @@ def test_megatron_reading_of_a_hand_written_yaml_is_megatron_cores(tmp_path):
     import yaml
 
     arch = arch_of("qwen3-30b-a3b")
-    (tmp_path / "te.yaml").write_text(NVFP4_YAML.replace('"*.mlp.experts.linear_fc2"', '"decoder.layers.1.mlp.experts.linear_fc2"'))
+    doc = NVFP4_YAML.replace('"*.mlp.experts.linear_fc2"', '"decoder.layers.1.mlp.experts.linear_fc2"')
+    (tmp_path / "te.yaml").write_text(doc)
     flags = ["--transformer-impl", "transformer_engine", "--bf16", "--fp4-format", "e2m1", "--fp4-recipe", "nvfp4",
              "--moe-grouped-gemm", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "1",
              "--num-layers-at-end-in-bf16", "3", "--pipeline-model-parallel-size", "4",
@@ -254,8 +255,7 @@ def test_megatron_reading_of_a_hand_written_yaml_is_megatron_cores(tmp_path):
     modules = sorted({megatron.megatron_module(t.megatron_name) for t in arch.tensors if t.is_linear
                       and t.megatron_name and t.megatron_name.startswith("decoder.")})
     oracle = mo.read_modules(config, modules)
-    ours = megatron.explain_modules(flags, {"te.yaml": yaml.safe_load(NVFP4_YAML.replace(
-        '"*.mlp.experts.linear_fc2"', '"decoder.layers.1.mlp.experts.linear_fc2"'))}, modules, arch.num_layers)
+    ours = megatron.explain_modules(flags, {"te.yaml": yaml.safe_load(doc)}, modules, arch.num_layers)
     assert {m: r.kind for m, r in ours.items()} == {m: rd.kind for m, (_, rd) in oracle.items()}
     # stage-local matching: decoder.layers.1 is global layer 1, 13, 25 (and 37, in the BF16 tail's stage)
     fc2 = {int(m.split(".")[2]) for m, r in ours.items() if m.endswith("linear_fc2") and r.kind == "nvfp4"}
@@ -389,3 +389,15 @@ def test_cli_missing_path_and_binary_file(tmp_path):
     assert r.exit_code == 2 and "UTF-8" in r.output
     with pytest.raises(AuditError):
         audit([], arch_of("tiny-moe"))
+
+
+def test_readme_example_finds_both_drifts():
+    """The README's worked example (examples/audit/) reports exactly its two drifts."""
+    r = StrictCliRunner().invoke(app, ["audit", str(REPO / "examples/audit/run_tiny_nvfp4.sh"), "--model", "tiny-moe",
+                                       "--json"])
+    assert r.exit_code == 1
+    doc = json.loads(r.output)
+    causes = [d["cause"] for d in doc["disagreements"]]
+    assert sum(d["count"] for d in doc["disagreements"]) == 72
+    assert sum("NVTE_NVFP4_ROW_SCALED_ACTIVATION unset" in c for c in causes) == 2
+    assert sum("--num-layers-at-end-in-bf16 2" in c for c in causes) == 2

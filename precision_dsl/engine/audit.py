@@ -158,7 +158,8 @@ def plan_of_policy(text: str, arch, filename: str, parallel=None):
     try:
         return resolve(parse_policy(text, filename), arch, parallel)
     except PolicyError as err:
-        raise AuditError(f"the {filename} reading cannot be written as a plan: {err.message if hasattr(err, 'message') else err}",
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise AuditError(f"the {filename} reading cannot be written as a plan: {first}",
                          "the engine runs something the plan IR has no format for (e.g. a quantized NVFP4 "
                          "backward without NVTE_BACKWARD_OVERRIDE)") from None
 
