@@ -713,60 +713,97 @@ def resolve_modules(flags: list[str], yamls: dict[str, dict], modules: list[str]
     """{global module path: weight kind} as Megatron+TE would run it given the emitted flags and YAML.
     With use_megatron, matching/parsing goes through megatron.core.quantization (RecipeConfig.from_config_dict,
     get_quant_config_or_none) and TEQuantizationParams.parse_from_config."""
+    return {m: r.kind for m, r in explain_modules(flags, yamls, modules, num_layers, use_megatron).items()}
+
+
+@dataclass(frozen=True)
+class ModuleReading:
+    """What megatron-core 0.16.1 + TE run for one TE module, and which flag / matcher decided it."""
+
+    kind: str  # bf16 | mxfp8 | fp8_block | fp8 | nvfp4
+    fp8_format: Optional[str]  # e4m3 | hybrid (the recipe's, for FP8 recipes)
+    why: str
+
+
+def _matcher_of(doc: dict, local: str) -> Optional[tuple[str, dict]]:
+    """(matcher name, its config's training_recipe) of the first enabled glob matching `local` (megatron-core's
+    first-match rule; megatron/core/quantization/quant_config.py: a matcher without `enabled` is off)."""
+    import fnmatch
+
+    for name, m in (doc.get("matchers") or {}).items():
+        if isinstance(m, dict) and m.get("enabled", False) and fnmatch.fnmatch(local, str(m.get("pattern"))):
+            cfg = (doc.get("configs") or {}).get(m.get("config")) or {}
+            return f"{name} '{m.get('pattern')}'", dict(cfg.get("training_recipe") or {})
+    return None
+
+
+def explain_modules(flags: list[str], yamls: dict[str, dict], modules: list[str], num_layers: int,
+                    use_megatron: bool = True) -> dict[str, ModuleReading]:
+    """{global module path: ModuleReading}: the one reading of the trainer's flags + TE YAML (resolve_modules and
+    the audit of a deployment both use it). Layers are matched on their stage-local paths (--pipeline-model-parallel
+    -size, --decoder-first/last-pipeline-num-layers), first/last BF16 layers and MTP under FP4 get no quantized
+    autocast (override_nonquantized_autocast is False in what policyc reads)."""
     g_fp8 = _flag(flags, "--fp8-recipe") if "--fp8-format" in flags else None
     g_fp4 = _flag(flags, "--fp4-recipe") if "--fp4-format" in flags else None
+    g_fmt = _flag(flags, "--fp8-format") if g_fp8 else None
     global_kind = RECIPE_KIND[g_fp8] if g_fp8 else (RECIPE_KIND[g_fp4] if g_fp4 else "bf16")
+    global_why = (f"--fp8-format {g_fmt} --fp8-recipe {g_fp8}" if g_fp8 else
+                  f"--fp4-format {_flag(flags, '--fp4-format')} --fp4-recipe {g_fp4}" if g_fp4 else
+                  "no --fp8-format / --fp4-format (BF16 trainer)")
     first_last = "--first-last-layers-bf16" in flags
     start = int(_flag(flags, "--num-layers-at-start-in-bf16") or 1) if first_last else 0
     end = int(_flag(flags, "--num-layers-at-end-in-bf16") or 1) if first_last else 0
     offset = {layer: rng.start for rng in flag_stages(flags, num_layers) for layer in rng}
-    doc = yamls.get(TE_YAML)
+    doc = yamls.get(TE_YAML) if TE_YAML in yamls else next(iter(yamls.values()), None)
     recipe = None
     if doc is not None and use_megatron:
         from megatron.core.quantization.quant_config import RecipeConfig
 
         recipe = RecipeConfig.from_config_dict(doc)
-    out: dict[str, str] = {}
+    out: dict[str, ModuleReading] = {}
     for mod in modules:
         layer, kind = _split_layer(mod)
-        if global_kind == "bf16" or (layer is None and g_fp8 is None):
-            out[mod] = "bf16"  # MTP: quantized context only under config.fp8 (multi_token_prediction.py)
+        if global_kind == "bf16":
+            out[mod] = ModuleReading("bf16", None, global_why)
+            continue
+        if layer is None and g_fp8 is None:
+            out[mod] = ModuleReading("bf16", None, f"MTP layer under {global_why}: megatron-core 0.16.1 opens a "
+                                     "quantized autocast for MTP only under an FP8 recipe (multi_token_prediction.py)")
             continue
         if layer is not None and (layer < start or layer >= num_layers - end):
-            out[mod] = "bf16"  # no autocast; override_nonquantized_autocast is False
+            out[mod] = ModuleReading("bf16", None, f"layer {layer} is in --first-last-layers-bf16 "
+                                     f"(--num-layers-at-start-in-bf16 {start}, --num-layers-at-end-in-bf16 {end})")
             continue
         local = f"decoder.layers.{layer - offset[layer]}.{kind}" if layer is not None else mod
-        if doc is None:
-            out[mod] = global_kind
+        stage = f" (stage-local {local})" if local != mod else ""
+        found = _matcher_of(doc, local) if doc is not None else None
+        if doc is None or found is None:
+            out[mod] = ModuleReading(global_kind, g_fmt, global_why + ("" if doc is None else
+                                                                        f"; no TE YAML matcher{stage}"))
             continue
+        matcher, tr = found
         if use_megatron:
             from megatron.core.extensions.transformer_engine import TEQuantizationParams
             from megatron.core.quantization.utils import get_quant_config_or_none
 
             qc = get_quant_config_or_none(local, recipe)
             if qc is None:
-                out[mod] = global_kind
+                out[mod] = ModuleReading(global_kind, g_fmt, global_why)
                 continue
             r = TEQuantizationParams.parse_from_config(qc).training_recipe
             if not r.override_quantized_autocast:
-                out[mod] = global_kind
+                out[mod] = ModuleReading(global_kind, g_fmt, f"{global_why} (TE YAML matcher {matcher} does not "
+                                         "override a quantized autocast)")
                 continue
             name = r.fp8_quantization_recipe or r.fp4_quantization_recipe
             name = getattr(name, "value", name)
+            fmt = getattr(r.fp8_format, "value", r.fp8_format) if r.fp8_quantization_recipe else None
         else:
-            import fnmatch
-
-            name, matched = None, False
-            for m in doc["matchers"].values():
-                if m.get("enabled") and fnmatch.fnmatch(local, m["pattern"]):
-                    tr = doc["configs"][m["config"]]["training_recipe"]
-                    name = tr.get("fp8_quantization_recipe") or tr.get("fp4_quantization_recipe")
-                    matched = True
-                    break
-            if not matched:
-                out[mod] = global_kind
-                continue
-        out[mod] = RECIPE_KIND[str(name)] if name else "bf16"
+            name = tr.get("fp8_quantization_recipe") or tr.get("fp4_quantization_recipe")
+            fmt = tr.get("fp8_format", "e4m3") if tr.get("fp8_quantization_recipe") else None
+        k = RECIPE_KIND[str(name)] if name else "bf16"
+        out[mod] = ModuleReading(k, str(fmt).lower() if fmt and k != "bf16" else None,
+                                 f"TE YAML matcher {matcher}{stage} -> {name or 'bf16'}")
     return out
 
 
@@ -785,6 +822,89 @@ def derive_kinds(flags: list[str], yamls: dict[str, dict], arch, pp: int = 1,
 
 def _derived_weight(kind: str, env: dict, fused: bool) -> str:
     return _TE_FORMATS[FormatKind(kind)].derived(env, fused)
+
+
+@dataclass(frozen=True)
+class TrainerTensor:
+    """What the trainer computes for one HF tensor: the weight format (derive_formats' answer) and, for a quantized
+    linear, the activation scale scope, the backward mode and the FP8 format as TE reads its process-wide env."""
+
+    kind: str  # bf16 | mxfp8 | fp8_block | fp8 | nvfp4
+    weight: str  # TensorFormat.short() of the weight
+    why: tuple[str, ...]  # the flags / matchers / env variables that decided it
+    fp8_format: Optional[str] = None  # e4m3 | hybrid (FP8 recipes)
+    backward: str = "high_precision"  # quantized | high_precision | dequantized
+    act_scope: Optional[str] = None  # NVFP4 activation second-level scale: tensor | row (per token)
+    weight_block: Optional[tuple[int, int]] = None
+    scale_dtype: Optional[str] = None  # FP8-block scales: fp32 | pow2
+    shared: bool = False  # one global scale over the fused module's members (TE: one amax per TE weight)
+
+
+def _env_backward(env: dict) -> tuple[str, str]:
+    v = env.get("NVTE_BACKWARD_OVERRIDE")
+    if v in ("high_precision", "dequantized"):
+        return v, f"NVTE_BACKWARD_OVERRIDE={v}"
+    return "quantized", ("NVTE_BACKWARD_OVERRIDE unset: TE runs the recipe's quantized wgrad/dgrad GEMMs" if v is None
+                         else f"NVTE_BACKWARD_OVERRIDE={v!r} is no TE mode: the quantized backward stays")
+
+
+def trainer_tensors(flags: list[str], yamls: dict[str, dict], env: dict, arch, use_megatron: bool = True,
+                    extra_hf: tuple = (), extra_megatron: tuple = ()) -> dict[str, TrainerTensor]:
+    """{hf_name: TrainerTensor}: the trainer's side of a deployment from Megatron flags, the TE YAML and the TE env
+    (emitted, or hand-written as a Miles launch gives them). The same reading as `derive_formats` (explain_modules
+    + the format table's `derived`), plus what TE decides from the env. `extra_hf` / `extra_megatron`: Miles'
+    --extra-high-precision-layers-hf / -megatron substrings (miles/utils/arguments.py): its Megatron-to-HF export
+    sends those weights in BF16 whatever Megatron ran, so the published weight is BF16."""
+    modules = {t.hf_name: megatron_module(t.megatron_name) for t in arch.tensors
+               if t.is_linear and t.megatron_name and t.megatron_name.startswith(("decoder.", "mtp."))
+               and t.role != "mtp.eh_proj"}
+    read = explain_modules(flags, yamls, sorted(set(modules.values())), arch.num_layers, use_megatron=use_megatron)
+    fused = fused_module_sizes(arch)
+    bwd, bwd_why = _env_backward(env)
+    out: dict[str, TrainerTensor] = {}
+    for t in arch.tensors:
+        mod = modules.get(t.hf_name)
+        if mod is None:
+            why = ("not a TransformerEngine module in megatron-core 0.16 (runs BF16)" if t.is_linear
+                   else "not a GEMM weight")
+            kind = "fp32" if t.role == "router.weight" and _flag(flags, "--moe-router-dtype") == "fp32" else "bf16"
+            out[t.hf_name] = TrainerTensor(kind, kind, (why,) if kind == "bf16" else ("--moe-router-dtype fp32",))
+            continue
+        r = read[mod]
+        hit = next((s for s in extra_hf if s and s in t.hf_name), None) or next(
+            (s for s in extra_megatron if s and s in (t.megatron_name or "")), None)
+        if hit is not None and r.kind != "bf16":
+            flag = "hf" if hit in extra_hf else "megatron"
+            out[t.hf_name] = TrainerTensor("bf16", "bf16", (f"--extra-high-precision-layers-{flag} {hit!r}: Miles "
+                                                            "exports it in BF16",))
+            continue
+        if r.kind == "bf16":
+            out[t.hf_name] = TrainerTensor("bf16", "bf16", (r.why,))
+            continue
+        is_fused = fused.get(t.hf_name, 1) > 1
+        why = [r.why]
+        if extra_hf or extra_megatron:
+            why.append(f"no --extra-high-precision-layers-hf {list(extra_hf)} / -megatron {list(extra_megatron)} "
+                       f"substring is in {t.hf_name} / {t.megatron_name}")
+        fields: dict = {}
+        if r.kind == "nvfp4":
+            row = env.get("NVTE_NVFP4_ROW_SCALED_ACTIVATION") == "1"
+            why.append("NVTE_NVFP4_ROW_SCALED_ACTIVATION=1: one FP32 activation scale per token" if row else
+                       "NVTE_NVFP4_ROW_SCALED_ACTIVATION unset: TE keeps one per-tensor activation amax")
+            fields = dict(act_scope="row" if row else "tensor", shared=is_fused,
+                          weight_block=(16, 16) if env.get("NVTE_NVFP4_DISABLE_2D_QUANTIZATION") == "0" else (1, 16))
+            for var in ("NVTE_NVFP4_DISABLE_RHT", "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING"):
+                if env.get(var) != "1":
+                    why.append(f"{var} unset: TE's NVFP4 gradients are not the exact formula")
+        elif r.kind == "fp8_block":
+            fp32 = env.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES") == "1"
+            fields = dict(scale_dtype="fp32" if fp32 else "pow2")
+            why.append("NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1: fp32 scales" if fp32 else
+                       "NVTE_FP8_BLOCK_SCALING_FP32_SCALES unset: TE's power-of-2 scales")
+        why.append(bwd_why)
+        out[t.hf_name] = TrainerTensor(r.kind, _derived_weight(r.kind, env, is_fused), tuple(why),
+                                       fp8_format=r.fp8_format or "e4m3", backward=bwd, **fields)
+    return out
 
 
 @register_backend

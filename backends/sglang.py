@@ -647,6 +647,96 @@ def derive_formats_of_config(quant_config: Optional[dict], arch) -> dict[str, st
     return {n: _SERVING[FormatKind(k)].derived(quant_config or {}, fused.get(n, 1) > 1) for n, k in kinds.items()}
 
 
+@dataclass(frozen=True)
+class RolloutTensor:
+    """What SGLang loads and computes for one HF tensor: the weight format (derive_formats' answer) and the
+    activation of a quantized GEMM (`act`: TensorFormat.short() parts the audit turns into a format)."""
+
+    kind: str  # bf16 | mxfp8 | fp8_block | nvfp4
+    weight: str  # TensorFormat.short()
+    why: tuple[str, ...]
+    act_scope: Optional[str] = None  # NVFP4: row (per token, computed online) | tensor (the static input_scale)
+    shared: bool = False  # one weight_scale_2 for the fused module
+    block: Optional[tuple[int, int]] = None
+
+
+# DeepSeek-V2/V3 (models/deepseek_v2.py) can load a layer's shared expert as one more expert of the routed FusedMoE
+# (`resolve_shared_experts_config`); these MoE runners keep it apart.
+_NO_SHARED_FUSION_RUNNERS = ("flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutedsl")
+_SHARED_FUSION_MODELS = ("deepseek_v3", "deepseek_v2")
+
+
+def _arg(argv: list[str], name: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a[len(name) + 1:]
+    return None
+
+
+def shared_experts_fused(server_args: list[str], arch) -> Optional[str]:
+    """Why SGLang fuses the shared experts into the routed FusedMoE under these server args, or None when it does not
+    (no shared experts, --disable-shared-experts-fusion, ep > 1, a runner that keeps them apart)."""
+    if arch.model_type not in _SHARED_FUSION_MODELS or not any(t.role.startswith("shared_experts.")
+                                                                for t in arch.tensors):
+        return None
+    if "--disable-shared-experts-fusion" in server_args:
+        return None
+    ep = int(_arg(server_args, "--ep-size") or _arg(server_args, "--expert-parallel-size") or 1)
+    runner = _arg(server_args, "--moe-runner-backend") or "auto"
+    if ep > 1 or runner in _NO_SHARED_FUSION_RUNNERS:
+        return None
+    return (f"SGLang {SGLANG_VERSION} loads the shared expert as one more expert of the routed FusedMoE "
+            "(no --disable-shared-experts-fusion, ep 1)")
+
+
+def rollout_tensors(quant_config: Optional[dict], env: dict, server_args: list[str], arch) -> dict[str, RolloutTensor]:
+    """{hf_name: RolloutTensor}: the rollout's side of a deployment from the checkpoint's quantization_config, the
+    server args and the server's env (emitted, or a hand-written launch / a converted checkpoint). The same reading
+    as `derive_formats` (derive_kinds + the format table's `derived`), plus shared-expert fusion and the NVFP4
+    activation SGLang computes."""
+    kinds = derive_kinds(quant_config, arch)
+    fused = fused_module_sizes(arch)
+    fusion = shared_experts_fused(server_args, arch)
+    routed_kind: dict[tuple, str] = {}
+    for t in arch.tensors:
+        if t.role.startswith("routed_experts."):
+            routed_kind.setdefault((t.mtp, t.layer), kinds[t.hf_name])
+    method = (quant_config or {}).get("quant_method")
+    where = "the checkpoint's quantization_config" if quant_config else "an unquantized checkpoint"
+    per_token = env.get("SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION") == "1"
+    out: dict[str, RolloutTensor] = {}
+    for t in arch.tensors:
+        k = kinds[t.hf_name]
+        why = [f"{where} ({method})" if quant_config else where]
+        is_fused = fused.get(t.hf_name, 1) > 1
+        if fusion and t.role in ("shared_experts.gate", "shared_experts.up", "shared_experts.down") \
+                and (t.mtp, t.layer) in routed_kind:
+            k, is_fused = routed_kind[(t.mtp, t.layer)], t.role != "shared_experts.down"
+            why = [fusion + f": it runs the routed experts' {k}"]
+        elif t.is_linear and k == "bf16" and quant_config and t.sglang_prefix is not None \
+                and t.role not in _NEVER_QUANTIZED_ROLES:
+            why.append(f"{t.sglang_prefix} is excluded")
+        elif t.role in _NEVER_QUANTIZED_ROLES:
+            why = [_NEVER_QUANTIZED_ROLES[t.role]]
+        rules = _SERVING.get(FormatKind(k)) if k not in ("bf16", "fp16", "fp32") else None
+        if rules is None:
+            out[t.hf_name] = RolloutTensor(k, k, tuple(why))
+            continue
+        fields: dict = {}
+        if k == "nvfp4":
+            expert = t.role.startswith("routed_experts.") or (fusion is not None and t.role.startswith("shared_"))
+            row = per_token and expert
+            why.append("SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION=1: per-token activation scales" if row else
+                       ("SGLANG_FLASHINFER_NVFP4_PER_TOKEN_ACTIVATION unset" if expert else "a dense ModelOpt FP4 "
+                        "linear") + ": the checkpoint's static per-tensor input_scale")
+            fields = dict(act_scope="row" if row else "tensor", shared=is_fused,
+                          block=(1, int((quant_config or {}).get("group_size") or 16)))
+        out[t.hf_name] = RolloutTensor(k, rules.derived(quant_config or {}, is_fused), tuple(why), **fields)
+    return out
+
+
 @register_backend
 class SGLangBackend(Backend):
     name = BACKEND

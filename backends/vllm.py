@@ -659,6 +659,52 @@ def _argv_value(argv: list[str], flag: str) -> Optional[str]:
     return None
 
 
+@dataclass(frozen=True)
+class ServedTensor:
+    """What vLLM serves for one HF tensor (the audit's reading): the weight format and, for NVFP4 routed experts,
+    the activation scale (per token with the online `nvfp4_per_token` MoE activation override, else the
+    checkpoint's static input_scale)."""
+
+    kind: str
+    weight: str  # TensorFormat.short()
+    why: tuple[str, ...]
+    act_scope: Optional[str] = None
+    shared: bool = False
+    block: Optional[tuple[int, int]] = None
+    scale_dtype: Optional[str] = None
+
+
+def serve_tensors(qcfg: Optional[dict], online: Optional[dict], env: Mapping[str, str],
+                  arch) -> dict[str, ServedTensor]:
+    """{hf_name: ServedTensor} for every tensor vLLM loads into a GEMM module, read with the same `_Reader` as
+    derive_formats (hand-written engine args: `--hf-overrides` quantization_config, `--quantization-config`, env).
+    Raises ValueError where vLLM would refuse the configuration."""
+    reader = _Reader(qcfg, online, env, packed_mapping(arch.tensors), arch.model_type)
+    moe = (online or {}).get("moe")
+    per_token = isinstance(moe, dict) and moe.get("activation") == "nvfp4_per_token"
+    where = f"quantization_config ({(qcfg or {}).get('quant_method')})" if qcfg else "an unquantized checkpoint"
+    out: dict[str, ServedTensor] = {}
+    for t in arch.tensors:
+        m = vllm_module(t, arch.model_type)
+        if m is None:
+            continue
+        w = reader.weight(t, m)
+        kind = w.split("[", 1)[0].split("/", 1)[0]
+        why = [f"vLLM {VLLM_VERSION}: {where}" + ("" if kind != "bf16" or not qcfg else f", {m.prefix} excluded")]
+        fields: dict = {}
+        if kind == "nvfp4":
+            row = per_token and m.kind == "experts"
+            why.append("--quantization-config moe.activation nvfp4_per_token: per-token activation scales" if row
+                       else "the checkpoint's static per-tensor input_scale")
+            fields = dict(act_scope="row" if row else "tensor", shared=w.endswith(",shared]"), block=(1, 16))
+        elif kind == "fp8_block":
+            fields = dict(scale_dtype="pow2" if "pow2" in w else "fp32")
+            if "pow2" in w:
+                why.append("DeepGEMM requantizes the scales to UE8M0 (VLLM_USE_DEEP_GEMM / _E8M0 not 0)")
+        out[t.hf_name] = ServedTensor(kind, w, tuple(why), **fields)
+    return out
+
+
 @register_backend
 class VllmBackend(Backend):
     name = BACKEND

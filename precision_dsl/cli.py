@@ -41,6 +41,7 @@ def _register_all() -> None:
 
     backend_cli.register(app)
     engine_cli.register(app)
+    engine_cli.register_audit(app)  # audit
 
 
 def _flags_show_no_type() -> None:

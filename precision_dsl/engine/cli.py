@@ -277,3 +277,79 @@ def register(app: typer.Typer) -> None:
                    rollout_numerics=rollout_numerics, routing_replay=routing_replay)
 
         _guard(body)
+
+
+def _print_audit(res) -> None:
+    """The audit as `policyc plan` groups tensors: collapsed expert ranges and layer runs, one row per cause."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from ..console import console
+    from .audit import collapse
+
+    con = console()
+    for path, what in res.read_as:
+        con.print(f"read {escape(path)} as {escape(what)}")
+    if res.trainer is None or res.rollout is None:
+        con.print(f"only the {'trainer' if res.trainer is not None else 'rollout'} side was given: nothing to "
+                  "compare (pass the other side's files too)")
+        return
+    if res.agree:
+        con.print(f"[green]trainer and rollout agree[/] on every linear tensor of {escape(res.trainer.model)} "
+                  f"(trainer plan {res.trainer.content_hash()})", markup=True)
+        return
+    table = Table(title=f"{sum(len(d.tensors) for d in res.disagreements)} tensor(s) where trainer and rollout "
+                        "disagree", title_justify="left", header_style="bold", show_lines=True)
+    for col in ("tensors", "count", "trainer", "rollout", "why"):
+        table.add_column(col, overflow="fold")
+    for d in res.disagreements:
+        rows = collapse(d.tensors)
+        table.add_row(escape("\n".join(t for t, _ in rows)), "\n".join(str(n) for _, n in rows), escape(d.trainer),
+                      escape(d.rollout), escape(d.cause))
+    con.print(table)
+
+
+def register_audit(app: typer.Typer) -> None:
+    @app.command("audit")
+    def audit_cmd(
+        paths: List[Path] = typer.Argument(..., help="deployment files or directories: Miles launch script, "
+                                           "Megatron args, TE YAML, env file, SGLang / vLLM args, rollout "
+                                           "checkpoint, `policyc emit` directory"),
+        model: str = typer.Option(..., "--model", "-m", help="bundled model name, config.json or checkpoint dir"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object (agree, disagreements, trainer, "
+                                     "rollout)"),
+        policy_out: Optional[Path] = typer.Option(None, "--policy-out", help="write the policy that reproduces "
+                                                  "the agreed plan (or the trainer's)"),
+        force: bool = typer.Option(False, "--force", help="replace an existing --policy-out file"),
+    ) -> None:
+        """Read an existing deployment back into per-tensor plans and show where trainer and rollout disagree.
+        Exit 0 when they agree, 1 when they disagree, 2 on unreadable input."""
+
+        def body():
+            import json
+            import sys
+
+            from ..arch import load_architecture
+            from ..backends.durable import OutputExists
+            from .audit import audit, to_json
+
+            if policy_out is not None and policy_out.exists() and not force:
+                raise OutputExists(f"--policy-out '{policy_out}' already exists (pass --force to replace it)")
+            res = audit(list(paths), load_architecture(model))
+            if policy_out is not None:
+                text = res.trainer_policy or res.rollout_policy
+                tmp = policy_out.with_name(f".{policy_out.name}.tmp")
+                tmp.write_text(text)
+                tmp.replace(policy_out)
+            if as_json:
+                sys.stdout.write(json.dumps(to_json(res)) + "\n")
+            else:
+                _print_audit(res)
+                if policy_out is not None:
+                    from ..console import console
+
+                    console().print(f"wrote {policy_out}")
+            if not res.agree:
+                raise typer.Exit(1)
+
+        _guard(body)
