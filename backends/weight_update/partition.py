@@ -101,9 +101,9 @@ def _even(size: int, parts: int, index: int, dim: int, name: str, what: str) -> 
     return Slice(dim, index * n, (index + 1) * n)
 
 
-def _heads(plan_t: TensorPlan, head_dim: int, heads: int, r: RolloutRank) -> Slice:
-    """Output rows of one of q/k/v: whole heads per rank; KV heads replicated when tp > heads."""
-    if heads >= r.tp:
+def _heads(plan_t: TensorPlan, head_dim: int, heads: int, r: RolloutRank, kv: bool) -> Slice:
+    """Output rows of one of q/k/v: whole heads per rank; KV heads replicated when tp > heads (q heads never)."""
+    if heads >= r.tp or not kv:
         if heads % r.tp:
             raise PartitionError(f"tp={r.tp} does not divide the {heads} heads of '{plan_t.hf_name}'",
                                  "SGLang needs whole heads per rank")
@@ -149,12 +149,12 @@ def tensor_slice(t: TensorPlan, r: RolloutRank, arch_config: dict, num_experts: 
         return WHOLE if r.tp == 1 else _vocab(t.shape[0], r)
     heads, kv, hd = _geometry(arch_config)
     if role == "attn.q":
-        return _heads(t, hd, heads, r)
+        return _heads(t, hd, heads, r, kv=False)
     if role in ("attn.k", "attn.v"):
-        return _heads(t, hd, kv, r)
+        return _heads(t, hd, kv, r, kv=True)
     if role == "bias.attn":  # q/k/v biases follow their weight's output rows
         mod = t.hf_name.rsplit(".", 2)[-2]
-        return _heads(t, hd, heads if mod == "q_proj" else kv, r)
+        return _heads(t, hd, heads if mod == "q_proj" else kv, r, kv=mod != "q_proj")
     if role == "bias.mlp":
         return WHOLE if ".down_proj." in t.hf_name else _even(t.shape[0], r.tp, r.rank, 0, t.hf_name, "tp")
     if role in _COLUMN:
