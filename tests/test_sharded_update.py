@@ -302,3 +302,21 @@ def test_partition_rule_refuses_cut_blocks_and_impossible_layouts():
         rollout_partition(nv, cfg, RolloutRank(3, 1, 0))
     with pytest.raises(PartitionError, match="world size"):
         ShardedLayout(trainer_tp=2, trainer_ep=3)
+
+
+# ---- per-token NVFP4 activation scales over each rank's real partition -------------------------------------------
+def test_equal_expert_tp_keeps_the_per_token_contract_unequal_is_refused_and_measurable():
+    from precision_dsl.engine.loop import ContractViolation
+    from precision_dsl.engine.remote import check_sharded_layout, partition_activation_mismatch
+
+    plan, cfg = plan_for("nvfp4-pertoken-dequant-backward"), arch().config
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.05, 6, 128)
+    equal = ShardedLayout(**ETP_LAYOUT)  # trainer etp 2, rollout moe_tp 2
+    assert not [d for d in check_sharded_layout(plan, arch(), equal) if d.severity == "error"]
+    assert partition_activation_mismatch(plan, cfg, equal, x) == 0.0
+    unequal = ShardedLayout(trainer_tp=2, trainer_etp=2, rollout_tp=2, rollout_ep=2)  # rollout moe_tp = 1
+    with pytest.raises(ContractViolation, match="etp-mismatch"):
+        check_sharded_layout(plan, arch(), unequal)
+    found = check_sharded_layout(plan, arch(), unequal, force_layout=True)
+    assert any(d.code == "etp-mismatch" for d in found)
+    assert partition_activation_mismatch(plan, cfg, unequal, x) > 0.0
