@@ -33,8 +33,9 @@ API (used by the RL engine)::
 Modules (by concern): `buckets` (atomic units, the wire form of a bucket, checksums), `transports` (in-process,
 torch.distributed, SGLang HTTP), `vllm_transport` (vLLM 0.33's weight-transfer API), `sender` (WeightSender),
 `receiver` (WeightReceiver), `program` (the GPU update program's plumbing on both ends; the program itself is
-backends/update_program.py), `names` (Megatron -> HF names, TP/EP shard gathering), `backend` (`emit`: the
-weight_update/manifest.json artifact), `errors`.
+backends/update_program.py), `names` (Megatron -> HF names, TP/EP shard gathering), `partition` (which slices an
+SGLang rollout rank holds), `sharded` (a sharded trainer updating a sharded rollout: gather, quantize, per-rank
+partitions, all-or-nothing across ranks), `backend` (`emit`: the weight_update/manifest.json artifact), `errors`.
 """
 
 from precision_dsl.backends.common import PlanMismatch
@@ -43,9 +44,12 @@ from precision_dsl.backends.weight_update.backend import emit
 from precision_dsl.backends.weight_update.buckets import atomic_groups, bucket_checksum, pack_bucket, unpack_bucket
 from precision_dsl.backends.weight_update.errors import WeightUpdateAborted, WeightUpdateError, WeightUpdateMismatch
 from precision_dsl.backends.weight_update.names import RankShard, gather_megatron_shards, megatron_to_hf
+from precision_dsl.backends.weight_update.partition import (PartitionError, RolloutRank, Slice, partition_specs,
+                                                            partition_tensors, rollout_partition)
 from precision_dsl.backends.weight_update.program import SAMPLED_FINGERPRINT_STRIDE, PreparedUpdate, layout_index
 from precision_dsl.backends.weight_update.receiver import WeightReceiver
 from precision_dsl.backends.weight_update.sender import SendReport, WeightSender
+from precision_dsl.backends.weight_update.sharded import ShardedLayout, ShardedReport, ShardedUpdate
 from precision_dsl.backends.weight_update.transports import (InProcessTransport, SGLangHTTPTransport,
                                                              TorchDistributedTransport)
 from precision_dsl.backends.weight_update.vllm_transport import VLLMHTTPTransport, vllm_named_tensors
@@ -54,4 +58,6 @@ __all__ = ["WeightSender", "WeightReceiver", "InProcessTransport", "TorchDistrib
            "SGLangHTTPTransport", "megatron_to_hf", "gather_megatron_shards", "RankShard", "NonFiniteWeight",
            "PlanMismatch", "WeightUpdateMismatch", "WeightUpdateError", "WeightUpdateAborted", "SendReport",
            "bucket_checksum", "emit", "atomic_groups", "pack_bucket", "unpack_bucket", "layout_index",
-           "PreparedUpdate", "SAMPLED_FINGERPRINT_STRIDE", "VLLMHTTPTransport", "vllm_named_tensors"]
+           "PreparedUpdate", "SAMPLED_FINGERPRINT_STRIDE", "VLLMHTTPTransport", "vllm_named_tensors", "PartitionError",
+           "RolloutRank", "Slice", "partition_specs", "partition_tensors", "rollout_partition", "ShardedLayout",
+           "ShardedReport", "ShardedUpdate"]

@@ -230,3 +230,50 @@ class RemoteRollout:
             if self.proc.is_alive():
                 self.proc.terminate()
             self.proc = None
+
+
+# -- sharded layouts (several trainer and rollout processes: backends/weight_update/sharded.py) ---------------------
+def check_sharded_layout(plan: Plan, arch, layout, force_layout: bool = False) -> list:
+    """`policyc check --parallel`'s rules for a ShardedLayout (the rollout's expert TP as SGLang derives it:
+    moe_tp = tp / ep). Errors are refused (ContractViolation) unless force_layout; returns the diagnostics."""
+    from ..checks import check
+    from ..plan import ParallelLayout, ParallelSide
+    from .loop import ContractViolation
+
+    parallel = ParallelLayout(
+        trainer=ParallelSide(tp=layout.trainer_tp, ep=layout.trainer_ep, etp=layout.trainer_etp),
+        rollout=ParallelSide(tp=layout.rollout_tp, ep=layout.rollout_ep, etp=layout.rollout_tp // layout.rollout_ep))
+    found = list(check(plan, arch, parallel))
+    errors = [d for d in found if d.severity == "error"]
+    if errors and not force_layout:
+        first = errors[0]
+        raise ContractViolation(f"layout refused before launch: [{first.code}] {first.message}"
+                                + (f" (hint: {first.hint})" if first.hint else "")
+                                + " — pass --force-layout to run it anyway and measure the mismatch")
+    return found
+
+
+def partition_activation_mismatch(plan: Plan, arch_config: dict, layout, x: torch.Tensor,
+                                  role: str = "routed_experts.down") -> float:
+    """Max |difference| between a down projection's input quantized as the trainer's expert-TP ranks do (each
+    quantizes its K slice, so per-token scales are per partition) and as the rollout's real ranks do, over the K
+    column ranges the partition rule gives each of them. 0 when the two sides cut K the same way (equal expert TP);
+    what `--force-layout` runs to measure otherwise. `x`: [tokens, K] of one tensor of `role`."""
+    from ..backends.weight_update.partition import rollout_partition
+    from .numerics import fake_quantize, fake_quantize_partitioned
+
+    t = next(t for t in plan.tensors if t.role == role)
+    fmt = t.activation
+    trainer = fake_quantize_partitioned(x, fmt, layout.trainer_etp if role.startswith("routed_") else
+                                        layout.trainer_tp, what=t.hf_name)
+    ranges = set()
+    for r in range(layout.trainer_world, layout.world):
+        s = rollout_partition(plan, arch_config, layout.rollout_rank(r)).get(t.hf_name)
+        if s is None:  # an expert of another EP rank
+            continue
+        ranges.add((0, x.shape[-1]) if s.whole else (s.start, s.stop))
+    rollout = torch.empty_like(trainer)
+    for a, b in sorted(ranges):
+        rollout[..., a:b] = fake_quantize(x[..., a:b].contiguous(), fmt, what=t.hf_name) if fmt.is_quantized \
+            else x[..., a:b].float()
+    return float((trainer - rollout).abs().max())
