@@ -411,8 +411,15 @@ class _Recorder:
 def _inert(cls):
     """An instance of quant-method class `cls` (isinstance checks see it) that creates and processes nothing."""
     noop = lambda self, *a, **k: None  # noqa: E731
-    stand_in = type(cls.__name__, (cls,), {"__init__": noop, "create_weights": noop,
-                                           "process_weights_after_loading": noop, "__module__": cls.__module__})
+    # a MoE method rounds its sizes up for the kernel it chose; with no kernel the sizes stay as they are
+    same_sizes = lambda self, hidden, inter, *a, **k: (hidden, inter)  # noqa: E731
+    import torch
+
+    # a method that is also a torch Module (a CustomOp) needs the Module's own state to be assigned to
+    init = (lambda self, *a, **k: torch.nn.Module.__init__(self)) if issubclass(cls, torch.nn.Module) else noop
+    stand_in = type(cls.__name__, (cls,), {"__init__": init, "create_weights": noop,
+                                           "process_weights_after_loading": noop, "maybe_roundup_sizes": same_sizes,
+                                           "__module__": cls.__module__})
     return stand_in()
 
 
