@@ -81,6 +81,9 @@ FUSED_MODULE = {"qkv": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                 "q_a+kv_a": ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),
                 "gate_up": ("gate_up_proj", ("gate_proj", "up_proj")),
                 "shared_experts.gate_up": ("gate_up_proj", ("gate_proj", "up_proj"))}
+# fused groups whose vLLM module is replicated on every TP rank (M/deepseek_v2.py DeepSeekV2FusedQkvAProjLinear:
+# a MergedColumnParallelLinear built with disable_tp=True).
+REPLICATED_FUSED = frozenset({"q_a+kv_a"})
 # model_types whose MoE router (GateLinear) is built with the quant config.
 ROUTER_QUANTIZABLE = frozenset({"qwen3_moe"})
 # model_types whose router GateLinear holds fp32 params (glm4_moe.py: params_dtype=torch.float32).
@@ -494,7 +497,7 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int, module_n: int) -> N
     if not is_quantized(t) or len(t.shape) != 2:
         return
     experts = t.role.startswith("routed_experts.")
-    split = expert_split if experts else tp
+    split = 1 if t.fused_group in REPLICATED_FUSED else expert_split if experts else tp
     n, k = t.shape
     row = t.role in _ROW_PARALLEL
     if (row and k % split) or (not row and n % split):
@@ -505,7 +508,7 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int, module_n: int) -> N
         if k_part % _BLOCK_K[kind]:
             raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {_BLOCK_K[kind]} == 0; "
                                        f"K per rank is {k_part} (shape {t.shape}, split {split})")
-        module_n_part = module_n if row else module_n // split
+        module_n_part = module_n if row or split == 1 else module_n // split
         if kind == FormatKind.MXFP8 and not experts and (k_part < 128 or module_n_part < 128):
             raise UnsupportedByBackend(
                 BACKEND, t.hf_name, f"MXFP8 linear with N x K per rank {module_n_part} x {k_part}: the FlashInfer "

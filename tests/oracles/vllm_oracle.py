@@ -97,6 +97,7 @@ class ModuleQuant:
     layer: str = ""  # vLLM layer class (QKVParallelLinear, GateLinear, RoutedExperts, ParallelLMHead, ...)
     formats: dict[str, str] = field(default_factory=dict)  # HF shard name -> weight format (MoE: w13 vs w2)
     kernel_error: Optional[str] = None  # the CPU has no kernel for it (see the module docstring)
+    params: list[str] = field(default_factory=list)  # the parameters the layer registered (weight, weight_scale, ...)
 
 
 def cache_dir() -> Path:
@@ -325,6 +326,11 @@ class VllmOracle:
             rec = _Recorder(str(self.site), QuantKey, QuantizeMethodBase)
             for qc in _quant_configs(vc.quant_config):
                 stack.enter_context(mock.patch.object(qc, "get_quant_method", rec.wrap(qc.get_quant_method)))
+            from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+            fallback = rec.wrap_moe_fallback(RoutedExperts._get_quant_method)
+            stack.enter_context(mock.patch.object(RoutedExperts, "_get_quant_method",
+                                                  lambda self, *a: fallback(self, *a)))
             try:
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vc)
@@ -386,6 +392,23 @@ class _Recorder:
             return method
 
         return get_quant_method
+
+    def wrap_moe_fallback(self, orig):
+        """RoutedExperts._get_quant_method: where the quant config gives a MoE layer no method, vLLM builds
+        UnquantizedFusedMoEMethod itself, whose constructor picks the kernel (a kernel error on a CPU, as above)."""
+
+        def _get_quant_method(layer, prefix, quant_config, moe_config):
+            trace = _KeyTrace(self.site, self.key_cls, self.method_base)
+            try:
+                return trace.run(orig, layer, prefix, quant_config, moe_config)
+            except Exception as e:  # noqa: BLE001
+                if trace.raised_in is None:
+                    raise
+                method = _inert(trace.raised_in)
+                self._note(method, trace.keys, f"{type(e).__name__}: {e}", trace.raised_in.__name__)
+                return method
+
+        return _get_quant_method
 
     def _note(self, method, keys, error, name) -> None:
         self.decided[id(method)] = {"keys": dict(keys), "kernel_error": error, "method": name, "obj": method}
@@ -499,7 +522,8 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
         out[prefix] = ModuleQuant(method=note["method"] if note else type(method).__name__, weight=weight,
                                   activation=activation_format(keys.get("activation"), experts), shards=shards,
                                   layer=type(mod).__name__, formats=formats,
-                                  kernel_error=note["kernel_error"] if note else None)
+                                  kernel_error=note["kernel_error"] if note else None,
+                                  params=sorted(n for n, _ in mod.named_parameters(recurse=False)))
     return out
 
 
