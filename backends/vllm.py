@@ -588,6 +588,12 @@ def serve_config(plan: Plan, problems: Problems, version: str = VLLM_VERSION) ->
     before = len(problems.items)
     release = parse_version(version)
     _check_high_precision(plan, problems)
+    mla = next((t for t in plan.tensors if t.role == "attn.kv_b"), None)
+    if mla is not None and release < (0, 33, 0):
+        problems.add(UnsupportedByBackend(
+            BACKEND, mla.hf_name, "MLA attention on vLLM 0.24.0: not judged - its CPU platform builds no MLA "
+            "attention (vllm/platforms/cpu.py get_attn_backend_cls: 'MLA is not supported on CPU'), so policyc's "
+            "CPU judge cannot build this model with 0.24.0's own code", hint="serve MLA models with vLLM 0.33.0"))
     distinct = list({(t.role, id(t.precision), t.is_linear, t.shape): t for t in reversed(plan.tensors)
                      if t.mtp is None}.values())
     distinct.reverse()

@@ -494,8 +494,11 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
 
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
     out: dict[str, ModuleQuant] = {}
+    import torch
+
     for name, mod in model.named_modules():
-        if not isinstance(mod, (LinearBase, RoutedExperts, VocabParallelEmbedding)):
+        # a plain torch Linear gets no quant method (vLLM 0.24.0's GLM-4.5 router: glm4_moe.py, an fp32 nn.Linear)
+        if not isinstance(mod, (LinearBase, RoutedExperts, VocabParallelEmbedding, torch.nn.Linear)):
             continue
         method = getattr(mod, "quant_method", None)
         experts = isinstance(mod, RoutedExperts)
