@@ -386,10 +386,10 @@ def _check_tensor(t: TensorPlan, plan: Plan, version: tuple) -> None:
                 hint="use nvfp4(act_scale=per_token) for a vLLM rollout")
         if version < (0, 33, 0):
             raise UnsupportedByBackend(
-                BACKEND, t.hf_name, "NVFP4 per-token activations on vLLM 0.24.0: its ModelOptNvFp4FusedMoE has no "
-                "activation override (vllm/model_executor/layers/quantization/modelopt.py: no "
-                "moe_activation_override, quantization_config.moe.activation is not read) and serves the experts "
-                "with one static global input scale",
+                BACKEND, t.hf_name, "NVFP4 per-token activations on vLLM 0.24.0: its --quantization-config schema "
+                "has no nvfp4_per_token activation (vllm/config/quantization.py QuantizationConfigArgs rejects it) "
+                "and its ModelOptNvFp4FusedMoE (quantization/modelopt.py) reads no activation override: the experts "
+                "run with one static global input scale",
                 hint="serve NVFP4 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
         if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
             raise UnsupportedByBackend(

@@ -38,10 +38,12 @@ MODELS = {"tiny-moe": None,
           "qwen3-30b-a3b": {"num_hidden_layers": 8},
           "deepseek-v3": {"num_hidden_layers": 6},  # 3 dense + 3 MoE layers + the MTP layer
           "glm-4.5-air": {"num_hidden_layers": 6}}  # 1 dense + 5 MoE layers + the MTP layer
-LAYOUTS = {"none": None, "tp2ep2": "rollout:tp=2,ep=2", "tp4ep8": "rollout:tp=4,ep=8"}
+# (an EP wider than TP, vLLM's TP x DP expert parallelism, is refused by the gate's static checks: SGLang's
+# tp_size % ep_size == 0; the backend's own arguments for it are in tests/test_backend_vllm.py)
+LAYOUTS = {"none": None, "tp2ep2": "rollout:tp=2,ep=2", "tp4ep4": "rollout:tp=4,ep=4"}
 # the layouts judged per model (each accepted by the gate's static checks, asserted below)
-MODEL_LAYOUTS = {"tiny-moe": ["none", "tp2ep2"], "qwen3-30b-a3b": ["none", "tp2ep2", "tp4ep8"],
-                 "deepseek-v3": ["none", "tp4ep8"], "glm-4.5-air": ["none", "tp2ep2", "tp4ep8"]}
+MODEL_LAYOUTS = {"tiny-moe": ["none", "tp2ep2"], "qwen3-30b-a3b": ["none", "tp2ep2", "tp4ep4"],
+                 "deepseek-v3": ["none", "tp4ep4"], "glm-4.5-air": ["none", "tp2ep2", "tp4ep4"]}
 VERSIONS = vllm.VLLM_JUDGED
 assert set(VERSIONS) <= set(vllm_oracle.VLLM_VERSIONS)
 
@@ -62,7 +64,7 @@ REFUSED = [
     # tiny-moe's o_proj K per rank 64 < 128 at tp=2: no FlashInfer MXFP8 GEMM
     ("0.33.0", "mxfp8-*", "tiny-moe", "tp2ep2", "the FlashInfer MXFP8 GEMMs need N >= 128 and K >= 128"),
     # GLM-4.5-Air's dense down_proj K = 10944 is 2736 per rank at tp=4: not a whole number of 32-blocks
-    ("0.33.0", "mxfp8-*", "glm-4.5-air", "tp4ep8", "mxfp8 needs K per rank % 32 == 0"),
+    ("0.33.0", "mxfp8-*", "glm-4.5-air", "tp4ep4", "mxfp8 needs K per rank % 32 == 0"),
 ]
 
 
@@ -303,8 +305,9 @@ def test_vllm_mxfp8_loads_weight_scale_not_sglangs_weight_scale_inv():
     from precision_dsl.backends.quantize import rollout_tensor_names
 
     plan = plan_of("mxfp8-e2e", "qwen3-30b-a3b", "none")
-    m = _args(plan)
-    modules = modules_of(vllm.VLLM_VERSION, model_dir_for(plan, "qwen3-30b-a3b"), tuple(m["engine_args"]),
+    args = _args(plan)["engine_args"]
+    i = args.index("--moe-backend")  # unpinned: a kernel-less CPU then still registers the MoE parameters
+    modules = modules_of(vllm.VLLM_VERSION, model_dir_for(plan, "qwen3-30b-a3b"), tuple(args[:i] + args[i + 2:]),
                          "blackwell")
     qkv = modules["model.layers.0.self_attn.qkv_proj"]
     assert qkv.method == "ModelOptLinearMethod" and qkv.params == ["weight", "weight_scale"]
@@ -325,12 +328,16 @@ def test_vllm_nvfp4_experts_without_the_override_use_a_static_scale():
     assert modules["model.layers.0.mlp.experts"].activation != "nvfp4 per-token"
 
 
-def test_vllm_0_24_serves_nvfp4_experts_with_a_static_scale_even_with_the_override():
-    """Why NVFP4 per-token is refused for 0.24.0: its ModelOpt NVFP4 MoE ignores quantization_config.moe."""
+def test_vllm_0_24_has_no_per_token_nvfp4_experts():
+    """Why NVFP4 per-token is refused for 0.24.0: its parser rejects the activation override, and without it its
+    ModelOpt NVFP4 MoE takes a static global activation scale."""
     plan = plan_of("miles-nvfp4", "tiny-moe", "none")
     args = _args(plan)["engine_args"]
-    modules = modules_of("0.24.0", model_dir_for(plan, "tiny-moe"), tuple(args), "blackwell")
-    experts = modules["model.layers.0.mlp.experts"]
+    d = model_dir_for(plan, "tiny-moe")
+    with pytest.raises(vllm_oracle.VllmRefused):
+        modules_of("0.24.0", d, tuple(args), "blackwell")
+    i = args.index("--quantization-config")
+    experts = modules_of("0.24.0", d, tuple(args[:i] + args[i + 2:]), "blackwell")["model.layers.0.mlp.experts"]
     assert experts.method == "ModelOptNvFp4FusedMoE" and experts.activation == "nvfp4 static per-expert"
 
 
