@@ -15,6 +15,11 @@ TransformerEngine); this module only decides names, dtypes and layouts of what a
                 ceil(K/128)] (dequant multiplier)                                        SGLang `Fp8Config` block
   high precision  X.weight in the plan's storage dtype (bf16 / fp16 / fp32)
 
+That table is SGLang's naming (the default rollout engine). Another rollout engine's loader may name a tensor
+differently: ROLLOUT_SUFFIXES holds those names as data (vLLM's ModelOpt MXFP8 loads the E8M0 scales as
+`X.weight_scale`), and `output_specs` / `checkpoint_tensors` / `read_quantized` / `rollout_tensor_names` take the
+`rollout` engine; the bytes are the same for every engine.
+
 Share-scale groups (e.g. gate+up of one expert under NVFP4): every member is quantized with the group amax
 G = max(amax of all members), so all members get the same `weight_scale_2` (SGLang requires gate == up for w13,
 modelopt_quant.py ~l.2740). A caller must therefore hand over all members of a group together.

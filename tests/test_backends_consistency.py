@@ -21,7 +21,7 @@ import pytest
 
 from precision_dsl.backends.cli import emit_artifacts
 from precision_dsl.backends.common import PLAN_FILE, write_tree_atomic
-from precision_dsl.backends.registry import backend_names, get_backend
+from precision_dsl.backends.registry import default_names, get_backend
 from precision_dsl.arch import load_architecture
 from precision_dsl.resolve import resolve
 
@@ -47,7 +47,8 @@ def read_tree(out: Path) -> dict[str, bytes]:
 
 def derive_all(out: Path, arch) -> dict[str, dict[str, str]]:
     files = read_tree(out)
-    return {name: get_backend(name).derive_formats(files, arch) for name in backend_names()}
+    # the deployment's backends, what `policyc emit` writes by default (one rollout engine: sglang)
+    return {name: get_backend(name).derive_formats(files, arch) for name in default_names()}
 
 
 def hashes_in(out: Path) -> set[str]:
