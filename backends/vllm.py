@@ -1,4 +1,5 @@
-"""vLLM 0.33 rollout backend: the serving configuration (engine args, env vars, the checkpoint
+"""vLLM rollout backend (emits for 0.33.0 or 0.24.0, `EmitOptions.vllm_version`; both judge it in
+tests/test_vllm_judge.py): the serving configuration (engine args, env vars, the checkpoint
 `quantization_config` written in vLLM's own matching rules) that makes vLLM run exactly the plan, or a named
 refusal for every tensor it cannot.
 
@@ -34,9 +35,14 @@ Facts used (vllm 0.33.0 wheel; Q = vllm/model_executor/layers/quantization/, M =
     scale unless the per-token override above is given (it needs the FlashInfer TRT-LLM MoE backend, SM100). A
     dense ModelOpt NVFP4 linear always uses the static input_scale (`KNvfp4Dynamic.process`), and fused shards get
     the max of their weight_scale_2 (no requantization).
-  * MXFP8 -> `ModelOptMxFp8Config` (quant_method "mxfp8" reads only `ignored_layers`, not modules_to_not_convert,
+  * MXFP8 -> `ModelOptMxFp8Config` in ModelOpt's flat form (quant_method modelopt, quant_algo MXFP8, ignore:
+    the same is_layer_excluded matching as NVFP4; quant_method "mxfp8" would read only `ignored_layers`,
     `from_config`); its parameters are `weight_scale` / `w13_weight_scale` (`KMxfp8Static.create_weights`,
-    `ModelOptMxFp8FusedMoE.create_weights`).
+    `ModelOptMxFp8FusedMoE.create_weights`), the names `policyc convert --rollout vllm` writes. W8A8 MXFP8 needs
+    the FlashInfer kernels (SM100, N and K >= 128 per rank: kernels/linear/mxfp8/flashinfer.py), pinned with
+    --linear-backend flashinfer_cutlass / --moe-backend flashinfer_trtllm so that vLLM refuses to start rather
+    than fall back to Marlin W8A16. vLLM 0.24.0 does not start a ModelOpt MXFP8 checkpoint and has no per-token
+    NVFP4 MoE activations; its CPU platform builds no MLA attention, so MLA models are not judged on it.
   * Routers (`mlp.gate`, M/*: GateLinear, a LinearBase): Qwen3-MoE builds it WITH quant_config (quantized unless
     excluded); DeepSeek-V2/V3 and GLM-4.5 build it without. The GLM-4.5 router holds fp32 params.
   * MLA kv_b_proj is dequantized into W_UK / W_UV BMMs (vllm/model_executor/layers/attention/mla_attention.py
