@@ -60,17 +60,34 @@ def rollout_help() -> str:
     return f"the rollout engine the deployment serves with, a rollout backend (default {EmitOptions().rollout})"
 
 
-def emit_options(te_version: Optional[str], rollout: Optional[str] = None):
-    """EmitOptions of the command line (--te-version and --rollout checked first)."""
+def vllm_version_help() -> str:
+    return ("the vLLM release the rollout serves with: emit what it serves, or refuse by name (default 0.33.0; "
+            "judged: 0.24.0, 0.33.0)")
+
+
+def emit_options(te_version: Optional[str], rollout: Optional[str] = None, vllm_version: Optional[str] = None):
+    """EmitOptions of the command line (--te-version, --rollout and --vllm-version checked first)."""
     from precision_dsl.backends.registry import EmitOptions, rollout_names
     from precision_dsl.console import UserError
 
     checked_te_version(te_version)
-    if rollout is None:
-        return EmitOptions(te_version=te_version)
-    if rollout not in rollout_names():
+    checked_version("--vllm-version", vllm_version, "0.33.0")
+    if rollout is not None and rollout not in rollout_names():
         raise UserError(f"unknown rollout engine '{rollout}'", f"choose from {', '.join(rollout_names())}")
-    return EmitOptions(te_version=te_version, rollout=rollout)
+    return EmitOptions(te_version=te_version, vllm_version=vllm_version,
+                       **({} if rollout is None else {"rollout": rollout}))
+
+
+def checked_version(flag: str, v: Optional[str], example: str) -> None:
+    from precision_dsl.console import UserError
+
+    from precision_dsl.backends.versions import parse_version
+
+    if v is not None:
+        try:
+            parse_version(v)
+        except ValueError:
+            raise UserError(f"cannot read {flag} '{v}'", f"write it like {example}") from None
 
 
 def checked_te_version(v: Optional[str]) -> None:
@@ -107,6 +124,7 @@ def register(app: typer.Typer) -> None:
                      None, "--te-version", help="installed TransformerEngine version: refuse a plan that needs a "
                                                 "newer one (default: declare the minimum in the artifacts)"),
                  rollout: Optional[str] = typer.Option(None, "--rollout", help=rollout_help()),
+                 vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help=vllm_version_help()),
                  strict: bool = typer.Option(False, "--strict", help="treat check warnings as errors"),
                  force: bool = typer.Option(False, "--force", help="replace an existing --out directory")):
         """Emit the trainer / rollout / converter / weight-update artifacts of one plan (all carry its hash).
@@ -120,7 +138,7 @@ def register(app: typer.Typer) -> None:
             from precision_dsl.backends.common import write_tree_atomic
 
             chosen = chosen_backends(backend)
-            options = emit_options(te_version, rollout)
+            options = emit_options(te_version, rollout, vllm_version)
             plan, arch = build_plan_and_arch(policy, model, parallel)
             res = run_gate(plan, arch, chosen, options)
             con = console()
@@ -148,7 +166,11 @@ def register(app: typer.Typer) -> None:
                     force: bool = typer.Option(False, "--force", help="replace an existing output directory"),
                     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
                     device: str = typer.Option("cpu", "--device",
-                                               help="cpu | cuda (quantize with the fused Triton kernels)")):
+                                               help="cpu | cuda (quantize with the fused Triton kernels)"),
+                    rollout: Optional[str] = typer.Option(None, "--rollout",
+                                                          help="the rollout engine that loads the checkpoint: its "
+                                                               "tensor names and quantization_config (default "
+                                                               "sglang)")):
         """Convert an HF checkpoint into the quantized checkpoint SGLang/vLLM load (resumable, atomic)."""
 
         def body():
@@ -159,6 +181,7 @@ def register(app: typer.Typer) -> None:
 
             if not Path(src).is_dir():
                 raise UserError(f"source checkpoint '{src}' is not a directory")
+            engine = emit_options(None, rollout).rollout  # an unknown engine is refused by name
             plan = build_plan(policy, model or str(src), parallel)
             if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
                 raise UserError(f"unknown --device '{device}'", "use cpu or cuda")
@@ -167,7 +190,7 @@ def register(app: typer.Typer) -> None:
 
                 if not torch.cuda.is_available():
                     raise UserError("--device cuda but no CUDA device is visible", "use --device cpu")
-            rep = converter.convert(src, plan, out, force=force, progress=progress, device=device)
+            rep = converter.convert(src, plan, out, force=force, progress=progress, device=device, rollout=engine)
             console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
                              f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
                              f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan.content_hash()[:19]}...")

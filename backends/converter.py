@@ -2,13 +2,16 @@
 E4M3 + weight_scale_inv, see fp8_source.py; single file or sharded) -> the quantized HF checkpoint SGLang 0.5.23 /
 vLLM load, with exactly the tensors the plan quantizes.
 
-Output formats (tensor naming in backends/quantize.py; config from backends/sglang.py so the checkpoint and the
-server flags can never disagree):
+The checkpoint is written for one rollout engine (`rollout`, `policyc convert --rollout`, default sglang): its
+tensor names (backends/quantize.py DIALECT + ROLLOUT_SUFFIXES) and its quantization_config come from that engine's
+backend (sglang.py / vllm.py), so the checkpoint and the server flags can never disagree. For SGLang:
   * mxfp8     -> config.json quantization_config {quant_method: mxfp8, weight_block_size [1,32], scale_fmt ue8m0,
                  modules_to_not_convert}
   * nvfp4     -> ModelOpt: config.json quantization_config {quant_method: modelopt, quant_algo: NVFP4, ignore} +
                  hf_quant_config.json {quantization: {quant_algo, group_size, exclude_modules}}
   * fp8_block -> DeepSeek: {quant_method: fp8, weight_block_size [128,128], modules_to_not_convert}
+For vLLM: config.json holds the vLLM backend's quantization_config (fp8 / ModelOpt NVFP4 / ModelOpt MXFP8 in its
+flat form), no hf_quant_config.json, and the MXFP8 scales are named `weight_scale` (the bytes are the same);
 plus `policyc_plan.json` (the plan JSON with its content_hash) so every consumer can check the contract.
 
 Properties:
@@ -56,6 +59,7 @@ from precision_dsl.backends.common import (PLAN_FILE, Artifact, PlanMismatch, Pr
                                           engine_format, fused_module_sizes, module_of, plan_json_bytes, plan_stamp,
                                           read_json_artifact)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
+from precision_dsl.backends.quantize import DEFAULT_ROLLOUT
 from precision_dsl.backends.durable import (Interrupted, OutputExists, OutputLock, copy_regular, discard, fsync_dir,
                                             open_regular, read_small, write_atomic)
 from precision_dsl.backends.safetensors_io import _TORCH_DT, CheckpointError, StreamingWriter, read_exact, read_header
@@ -194,8 +198,14 @@ def _shard_names(srcc: SourceCheckpoint, shard: str) -> list[str]:
     return sorted(n for n, s in srcc.where.items() if s == shard)
 
 
-def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
-    """config.json quantization_config and hf_quant_config.json contents (None where not applicable)."""
+def quantization_files(plan: Plan, rollout: str = DEFAULT_ROLLOUT) -> dict[str, Optional[dict]]:
+    """config.json quantization_config and hf_quant_config.json contents (None where not applicable) of the
+    checkpoint rollout engine `rollout` loads: its backend's own serving config, so the checkpoint and the server
+    flags can never disagree."""
+    return ROLLOUT_CONFIGS[rollout](plan)
+
+
+def _sglang_files(plan: Plan) -> dict[str, Optional[dict]]:
     from precision_dsl.backends.sglang import rollout_config
 
     probs = Problems()
@@ -209,14 +219,52 @@ def quantization_files(plan: Plan) -> dict[str, Optional[dict]]:
     return {"quantization_config": cfg.quantization_config, "hf_quant_config": cfg.hf_quant_config}
 
 
-def _specs_for_unit(by: dict, unit: list[str]):
+def _vllm_files(plan: Plan) -> dict[str, Optional[dict]]:
+    """vLLM reads config.json's quantization_config (hf_quant_config.json only where it is absent,
+    vllm/transformers_utils/config.py): the one the vLLM backend passes as --hf-overrides, and no side file."""
+    from precision_dsl.backends.vllm import serve_config
+
+    found, probs = Problems(), Problems()
+    cfg = serve_config(plan, found)
+    for e in found.items:
+        probs.add(UnsupportedByBackend(BACKEND, e.tensor, f"the checkpoint's quantization_config is vLLM's: "
+                                                          f"{e.capability}", e.hint))
+    probs.raise_if_any()
+    return {"quantization_config": cfg.quantization_config, "hf_quant_config": None}
+
+
+# rollout engine -> the checkpoint configs it loads (the tensor names: quantize.ROLLOUT_SUFFIXES)
+ROLLOUT_CONFIGS: dict[str, Callable[[Plan], dict]] = {"sglang": _sglang_files, "vllm": _vllm_files}
+
+
+def checked_rollout(rollout: str) -> str:
+    if rollout not in ROLLOUT_CONFIGS:
+        raise CheckpointError(f"unknown rollout engine '{rollout}' for a checkpoint",
+                              f"choose from {', '.join(ROLLOUT_CONFIGS)}")
+    return rollout
+
+
+def rollout_of(dst: Path, plan: Plan) -> str:
+    """The rollout engine a converted checkpoint was written for: the one whose quantization_config its
+    config.json holds (the SGLang one where several agree, e.g. an unquantized plan)."""
+    have = read_source_config(dst).get("quantization_config")
+    for rollout, files in ROLLOUT_CONFIGS.items():
+        try:
+            if files(plan)["quantization_config"] == have:
+                return rollout
+        except UnsupportedByBackend:
+            continue
+    return DEFAULT_ROLLOUT
+
+
+def _specs_for_unit(by: dict, unit: list[str], rollout: str = DEFAULT_ROLLOUT):
     """(name, dtype, shape) of every output tensor of one work unit, in write order. `by` = plan.by_name(), built
     once by the caller (building it per unit made conversion quadratic in the tensor count)."""
     from precision_dsl.backends.quantize import output_specs
 
     out = []
     for n in unit:
-        out.extend(output_specs(by[n]))
+        out.extend(output_specs(by[n], rollout))
     return out
 
 
@@ -244,10 +292,10 @@ class _DeviceUnits:
     Only when a flag says "not finite" are the sequential checks re-run on the same device tensors, raising exactly
     the NonFiniteWeight they always raise. Bytes are the CPU path's (tests/test_converter.py, GPU tests)."""
 
-    def __init__(self, device: str, reader: "_Reader"):
+    def __init__(self, device: str, reader: "_Reader", rollout: str = DEFAULT_ROLLOUT):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.device, self.reader = device, reader
+        self.device, self.reader, self.rollout = device, reader, rollout
         self._host = None
         self._arenas: list = [None, None]
         self._turn = 0
@@ -316,7 +364,7 @@ class _DeviceUnits:
 
         def quantize_unchecked(pairs, backend):
             seen["pairs"] = pairs
-            return checkpoint_tensors(pairs, backend, check_finite=False)
+            return checkpoint_tensors(pairs, backend, check_finite=False, rollout=self.rollout)
 
         out = fp8_source.unit_tensors(members, _Tensors(tensors), BACKEND, self.device, quantize_unchecked)
         pairs = seen.get("pairs", [])
@@ -346,7 +394,7 @@ class _DeviceUnits:
             buf[total:total + len(oks)].copy_(torch.stack(oks), non_blocking=True)  # bool -> one byte each
         torch.cuda.current_stream(self.device).synchronize()
         if not host_ok or (oks and not bool(buf[total:total + len(oks)].all())):
-            checkpoint_tensors(pairs, BACKEND, check_finite=True)  # raises the sequential path's exact error
+            checkpoint_tensors(pairs, BACKEND, check_finite=True, rollout=self.rollout)  # the sequential path's error
             raise AssertionError("device finite check and checkpoint_tensors disagree")  # pragma: no cover
         return [name for name, _dt, _shape in uspecs], memoryview(buf.numpy())[:total]
 
@@ -615,8 +663,10 @@ def _recover(dst: Path, work: Path, state: dict) -> bool:
 
 
 def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: bool = False,
-            on_shard_done: Optional[Callable[[str], None]] = None, device: str = "cpu") -> ConvertReport:
-    """Convert `src` to `dst` under `plan` (see module docstring). `on_shard_done(shard)` is called after each
+            on_shard_done: Optional[Callable[[str], None]] = None, device: str = "cpu",
+            rollout: str = DEFAULT_ROLLOUT) -> ConvertReport:
+    """Convert `src` to `dst` under `plan` (see module docstring), the checkpoint rollout engine `rollout` loads
+    (its tensor names and quantization_config; the bytes are the same). `on_shard_done(shard)` is called after each
     finished shard (tests use it to simulate an interruption). `device="cuda"` quantizes on the GPU with the
     fused Triton kernels (byte-identical to the CPU references); reading and writing stay streaming on the host.
 
@@ -625,6 +675,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
     files by rename; `done/<shard>.json` markers are written atomically after their shard and validated (size +
     CRC32) on resume; the commit is `rename(out, dst)` (with --force, the old DST is first renamed to
     `work/previous` and restored by the next run if the commit never happened)."""
+    checked_rollout(rollout)
     src, dst = Path(src).resolve(), Path(dst).resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise CheckpointError(f"output '{dst}' overlaps the source '{src}'", "write the output to another directory")
@@ -632,7 +683,7 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         with OutputLock(_lock_path(dst), dst) as lock:
-            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock)
+            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock, rollout)
     except Interrupted:
         raise
     except KeyboardInterrupt as err:  # every finished shard is kept: the same command resumes
@@ -645,13 +696,19 @@ def _committed_mark(state: dict) -> str:
     return "committed " + hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
-def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock: OutputLock) -> ConvertReport:
+def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock: OutputLock,
+                    rollout: str = DEFAULT_ROLLOUT) -> ConvertReport:
+    import functools
+
     from precision_dsl.backends import fp8_source
     from precision_dsl.backends.quantize import check_supported, checkpoint_tensors
 
     work = _work_dir(dst)
     srcc = open_source(src)
     state = {"plan_hash": plan.content_hash(), "source": str(src), "fingerprint": srcc.fingerprint()}
+    if rollout != DEFAULT_ROLLOUT:  # another engine's checkpoint is other work (the SGLang state stays as it was)
+        state["rollout"] = rollout
+    quantize_fn = functools.partial(checkpoint_tensors, rollout=rollout)
     report = ConvertReport(dst=dst)
     # Committed already: killed while tidying up after the commit (work dir still there: _recover), or after it
     # (only the lock file was left, and its last mark says this very conversion was committed).
@@ -662,7 +719,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
     if dst.exists() and not force:
         raise OutputExists(f"output directory '{dst}' already exists (pass --force to replace it)")
     _check_source_against_plan(srcc, plan)
-    qfiles = quantization_files(plan)  # raises UnsupportedByBackend before any work
+    qfiles = quantization_files(plan, rollout)  # raises UnsupportedByBackend before any work
     for t in plan.tensors:
         check_supported(t, BACKEND)
     layout = output_layout(plan, srcc)
@@ -682,7 +739,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
     reader = _Reader(srcc, reuse=True)
     prog = _progress(progress, len(srcc.where))
     threads = _TorchThreads()
-    on_device = _DeviceUnits(device, reader) if device != "cpu" else None
+    on_device = _DeviceUnits(device, reader, rollout) if device != "cpu" else None
     try:
         for shard, units in layout.items():
             if _shard_is_done(work, shard):
@@ -693,7 +750,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
             marker = work / "done" / f"{shard}.json"
             if marker.is_dir() and not marker.is_symlink():  # not ours: a marker is only ever a file
                 shutil.rmtree(marker)
-            unit_specs = [_specs_for_unit(by, u) for u in units]
+            unit_specs = [_specs_for_unit(by, u, rollout) for u in units]
             tmp_path = work / f"{shard}.writing"
             writer = StreamingWriter(tmp_path, [s for us in unit_specs for s in us],
                                      metadata={"format": "pt", "policyc_plan": plan.content_hash()})
@@ -718,7 +775,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
                         writer.write_raw(names, data)
                         prog.advance(len(unit))
                         continue
-                    out = fp8_source.unit_tensors(members, reader, BACKEND, udev, checkpoint_tensors)
+                    out = fp8_source.unit_tensors(members, reader, BACKEND, udev, quantize_fn)
                     for name, _dt, _shape in uspecs:
                         writer.write(name, out[name])  # copied into the writer's staging buffer
                     del out
@@ -746,7 +803,7 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
     total_size = 0
     for shard, units in layout.items():
         for u in units:
-            for name, dt, shape in _specs_for_unit(by, u):
+            for name, dt, shape in _specs_for_unit(by, u, rollout):
                 weight_map[name] = shard
         total_size += (out_dir / shard).stat().st_size
     report.bytes_out = total_size
@@ -904,8 +961,8 @@ def _dst_tensors(dst: Path) -> dict[str, tuple[str, str]]:
 def derive_formats_from_specs(specs: dict[str, str], arch) -> dict[str, str]:
     """{hf_name: TensorFormat.short()} from output tensor names + dtypes only (what a loader sees): `X.weight_scale_2`
     -> nvfp4 (1x16; one weight_scale_2 per fused module where the loader fuses: SGLang requires gate == up for w13),
-    `X.weight_scale_inv` U8 -> mxfp8 1x32, F32 -> fp8_block 128x128 with fp32 scales (what the loader multiplies
-    by), otherwise the stored dtype ("missing" for a tensor with no output)."""
+    `X.weight_scale_inv` U8 (SGLang's naming) or `X.weight_scale` U8 (vLLM's) -> mxfp8 1x32,
+    `X.weight_scale_inv` F32 -> fp8_block 128x128 with fp32 scales (what the loader multiplies by), otherwise the stored dtype ("missing" for a tensor with no output)."""
     dt_kind = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
     fused = fused_module_sizes(arch)
     out: dict[str, str] = {}
@@ -916,6 +973,8 @@ def derive_formats_from_specs(specs: dict[str, str], arch) -> dict[str, str]:
             out[n] = engine_format("nvfp4", shared=fused.get(n, 1) > 1)
         elif n.endswith(".weight") and f"{mod}.weight_scale_inv" in specs:
             out[n] = engine_format("mxfp8" if specs[f"{mod}.weight_scale_inv"] == "U8" else "fp8_block")
+        elif n.endswith(".weight") and specs.get(f"{mod}.weight_scale") == "U8":  # vLLM's MXFP8 naming
+            out[n] = engine_format("mxfp8")
         else:
             out[n] = dt_kind.get(specs.get(n, ""), specs.get(n, "missing"))
     return out
@@ -926,19 +985,23 @@ def load_converted(dst: Path, names: Optional[list[str]] = None):
     from precision_dsl.backends.quantize import output_specs, read_quantized
 
     plan = read_plan(dst)
+    rollout = rollout_of(Path(dst), plan)
     reader = _Reader(open_source(Path(dst)))
     out = {}
     for t in plan.tensors:
         if names is not None and t.hf_name not in names:
             continue
-        raw = {name: reader.get(name) for name, _dt, _shape in output_specs(t)}
-        out[t.hf_name] = read_quantized(t, raw)
+        raw = {name: reader.get(name) for name, _dt, _shape in output_specs(t, rollout)}
+        out[t.hf_name] = read_quantized(t, raw, rollout)
     reader.close()
     return plan, out
 
 
 def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: bool = False) -> list[str]:
-    """Re-derive every output byte from the source and compare. Returns a list of problems ([] = verified)."""
+    """Re-derive every output byte from the source and compare (for the rollout engine whose config the
+    checkpoint holds). Returns a list of problems ([] = verified)."""
+    import functools
+
     import torch
 
     from precision_dsl.backends import fp8_source
@@ -954,12 +1017,15 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
     layout = output_layout(plan, srcc)
     have = _dst_tensors(dst)
     by = plan.by_name()
-    expected_names = {name for units in layout.values() for u in units for name, _, _ in _specs_for_unit(by, u)}
+    rollout = rollout_of(dst, plan)
+    quantize_fn = functools.partial(checkpoint_tensors, rollout=rollout)
+    expected_names = {name for units in layout.values() for u in units
+                      for name, _, _ in _specs_for_unit(by, u, rollout)}
     for n in sorted(set(have) - expected_names):
         problems.append(f"unexpected tensor '{n}' in {have[n][0]}")
     for n in sorted(expected_names - set(have)):
         problems.append(f"missing tensor '{n}'")
-    qfiles = quantization_files(plan)
+    qfiles = quantization_files(plan, rollout)
     config = read_source_config(dst)
     if config.get("quantization_config") != qfiles["quantization_config"]:
         problems.append("config.json quantization_config differs from the plan's")
@@ -976,7 +1042,7 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
         for shard, units in layout.items():
             for unit in units:
                 try:
-                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", checkpoint_tensors)
+                    out = fp8_source.unit_tensors([by[n] for n in unit], reader, BACKEND, "cpu", quantize_fn)
                 except NonFiniteWeight as err:  # the plan cannot hold this source: no output can verify
                     problems.append(str(err))
                     reader.release()
@@ -1006,17 +1072,19 @@ def verify(dst: Path, src: Path, expected_hash: Optional[str] = None, progress: 
 # ---------------------------------------------------------------------------------------------------------------
 # emit (no checkpoint needed): what the converter WILL write
 # ---------------------------------------------------------------------------------------------------------------
-def emit(plan: Plan) -> list[Artifact]:
+def emit(plan: Plan, rollout: str = DEFAULT_ROLLOUT) -> list[Artifact]:
     from precision_dsl.backends.quantize import check_all_supported, plan_output_specs
 
     check_all_supported(plan, BACKEND)
-    qfiles = quantization_files(plan)
+    qfiles = quantization_files(plan, rollout)
     manifest = {"policyc": plan_stamp(plan),
                 "formats": sorted({k.value for k in {t.weight.kind for t in plan.quantized()}}),
                 "quantization_config": qfiles["quantization_config"],
                 "hf_quant_config": qfiles["hf_quant_config"],
                 # (name, dtype, shape) tuples: JSON writes them as [name, dtype, [dims]]
-                "tensors": {t.hf_name: specs for t, specs in zip(plan.tensors, plan_output_specs(plan))}}
+                "tensors": {t.hf_name: specs for t, specs in zip(plan.tensors, plan_output_specs(plan, rollout))}}
+    if rollout != DEFAULT_ROLLOUT:
+        manifest["rollout"] = rollout
     return [Artifact("converter/manifest.json", dump_json(manifest, compact=True),
                      "every output tensor (name, dtype, shape) per plan tensor + checkpoint configs")]
 
@@ -1036,7 +1104,7 @@ class ConverterBackend(Backend):
     description = "the quantized checkpoint `policyc convert` writes: every output tensor and the configs"
 
     def artifacts(self, plan: Plan, options: EmitOptions) -> list[Artifact]:
-        return emit(plan)
+        return emit(plan, checked_rollout(options.rollout) if options else DEFAULT_ROLLOUT)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The checkpoint's weight formats from the output tensors converter/manifest.json announces."""

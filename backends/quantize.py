@@ -15,6 +15,11 @@ TransformerEngine); this module only decides names, dtypes and layouts of what a
                 ceil(K/128)] (dequant multiplier)                                        SGLang `Fp8Config` block
   high precision  X.weight in the plan's storage dtype (bf16 / fp16 / fp32)
 
+That table is SGLang's naming (the default rollout engine). Another rollout engine's loader may name a tensor
+differently: ROLLOUT_SUFFIXES holds those names as data (vLLM's ModelOpt MXFP8 loads the E8M0 scales as
+`X.weight_scale`), and `output_specs` / `checkpoint_tensors` / `read_quantized` / `rollout_tensor_names` take the
+`rollout` engine; the bytes are the same for every engine.
+
 Share-scale groups (e.g. gate+up of one expert under NVFP4): every member is quantized with the group amax
 G = max(amax of all members), so all members get the same `weight_scale_2` (SGLang requires gate == up for w13,
 modelopt_quant.py ~l.2740). A caller must therefore hand over all members of a group together.
@@ -38,6 +43,8 @@ if TYPE_CHECKING:
 # emit` uses only the metadata helpers (check_supported, output_specs) and must not pay torch's ~2 s import.
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale")
+# The rollout engine a checkpoint is written for unless told otherwise (registry.EmitOptions.rollout's default).
+DEFAULT_ROLLOUT = "sglang"
 
 
 class NonFiniteWeight(PolicycError, ValueError):
@@ -90,21 +97,43 @@ def _first_of_each_weight_layout(plan: Plan) -> list[TensorPlan]:
     return list(first.values())
 
 
-def plan_output_specs(plan: Plan) -> list[list[tuple[str, str, tuple[int, ...]]]]:
-    """`output_specs` of every plan tensor, in plan order, computed once per plan object (the converter and the
-    weight-update manifests both list them). Shared between callers: read, never modify."""
-    return plan.memo("output_specs", lambda: [output_specs(t) for t in plan.tensors])
+def plan_output_specs(plan: Plan, rollout: str = DEFAULT_ROLLOUT) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+    """`output_specs` of every plan tensor, in plan order, computed once per plan object and rollout engine (the
+    converter and the weight-update manifests both list them). Shared between callers: read, never modify."""
+    key = "output_specs" if rollout == DEFAULT_ROLLOUT else f"output_specs.{rollout}"
+    return plan.memo(key, lambda: [output_specs(t, rollout) for t in plan.tensors])
 
 
-def output_specs(t: TensorPlan) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, safetensors dtype, shape) of every tensor written for `t`, without touching data. Lets the
-    converter write a safetensors header before quantizing (streaming) and lets manifests be derived."""
+def output_specs(t: TensorPlan, rollout: str = DEFAULT_ROLLOUT) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, safetensors dtype, shape) of every tensor written for `t` in the checkpoint `rollout` loads, without
+    touching data. Lets the converter write a safetensors header before quantizing (streaming) and lets manifests
+    be derived."""
     mod = module_of(t.hf_name)
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):
         return [(t.hf_name, HP_DTYPE_NAMES[w.kind][1], tuple(t.shape))]
     n, k = t.shape
-    return DIALECT[w.kind].specs(mod, n, k)
+    rename = _renamer(w.kind, rollout)
+    return [(rename(name), dt, shape) for name, dt, shape in DIALECT[w.kind].specs(mod, n, k)]
+
+
+def rollout_tensor_names(t: TensorPlan, rollout: str = DEFAULT_ROLLOUT) -> list[str]:
+    """The checkpoint tensor names of plan tensor `t` as rollout engine `rollout` loads them, in write order (the
+    converter writes and a live weight update sends exactly these): `X.weight` plus the format's scale tensors."""
+    return [name for name, _dt, _shape in output_specs(t, rollout)]
+
+
+def _renamer(kind: FormatKind, rollout: str) -> Callable[[str], str]:
+    """Full tensor name in DIALECT's naming -> the name `rollout` loads (identity where its naming is DIALECT's)."""
+    table = ROLLOUT_SUFFIXES.get(rollout, {}).get(kind)
+    if not table:
+        return lambda name: name
+
+    def rename(name: str) -> str:
+        mod, _, suffix = name.rpartition(".")
+        return f"{mod}.{table.get(suffix, suffix)}"
+
+    return rename
 
 
 def _assert_finite(name: str, x: torch.Tensor, after: str = "") -> None:
@@ -150,9 +179,11 @@ def _assert_outputs_finite(t: TensorPlan, produced: dict[str, torch.Tensor]) -> 
 
 
 def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backend: str = "converter",
-                       check_finite: bool = True, kernel: str = "auto") -> dict[str, torch.Tensor]:
+                       check_finite: bool = True, kernel: str = "auto",
+                       rollout: str = DEFAULT_ROLLOUT) -> dict[str, torch.Tensor]:
     """Checkpoint tensors (full names -> tensors, exact dtypes) for one unit of work: a single tensor, or ALL the
-    members of one share-scale group. The only place bytes are produced for the converter and the weight update."""
+    members of one share-scale group, named as rollout engine `rollout` loads them (the bytes are the same for
+    every engine). The only place bytes are produced for the converter and the weight update."""
     import torch
 
     from precision_dsl import kernels
@@ -188,7 +219,8 @@ def checkpoint_tensors(members: Sequence[tuple[TensorPlan, torch.Tensor]], backe
         # (byte for byte the reference, tests/test_kernels.py), the readable reference otherwise, or as `kernel` says.
         q = kernels.quantize(x, w, axis="row", global_amax=ga, kernel=kernel)
         n, k = t.shape
-        out.update(DIALECT[w.kind].write(q, mod, n, k))
+        rename = _renamer(w.kind, rollout)
+        out.update((rename(name), y) for name, y in DIALECT[w.kind].write(q, mod, n, k).items())
         if check_finite:
             _assert_outputs_finite(t, {n: y for n, y in out.items() if n.startswith(mod + ".")})
     return out
@@ -227,19 +259,18 @@ def needs_shared_amax(t: TensorPlan) -> bool:
     return t.is_linear and t.weight.spec.takes_global_amax and t.weight.global_scale == Scope.GROUP
 
 
-def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor]):
-    """Rebuild a QuantizedTensor for plan tensor `t` from its checkpoint tensors (inverse of checkpoint_tensors),
-    or return the plain tensor for a high-precision one. Used by `verify`, the tests and WeightReceiver."""
-    import torch
-
-    from precision_dsl.formats.base import QuantizedTensor
-
+def read_quantized(t: TensorPlan, tensors: dict[str, torch.Tensor], rollout: str = DEFAULT_ROLLOUT):
+    """Rebuild a QuantizedTensor for plan tensor `t` from its checkpoint tensors named as `rollout` loads them
+    (inverse of checkpoint_tensors), or return the plain tensor for a high-precision one. Used by `verify`, the
+    tests and WeightReceiver."""
     w = t.precision.weight
     if not (t.is_linear and w.is_quantized):
         return tensors[t.hf_name]
     mod = module_of(t.hf_name)
     n, k = t.shape
-    return DIALECT[w.kind].read(w, mod, n, k, tensors)
+    rename = _renamer(w.kind, rollout)
+    canonical = {name: tensors[rename(name)] for name, _dt, _shape in DIALECT[w.kind].specs(mod, n, k)}
+    return DIALECT[w.kind].read(w, mod, n, k, canonical)
 
 
 # ---- the checkpoint dialect: one entry per quantized kind a checkpoint stores --------------------------------------
@@ -345,3 +376,13 @@ DIALECT: dict[FormatKind, Dialect] = {
 }
 # Suffixes (after the module path) each format writes, in write order. Used by readers, manifests and verify.
 SUFFIXES = {kind: d.suffixes for kind, d in DIALECT.items()}
+
+# Each rollout engine's checkpoint naming where its loader names a tensor differently from DIALECT (SGLang's
+# naming): rollout -> kind -> {DIALECT suffix: the engine's suffix}. Bytes, dtypes and shapes are the same.
+ROLLOUT_SUFFIXES: dict[str, dict[FormatKind, dict[str, str]]] = {
+    "sglang": {},
+    # vllm 0.33.0 vllm/model_executor/layers/quantization/modelopt.py: the ModelOpt MXFP8 linear registers
+    # `weight_scale` (KMxfp8Static.create_weights) and the MoE `w13_weight_scale` / `w2_weight_scale`
+    # (ModelOptMxFp8FusedMoE.create_weights, loaded from experts.E.{gate,up,down}_proj.weight_scale).
+    "vllm": {FormatKind.MXFP8: {"weight_scale_inv": "weight_scale"}},
+}

@@ -1,4 +1,5 @@
-"""vLLM 0.33 rollout backend: the serving configuration (engine args, env vars, the checkpoint
+"""vLLM rollout backend (emits for 0.33.0 or 0.24.0, `EmitOptions.vllm_version`; both judge it in
+tests/test_vllm_judge.py): the serving configuration (engine args, env vars, the checkpoint
 `quantization_config` written in vLLM's own matching rules) that makes vLLM run exactly the plan, or a named
 refusal for every tensor it cannot.
 
@@ -34,9 +35,14 @@ Facts used (vllm 0.33.0 wheel; Q = vllm/model_executor/layers/quantization/, M =
     scale unless the per-token override above is given (it needs the FlashInfer TRT-LLM MoE backend, SM100). A
     dense ModelOpt NVFP4 linear always uses the static input_scale (`KNvfp4Dynamic.process`), and fused shards get
     the max of their weight_scale_2 (no requantization).
-  * MXFP8 -> `ModelOptMxFp8Config` (quant_method "mxfp8" reads only `ignored_layers`, not modules_to_not_convert,
+  * MXFP8 -> `ModelOptMxFp8Config` in ModelOpt's flat form (quant_method modelopt, quant_algo MXFP8, ignore:
+    the same is_layer_excluded matching as NVFP4; quant_method "mxfp8" would read only `ignored_layers`,
     `from_config`); its parameters are `weight_scale` / `w13_weight_scale` (`KMxfp8Static.create_weights`,
-    `ModelOptMxFp8FusedMoE.create_weights`).
+    `ModelOptMxFp8FusedMoE.create_weights`), the names `policyc convert --rollout vllm` writes. W8A8 MXFP8 needs
+    the FlashInfer kernels (SM100, N and K >= 128 per rank: kernels/linear/mxfp8/flashinfer.py), pinned with
+    --linear-backend flashinfer_cutlass / --moe-backend flashinfer_trtllm so that vLLM refuses to start rather
+    than fall back to Marlin W8A16. vLLM 0.24.0 does not start a ModelOpt MXFP8 checkpoint and has no per-token
+    NVFP4 MoE activations; its CPU platform builds no MLA attention, so MLA models are not judged on it.
   * Routers (`mlp.gate`, M/*: GateLinear, a LinearBase): Qwen3-MoE builds it WITH quant_config (quantized unless
     excluded); DeepSeek-V2/V3 and GLM-4.5 build it without. The GLM-4.5 router holds fp32 params.
   * MLA kv_b_proj is dequantized into W_UK / W_UV BMMs (vllm/model_executor/layers/attention/mla_attention.py
@@ -63,14 +69,15 @@ from typing import Any, Mapping, Optional
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.precision import FormatKind
 from precision_dsl.backends.registry import Backend, register_backend
-from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, is_quantized,
-                                           module_of, plan_stamp)
+from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
+                                           is_quantized, module_of, plan_stamp, read_json_artifact)
 
 BACKEND = "vllm"
-# The vLLM release whose sources the rules above were read from: the declared minimum of every artifact (no older
-# release is verified; the per-token NVFP4 MoE override, --linear-backend / --moe-backend and the online
-# quantization_config schema are the newest features used).
+# The vLLM releases whose own code judges what is emitted (tests/test_vllm_judge.py builds every emitted
+# configuration with each of them): the newest, the default to emit for, and verl 0.9.1's pin. A configuration both
+# serve identically declares the range between them; one only the newest serves declares that release.
 VLLM_VERSION = "0.33.0"
+VLLM_JUDGED = ("0.24.0", "0.33.0")
 MANIFEST = "vllm/serve_args.json"
 MODELOPT_PRODUCER = {"name": "modelopt", "version": "0.47.0"}
 
@@ -80,6 +87,9 @@ FUSED_MODULE = {"qkv": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
                 "q_a+kv_a": ("fused_qkv_a_proj", ("q_a_proj", "kv_a_proj_with_mqa")),
                 "gate_up": ("gate_up_proj", ("gate_proj", "up_proj")),
                 "shared_experts.gate_up": ("gate_up_proj", ("gate_proj", "up_proj"))}
+# fused groups whose vLLM module is replicated on every TP rank (M/deepseek_v2.py DeepSeekV2FusedQkvAProjLinear:
+# a MergedColumnParallelLinear built with disable_tp=True).
+REPLICATED_FUSED = frozenset({"q_a+kv_a"})
 # model_types whose MoE router (GateLinear) is built with the quant config.
 ROUTER_QUANTIZABLE = frozenset({"qwen3_moe"})
 # model_types whose router GateLinear holds fp32 params (glm4_moe.py: params_dtype=torch.float32).
@@ -317,14 +327,22 @@ def _serving_key(t: TensorPlan) -> tuple:
     return (w.kind, w.element, w.block, w.scale_dtype, t.precision.activation)
 
 
-def _check_tensor(t: TensorPlan, plan: Plan) -> None:
-    """What one quantized tensor needs from vLLM's method for its format."""
+def _check_tensor(t: TensorPlan, plan: Plan, version: tuple) -> None:
+    """What one quantized tensor needs from vLLM's method for its format (vLLM release `version`)."""
     from precision_dsl.backends.quantize import check_supported
 
     if not is_quantized(t):
         return
     check_supported(t, BACKEND)  # a checkpoint can store it (converter formats)
     w, a = t.precision.weight, t.precision.activation
+    if w.kind in (FormatKind.MXFP8, FormatKind.NVFP4) and a.is_quantized and plan.target != "blackwell":
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, f"{w.kind.value} with quantized activations on a {plan.target} target: vLLM's "
+            f"{w.kind.value} GEMMs with {w.kind.value} activations need SM100 (FlashInfer: vllm/model_executor/"
+            "kernels/linear/mxfp8/flashinfer.py and nvfp4/flashinfer.py is_supported; the per-token NVFP4 MoE and the MXFP8 MoE "
+            "run on the FlashInfer TRT-LLM backend); below SM100 vLLM runs these checkpoints through Marlin "
+            "(MarlinMxfp8LinearKernel, MarlinNvFp4LinearKernel: W8A16 / W4A16, BF16 activations), not the plan",
+            hint="serve on Blackwell (target blackwell), or use fp8_block(scales=fp32) on Hopper")
     if t.role == "lm_head":
         raise UnsupportedByBackend(BACKEND, t.hf_name, "quantized lm_head: the converter's checkpoint formats are "
                                    "not loaded into vLLM's ParallelLMHead by Fp8Config (not a LinearBase) and "
@@ -346,12 +364,18 @@ def _check_tensor(t: TensorPlan, plan: Plan) -> None:
                                        "not verified equal to TransformerEngine's pow2 scaling",
                                        hint="use fp8_block(scales=fp32) for a vLLM rollout")
     elif w.kind == FormatKind.MXFP8:
-        raise UnsupportedByBackend(
-            BACKEND, t.hf_name, "MXFP8: the rollout checkpoint `policyc convert` writes names the E8M0 scales "
-            "`weight_scale_inv` (SGLang's Fp8Config), vLLM 0.33's ModelOpt MXFP8 loads `weight_scale` / "
-            "`w13_weight_scale` (quantization/modelopt.py KMxfp8Static, ModelOptMxFp8FusedMoE.create_weights); "
-            "online MXFP8 (utils/mxfp8_utils.py) is vLLM's own quantizer, not verified byte-equal to the plan's",
-            hint="serve MXFP8 plans with SGLang (--backend sglang) until the converter writes vLLM's naming")
+        if version < (0, 33, 0):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name, "MXFP8 on vLLM 0.24.0: its ModelConfig._verify_quantization (vllm/config/"
+                "model.py) raises 'Quantization method mxfp8 is an override but hasn't been added to the overrides "
+                "list' for a ModelOpt MXFP8 checkpoint, so the server does not start",
+                hint="serve MXFP8 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
+        if a.kind != FormatKind.MXFP8 or a.element != "e4m3" or a.block != (1, 32):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name, f"MXFP8 weights with {a.short()} activations: vLLM's ModelOpt MXFP8 methods "
+                "quantize activations to MXFP8 (quantization/modelopt.py resolve: kMxfp8Static weights, kMxfp8Dynamic "
+                "activations); there is no weight-only MXFP8 method for a checkpoint",
+                hint="use mxfp8 for both weights and activations (the policy's mxfp8 rule)")
     elif w.kind == FormatKind.NVFP4:
         if not t.role.startswith("routed_experts."):
             raise UnsupportedByBackend(
@@ -366,6 +390,13 @@ def _check_tensor(t: TensorPlan, plan: Plan) -> None:
                 "scales re-encoded S0E5M3 with a power-of-two rescale, the global scale applied to the output), not "
                 "verified to reproduce the plan's dequantized-weight GEMM",
                 hint="use nvfp4(act_scale=per_token) for a vLLM rollout")
+        if version < (0, 33, 0):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name, "NVFP4 per-token activations on vLLM 0.24.0: its --quantization-config schema "
+                "has no nvfp4_per_token activation (vllm/config/quantization.py QuantizationConfigArgs rejects it) "
+                "and its ModelOptNvFp4FusedMoE (quantization/modelopt.py) reads no activation override: the experts "
+                "run with one static global input scale",
+                hint="serve NVFP4 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
         if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
             raise UnsupportedByBackend(
                 BACKEND, t.hf_name, f"NVFP4 activations {a.short()}: vLLM's ModelOpt NVFP4 MoE uses one static global "
@@ -465,13 +496,14 @@ def _layout(plan: Plan, problems: Problems) -> tuple[list[str], int]:
     return args, expert_split
 
 
-def _check_shapes(t: TensorPlan, tp: int, expert_split: int) -> None:
+def _check_shapes(t: TensorPlan, tp: int, expert_split: int, module_n: int) -> None:
     """The per-rank shapes vLLM's methods accept (quantization/utils/fp8_utils.py validate_fp8_block_shape(_moe),
-    KNvfp4Static / ModelOptMxFp8FusedMoE.create_weights: K per rank a multiple of the block)."""
+    KNvfp4Static / ModelOptMxFp8FusedMoE.create_weights: K per rank a multiple of the block). `module_n`: the output
+    size of the vLLM module holding `t` (the fused qkv_proj / gate_up_proj; the tensor's own N otherwise)."""
     if not is_quantized(t) or len(t.shape) != 2:
         return
     experts = t.role.startswith("routed_experts.")
-    split = expert_split if experts else tp
+    split = 1 if t.fused_group in REPLICATED_FUSED else expert_split if experts else tp
     n, k = t.shape
     row = t.role in _ROW_PARALLEL
     if (row and k % split) or (not row and n % split):
@@ -482,6 +514,14 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int) -> None:
         if k_part % _BLOCK_K[kind]:
             raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {_BLOCK_K[kind]} == 0; "
                                        f"K per rank is {k_part} (shape {t.shape}, split {split})")
+        module_n_part = module_n if row or split == 1 else module_n // split
+        if kind == FormatKind.MXFP8 and not experts and (k_part < 128 or module_n_part < 128):
+            raise UnsupportedByBackend(
+                BACKEND, t.hf_name, f"MXFP8 linear with N x K per rank {module_n_part} x {k_part}: the FlashInfer "
+                "MXFP8 GEMMs need N >= 128 and K >= 128 (vllm/model_executor/kernels/linear/mxfp8/flashinfer.py "
+                "_check_mm_mxfp8_shape); with --linear-backend flashinfer_cutlass vLLM then finds no kernel, and "
+                "unpinned it falls back to MarlinMxfp8LinearKernel (W8A16, BF16 activations)",
+                hint="use a smaller rollout tp, or keep this module in bf16 for a vLLM rollout")
         return
     if experts:
         inter = k_part if row else n_part  # the MoE intermediate size per partition
@@ -535,21 +575,44 @@ def _exclusions(plan: Plan, quantized_prefixes: set[str], modelopt: bool) -> lis
     return out
 
 
-def serve_config(plan: Plan, problems: Problems) -> Optional[ServeConfig]:
-    """Validated vLLM configuration of `plan`; every refusal goes to `problems` (None when there is any)."""
+def _module_sizes(plan: Plan) -> dict[str, int]:
+    """vLLM module prefix -> its output size N (the sum over the shards of a fused module)."""
+    out: dict[str, int] = {}
+    for t in plan.tensors:
+        if t.is_linear and len(t.shape) == 2 and t.mtp is None and not t.role.startswith("routed_experts."):
+            m = vllm_module(t, plan.model_type)
+            if m is not None:
+                out[m.prefix] = out.get(m.prefix, 0) + t.shape[0]
+    return out
+
+
+def serve_config(plan: Plan, problems: Problems, version: str = VLLM_VERSION) -> Optional[ServeConfig]:
+    """Validated configuration of `plan` for vLLM release `version`; every refusal goes to `problems` (None when
+    there is any)."""
+    from precision_dsl.backends.versions import parse_version
+
     before = len(problems.items)
+    release = parse_version(version)
     _check_high_precision(plan, problems)
+    mla = next((t for t in plan.tensors if t.role == "attn.kv_b"), None)
+    if mla is not None and release < (0, 33, 0):
+        problems.add(UnsupportedByBackend(
+            BACKEND, mla.hf_name, "MLA attention on vLLM 0.24.0: not judged - its CPU platform builds no MLA "
+            "attention (vllm/platforms/cpu.py get_attn_backend_cls: 'MLA is not supported on CPU'), so policyc's "
+            "CPU judge cannot build this model with 0.24.0's own code", hint="serve MLA models with vLLM 0.33.0"))
     distinct = list({(t.role, id(t.precision), t.is_linear, t.shape): t for t in reversed(plan.tensors)
                      if t.mtp is None}.values())
     distinct.reverse()
     for t in distinct:
-        problems.run(_check_tensor, t, plan)
+        problems.run(_check_tensor, t, plan, release)
     _check_fused(plan, problems)
     _check_experts(plan, problems)
     layout_args, expert_split = _layout(plan, problems)
     tp = plan.parallel.rollout.tp if plan.parallel else 1
+    sizes = _module_sizes(plan)
     for t in distinct:
-        problems.run(_check_shapes, t, tp, expert_split)
+        m = vllm_module(t, plan.model_type)
+        problems.run(_check_shapes, t, tp, expert_split, sizes.get(m.prefix, t.shape[0]) if m else t.shape[0])
     served = [t for t in plan.tensors if t.mtp is None]
     quant = [t for t in served if is_quantized(t)]
     kinds: dict[FormatKind, TensorPlan] = {}
@@ -583,6 +646,20 @@ def serve_config(plan: Plan, problems: Problems) -> Optional[ServeConfig]:
         if has_moe and experts_quantized:
             args += ["--moe-backend", "triton"]
         env.update(_ENV_FP8_BLOCK)
+    elif kind == FormatKind.MXFP8:
+        # ModelOpt's flat form (quantization/modelopt.py ModelOptQuantConfigBase.from_config: quant_algo + ignore),
+        # matched by is_layer_excluded; the MiniMax form (quant_method mxfp8) would read only ignored_layers.
+        method = "modelopt_mxfp8"
+        qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_scheme": None,
+                "ignore": _exclusions(plan, qprefixes, modelopt=True), "producer": MODELOPT_PRODUCER}
+        # pinned to the FlashInfer W8A8 MXFP8 kernels: vLLM refuses to start where they cannot run, instead of
+        # falling back to Marlin W8A16 (kernels/linear/__init__.py _POSSIBLE_MXFP8_KERNELS, fused_moe/oracle/
+        # mxfp8.py select_mxfp8_moe_backend)
+        if any(not t.role.startswith("routed_experts.") for t in quant):
+            args += ["--linear-backend", "flashinfer_cutlass"]
+        if experts_quantized:
+            args += ["--moe-backend", "flashinfer_trtllm"]
+        notes.append("MXFP8 activations need SM100 (Blackwell) and FlashInfer; vLLM refuses to start otherwise")
     else:  # NVFP4 (per-token routed experts; everything else was refused above)
         method = "modelopt_fp4"
         qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_scheme": None,
@@ -631,23 +708,36 @@ def _self_check(plan: Plan, cfg: ServeConfig, problems: Problems) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # the backend
 # ---------------------------------------------------------------------------------------------------------------
-def _version_problem(options) -> Optional[UnsupportedByBackend]:
+def emit_version(options) -> tuple[str, Optional[UnsupportedByBackend]]:
+    """The vLLM release to emit for (EmitOptions.vllm_version, default VLLM_VERSION) and, where it cannot be
+    emitted for, the refusal. Releases between the judged ones get the older one's rules; newer than the newest
+    judged one, the newest's (declared as judged, see `declared_range`)."""
     from precision_dsl.backends.versions import parse_version
 
-    have = getattr(options, "vllm_version", None)
-    if have is None:
-        return None
+    have = getattr(options, "vllm_version", None) or VLLM_VERSION
     try:
-        older = parse_version(have) < parse_version(VLLM_VERSION)
+        release = parse_version(have)
     except ValueError:
-        return UnsupportedByBackend(BACKEND, "<engine version>", f"cannot read the vLLM version '{have}'",
-                                    hint="pass a version like 0.33.0")
-    if older:
-        return UnsupportedByBackend(BACKEND, "<engine version>", f"vLLM {have} is older than {VLLM_VERSION}, the "
-                                    "release whose quantization rules policyc reads (exclusion matching, the "
-                                    "per-token NVFP4 MoE override, --linear-backend / --moe-backend)",
-                                    hint=f"serve with vLLM >= {VLLM_VERSION}")
-    return None
+        return have, UnsupportedByBackend(BACKEND, "<engine version>", f"cannot read the vLLM version '{have}'",
+                                          hint=f"pass a version like {VLLM_VERSION}")
+    if release < parse_version(VLLM_JUDGED[0]):
+        return have, UnsupportedByBackend(BACKEND, "<engine version>", f"vLLM {have} is older than {VLLM_JUDGED[0]}, "
+                                          "the oldest release whose own code judges what policyc emits",
+                                          hint=f"serve with vLLM {' or '.join(VLLM_JUDGED)}")
+    return max((v for v in VLLM_JUDGED if parse_version(v) <= release), key=parse_version), None
+
+
+def declared_range(plan: Plan, cfg: ServeConfig, rules: str) -> str:
+    """The vLLM requirement an artifact declares: the judged releases that serve `plan` with this very
+    configuration (the same engine args and quantization config), as a pip specifier."""
+    served = [v for v in VLLM_JUDGED if v == rules or _same_config(plan, cfg, v)]
+    return f"vllm>={served[0]},<={served[-1]}" if len(served) > 1 else f"vllm=={served[0]}"
+
+
+def _same_config(plan: Plan, cfg: ServeConfig, version: str) -> bool:
+    other = serve_config(plan, Problems(), version)
+    return other is not None and (other.engine_args, other.env, other.quantization_config) == (
+        cfg.engine_args, cfg.env, cfg.quantization_config)
 
 
 def _argv_value(argv: list[str], flag: str) -> Optional[str]:
@@ -709,27 +799,33 @@ def serve_tensors(qcfg: Optional[dict], online: Optional[dict], env: Mapping[str
 class VllmBackend(Backend):
     name = BACKEND
     role = "rollout"
-    description = f"vLLM {VLLM_VERSION} rollout: engine args, env and the checkpoint quantization_config"
+    description = f"vLLM rollout ({' / '.join(VLLM_JUDGED)}): engine args, env and the checkpoint quantization_config"
 
     def emit(self, plan: Plan, options, problems: Problems) -> list[Artifact]:
-        version = _version_problem(options)
+        rules, version = emit_version(options)
         if version is not None:
             problems.add(version)
-        cfg = serve_config(plan, problems)
-        if cfg is None or version is not None:
+            return []
+        cfg = serve_config(plan, problems, rules)
+        if cfg is None:
             return []
         stamp = plan_stamp(plan)
-        head = f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); vllm>={VLLM_VERSION}"
-        manifest = {"policyc": stamp, "vllm_version": f">={VLLM_VERSION}", "model_type": plan.model_type,
-                    "quantization": cfg.method, "engine_args": cfg.engine_args, "env": cfg.env,
-                    "checkpoint": "serve the checkpoint written by `policyc convert` for this plan; its "
-                                  "quantization_config is replaced by the --hf-overrides one",
+        requires = declared_range(plan, cfg, rules)
+        manifest = {"policyc": stamp, "vllm_version": requires.removeprefix("vllm"), "requires": requires,
+                    "model_type": plan.model_type, "quantization": cfg.method, "engine_args": cfg.engine_args,
+                    "env": cfg.env,
+                    "checkpoint": "serve the checkpoint written by `policyc convert --rollout vllm` for this plan; "
+                                  "its config.json carries this quantization_config (also given as --hf-overrides)",
+                    "serve": "vllm serve CHECKPOINT $(cat vllm/launch_args.txt)  # after: source vllm/env.sh",
                     "quantization_config": cfg.quantization_config, "online_quantization_config": cfg.online,
                     "notes": cfg.notes}
+        head = f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); {requires}"
         env_lines = [head] + [f"export {k}={v}" for k, v in sorted(cfg.env.items())]
+        # launch_args.txt is only the argv fragment (no comment line): `vllm serve CKPT $(cat launch_args.txt)`;
+        # the plan hash is in serve_args.json and env.sh
         return [Artifact(MANIFEST, dump_json(manifest), "vLLM engine args + env + quantization config"),
-                Artifact("vllm/launch_args.txt", head + "; argv fragment for `vllm serve CHECKPOINT`\n"
-                         + shlex.join(cfg.engine_args) + "\n", "argv fragment for vllm serve"),
+                Artifact("vllm/launch_args.txt", shlex.join(cfg.engine_args) + "\n",
+                         "argv fragment: vllm serve CHECKPOINT $(cat vllm/launch_args.txt)"),
                 Artifact("vllm/env.sh", "\n".join(env_lines) + "\n", "environment for the vLLM server"),
                 Artifact("vllm/quantization_config.json", dump_json({"policyc": stamp,
                                                                      "quantization_config": cfg.quantization_config}),
@@ -738,16 +834,19 @@ class VllmBackend(Backend):
     def derive_formats(self, artifacts: Mapping[str, bytes], arch) -> dict[str, str]:
         """{hf_name: weight format} vLLM would serve for every tensor it loads into a GEMM module (linears and
         routers; MTP, norms and embeddings are left out), read from the emitted engine args and env only."""
-        raw = artifacts[MANIFEST]
-        manifest: dict[str, Any] = json.loads(raw.decode() if isinstance(raw, (bytes, bytearray)) else raw)
-        argv = list(manifest["engine_args"])
-        over = _argv_value(argv, "--hf-overrides")
-        qcfg = json.loads(over).get("quantization_config") if over else None
-        online_raw = _argv_value(argv, "--quantization-config")
-        online = json.loads(online_raw) if online_raw else None
+        manifest = read_json_artifact(artifacts, MANIFEST)
+        try:
+            argv = [str(a) for a in manifest["engine_args"]]
+            env = dict(manifest.get("env") or {})
+            over = _argv_value(argv, "--hf-overrides")
+            qcfg = json.loads(over).get("quantization_config") if over else None
+            online_raw = _argv_value(argv, "--quantization-config")
+            online = json.loads(online_raw) if online_raw else None
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise ArtifactError(f"artifact {MANIFEST} does not hold vLLM engine args: {err}") from None
         out: dict[str, str] = {}
         try:
-            reader = _Reader(qcfg, online, manifest.get("env") or {}, packed_mapping(arch.tensors), arch.model_type)
+            reader = _Reader(qcfg, online, env, packed_mapping(arch.tensors), arch.model_type)
             for t in arch.tensors:
                 m = vllm_module(t, arch.model_type)
                 if m is not None:

@@ -413,7 +413,7 @@ PARALLEL_OPT = typer.Option(None, "--parallel", "-p",
 
 
 def register(app: typer.Typer) -> None:
-    from .backends.cli import backend_help, rollout_help  # the --backend choices come from the backend registry
+    from .backends.cli import backend_help, rollout_help, vllm_version_help  # choices from the backend registry
 
     @app.command("plan")
     def plan_cmd(policy: Path = POLICY_ARG, model: str = MODEL_OPT,
@@ -491,6 +491,7 @@ def register(app: typer.Typer) -> None:
                   te_version: Optional[str] = typer.Option(None, "--te-version",
                                                            help="installed TransformerEngine version"),
                   rollout: Optional[str] = typer.Option(None, "--rollout", help=rollout_help()),
+                  vllm_version: Optional[str] = typer.Option(None, "--vllm-version", help=vllm_version_help()),
                   strict: bool = typer.Option(False, "--strict", help="treat warnings as errors")) -> None:
         """Run all static checks (block divisibility, fused siblings, share-scale groups, hardware, parallel layout)
         and every backend emitter (the gate `policyc emit` runs): what check accepts, emit emits. Exit code 0 when
@@ -501,7 +502,7 @@ def register(app: typer.Typer) -> None:
             from .engine.gate import run_gate
 
             chosen = chosen_backends(backend)
-            options = emit_options(te_version, rollout)
+            options = emit_options(te_version, rollout, vllm_version)
             plan, arch = build_plan_and_arch(policy, model, parallel)
             res = run_gate(plan, arch, chosen, options)
             diags = res.diagnostics

@@ -47,7 +47,8 @@ def read_tree(out: Path) -> dict[str, bytes]:
 
 def derive_all(out: Path, arch) -> dict[str, dict[str, str]]:
     files = read_tree(out)
-    return {name: get_backend(name).derive_formats(files, arch) for name in default_names()}  # the default deployment
+    # the deployment's backends, what `policyc emit` writes by default (one rollout engine: sglang)
+    return {name: get_backend(name).derive_formats(files, arch) for name in default_names()}
 
 
 def hashes_in(out: Path) -> set[str]:

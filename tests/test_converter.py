@@ -235,6 +235,60 @@ def test_source_must_match_the_plan(tmp_path):
         converter.convert(d, seed_plan("bf16"), tmp_path / "o")
 
 
+def test_vllm_mxfp8_checkpoint_same_bytes_vllm_names_and_config(src, tmp_path):
+    """--rollout vllm: the E8M0 scales under vLLM's name (`weight_scale`), byte for byte SGLang's
+    `weight_scale_inv`; config.json holds the vLLM backend's ModelOpt MXFP8 config; verify and read-back follow."""
+    from precision_dsl.backends import vllm
+
+    plan = seed_plan("mxfp8-e2e")
+    sg, vl = tmp_path / "sg", tmp_path / "vl"
+    converter.convert(src, plan, sg)
+    converter.convert(src, plan, vl, rollout="vllm")
+    cfg = json.loads((vl / "config.json").read_text())["quantization_config"]
+    problems = converter.Problems()
+    assert cfg == vllm.serve_config(plan, problems).quantization_config and not problems.items
+    assert cfg["quant_method"] == "modelopt" and cfg["quant_algo"] == "MXFP8"
+    assert not (vl / "hf_quant_config.json").exists()
+    assert converter.rollout_of(vl, plan) == "vllm" and converter.rollout_of(sg, plan) == "sglang"
+    sg_names = set(converter._dst_tensors(sg))
+    vl_names = set(converter._dst_tensors(vl))
+    renamed = {n.replace(".weight_scale_inv", ".weight_scale") for n in sg_names}
+    assert vl_names == renamed and vl_names != sg_names
+    name = "model.layers.0.mlp.experts.3.gate_proj"
+    shard = json.loads((vl / "model.safetensors.index.json").read_text())["weight_map"][f"{name}.weight_scale"]
+    with safe_open(str(sg / shard), "pt") as a, safe_open(str(vl / shard), "pt") as b:
+        assert torch.equal(a.get_tensor(f"{name}.weight_scale_inv"), b.get_tensor(f"{name}.weight_scale"))
+        assert torch.equal(a.get_tensor(f"{name}.weight").view(torch.uint8),
+                           b.get_tensor(f"{name}.weight").view(torch.uint8))
+    assert converter.verify(vl, src) == []
+    _, back_vl = converter.load_converted(vl, [f"{name}.weight"])
+    _, back_sg = converter.load_converted(sg, [f"{name}.weight"])
+    assert torch.equal(back_vl[f"{name}.weight"].scale, back_sg[f"{name}.weight"].scale)
+    # the converter's manifest for a vLLM deployment names what convert writes
+    from precision_dsl.backends.registry import EmitOptions, get_backend
+
+    arts = get_backend("converter").emit(plan, EmitOptions(rollout="vllm"), problems)
+    doc = json.loads(arts[0].data())
+    assert set(converter.specs_of_manifest(doc)) == vl_names and doc["rollout"] == "vllm"
+    assert converter.derive_formats_from_specs(converter.specs_of_manifest(doc), arch())[f"{name}.weight"] == \
+        "mxfp8/e4m3[1x32]"
+
+
+def test_cli_convert_rollout_vllm_and_unknown_engine(src, tmp_path):
+    from precision_dsl.cli import app
+
+    runner = StrictCliRunner()
+    pol = str(REPO / "policies" / "mxfp8-e2e.policy")
+    r = runner.invoke(app, ["convert", str(src), "--policy", pol, "--out", str(tmp_path / "v"), "--model",
+                            "tiny-moe", "--rollout", "vllm", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["quantization_config"]["quant_algo"] == "MXFP8"
+    r = runner.invoke(app, ["convert", str(src), "--policy", pol, "--out", str(tmp_path / "w"), "--model",
+                            "tiny-moe", "--rollout", "vlm", "--no-progress"])
+    assert r.exit_code == 2 and "unknown rollout engine 'vlm'" in r.output
+    assert not (tmp_path / "w").exists()
+
+
 def test_cli_convert_verify_and_errors(src, tmp_path):
     from precision_dsl.cli import app
 

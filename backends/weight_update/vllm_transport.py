@@ -18,7 +18,7 @@ vllm/entrypoints/serve/dev/rpc/api_router.py):
 What the worker does with the tensors: `model.load_weights([(name, tensor)])` (nccl_engine.py receive_weights,
 ipc_engine.py receive_weights), so names are the HF checkpoint's and tensors are in checkpoint format - exactly what
 `policyc convert` writes for the plan, which is what is sent: `checkpoint_tensors` bytes (backends/quantize.py),
-renamed where vLLM's loader names a tensor differently (`vllm_tensor_name`). vLLM checks no dtype (vllm/model_executor/
+renamed where vLLM's loader names a tensor differently (`quantize.output_specs(t, rollout="vllm")`). vLLM checks no dtype (vllm/model_executor/
 parameter.py weight loaders assert shapes only: BF16 sent into an FP8 parameter is cast silently), so the plan-hash
 handshake below is the only guard that the served checkpoint's parameters are the plan's formats.
 
@@ -49,11 +49,10 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
-from precision_dsl.plan import Plan, TensorPlan
+from precision_dsl.plan import Plan
 from precision_dsl.precision import FormatKind
 
-from precision_dsl.backends.common import PLAN_FILE, PlanMismatch, Problems, UnsupportedByBackend, is_quantized, \
-    module_of
+from precision_dsl.backends.common import PLAN_FILE, PlanMismatch, Problems, UnsupportedByBackend, is_quantized
 from precision_dsl.backends.weight_update.errors import WeightUpdateError
 
 if TYPE_CHECKING:
@@ -79,16 +78,6 @@ REQUANTIZE_REFUSED = {
 }
 
 
-def vllm_tensor_name(t: TensorPlan, name: str) -> str:
-    """The name vLLM 0.33's `load_weights` expects for the converter's checkpoint tensor `name` of plan tensor `t`.
-    MXFP8: vLLM's ModelOpt MXFP8 registers the E8M0 block scales as `weight_scale` / `w13_weight_scale`
-    (vllm/model_executor/layers/quantization/modelopt.py KMxfp8Static.create_weights, ModelOptMxFp8FusedMoE.
-    create_weights), the converter's SGLang naming is `weight_scale_inv`; everything else is named alike."""
-    if is_quantized(t) and t.weight.kind == FormatKind.MXFP8 and name == f"{module_of(t.hf_name)}.weight_scale_inv":
-        return f"{module_of(t.hf_name)}.weight_scale"
-    return name
-
-
 class VllmNames:
     """Checkpoint tensor name -> (the vLLM name, whether vLLM builds it) for a plan, computed once."""
 
@@ -97,13 +86,13 @@ class VllmNames:
 
         self.renamed: dict[str, str] = {}
         self.unbuilt: set[str] = set()  # MTP tensors: vLLM builds no MTP layer without --speculative-config
-        for t, specs in zip(plan.tensors, plan_output_specs(plan)):
-            for n, _dt, _sh in specs:
+        # The converter's names for each engine come from one table (quantize.ROLLOUT_SUFFIXES): the buckets carry
+        # the default engine's names, vLLM's loader takes the `rollout="vllm"` ones (same bytes, same order).
+        for t, specs, vllm_specs in zip(plan.tensors, plan_output_specs(plan), plan_output_specs(plan, "vllm")):
+            for (n, _dt, _sh), (v, _vdt, _vsh) in zip(specs, vllm_specs):
                 if t.mtp is not None:
                     self.unbuilt.add(n)
-                    continue
-                v = vllm_tensor_name(t, n)
-                if v != n:
+                elif v != n:
                     self.renamed[n] = v
 
     def pairs(self, tensors: dict) -> list[tuple[str, "torch.Tensor"]]:

@@ -97,6 +97,7 @@ class ModuleQuant:
     layer: str = ""  # vLLM layer class (QKVParallelLinear, GateLinear, RoutedExperts, ParallelLMHead, ...)
     formats: dict[str, str] = field(default_factory=dict)  # HF shard name -> weight format (MoE: w13 vs w2)
     kernel_error: Optional[str] = None  # the CPU has no kernel for it (see the module docstring)
+    params: list[str] = field(default_factory=list)  # the parameters the layer registered (weight, weight_scale, ...)
 
 
 def cache_dir() -> Path:
@@ -327,6 +328,11 @@ class VllmOracle:
             rec = _Recorder(str(self.site), QuantKey, QuantizeMethodBase)
             for qc in _quant_configs(vc.quant_config):
                 stack.enter_context(mock.patch.object(qc, "get_quant_method", rec.wrap(qc.get_quant_method)))
+            from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+            fallback = rec.wrap_moe_fallback(RoutedExperts._get_quant_method)
+            stack.enter_context(mock.patch.object(RoutedExperts, "_get_quant_method",
+                                                  lambda self, *a: fallback(self, *a)))
             try:
                 with torch.device("meta"):
                     model = initialize_model(vllm_config=vc)
@@ -403,6 +409,23 @@ class _Recorder:
 
         return get_quant_method
 
+    def wrap_moe_fallback(self, orig):
+        """RoutedExperts._get_quant_method: where the quant config gives a MoE layer no method, vLLM builds
+        UnquantizedFusedMoEMethod itself, whose constructor picks the kernel (a kernel error on a CPU, as above)."""
+
+        def _get_quant_method(layer, prefix, quant_config, moe_config):
+            trace = _KeyTrace(self.site, self.key_cls, self.method_base)
+            try:
+                return trace.run(orig, layer, prefix, quant_config, moe_config)
+            except Exception as e:  # noqa: BLE001
+                if trace.raised_in is None:
+                    raise
+                method = _inert(trace.raised_in)
+                self._note(method, trace.keys, f"{type(e).__name__}: {e}", trace.raised_in.__name__)
+                return method
+
+        return _get_quant_method
+
     def _note(self, method, keys, error, name) -> None:
         self.decided[id(method)] = {"keys": dict(keys), "kernel_error": error, "method": name, "obj": method}
 
@@ -427,8 +450,15 @@ class _Recorder:
 def _inert(cls):
     """An instance of quant-method class `cls` (isinstance checks see it) that creates and processes nothing."""
     noop = lambda self, *a, **k: None  # noqa: E731
-    stand_in = type(cls.__name__, (cls,), {"__init__": noop, "create_weights": noop,
-                                           "process_weights_after_loading": noop, "__module__": cls.__module__})
+    # a MoE method rounds its sizes up for the kernel it chose; with no kernel the sizes stay as they are
+    same_sizes = lambda self, hidden, inter, *a, **k: (hidden, inter)  # noqa: E731
+    import torch
+
+    # a method that is also a torch Module (a CustomOp) needs the Module's own state to be assigned to
+    init = (lambda self, *a, **k: torch.nn.Module.__init__(self)) if issubclass(cls, torch.nn.Module) else noop
+    stand_in = type(cls.__name__, (cls,), {"__init__": init, "create_weights": noop,
+                                           "process_weights_after_loading": noop, "maybe_roundup_sizes": same_sizes,
+                                           "__module__": cls.__module__})
     return stand_in()
 
 
@@ -480,8 +510,11 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
 
     packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
     out: dict[str, ModuleQuant] = {}
+    import torch
+
     for name, mod in model.named_modules():
-        if not isinstance(mod, (LinearBase, RoutedExperts, VocabParallelEmbedding)):
+        # a plain torch Linear gets no quant method (vLLM 0.24.0's GLM-4.5 router: glm4_moe.py, an fp32 nn.Linear)
+        if not isinstance(mod, (LinearBase, RoutedExperts, VocabParallelEmbedding, torch.nn.Linear)):
             continue
         method = getattr(mod, "quant_method", None)
         experts = isinstance(mod, RoutedExperts)
@@ -508,7 +541,8 @@ def _read_modules(model, rec: _Recorder) -> dict[str, ModuleQuant]:
         out[prefix] = ModuleQuant(method=note["method"] if note else type(method).__name__, weight=weight,
                                   activation=activation_format(keys.get("activation"), experts), shards=shards,
                                   layer=type(mod).__name__, formats=formats,
-                                  kernel_error=note["kernel_error"] if note else None)
+                                  kernel_error=note["kernel_error"] if note else None,
+                                  params=sorted(n for n, _ in mod.named_parameters(recurse=False)))
     return out
 
 
