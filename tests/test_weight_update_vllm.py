@@ -186,7 +186,8 @@ class VllmStub:
 
 # ---- the bytes vLLM's parameters hold after a live update ----------------------------------------------------------
 CASES = [("bf16", "tiny-moe"), ("nvfp4-pertoken-hp-backward", "tiny-moe"), ("bf16", "deepseek-v3-mini"),
-         ("fp8-blockwise-hopper", "deepseek-v3-mini"), ("miles-nvfp4", "deepseek-v3-mini")]
+         ("fp8-blockwise-hopper", "deepseek-v3-mini"), ("miles-nvfp4", "deepseek-v3-mini"),
+         ("mxfp8-e2e", "deepseek-v3-mini")]
 
 
 @pytest.mark.parametrize("policy,model", CASES)
