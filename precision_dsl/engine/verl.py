@@ -22,16 +22,24 @@ What verl reads, and where each plan value goes (verl 0.9.1 wheel):
            sets itself (quantization, hf_overrides, json_model_override_args, tensor_parallel_size, ...) is never
            put there: it would silently replace verl's own value.
   weights  load_format=dummy: the rollout gets every weight from the actor through verl's weight sync; no converted
-           checkpoint is read. The sync sends the actor's BF16 parameters. For a quantized rollout verl quantizes
-           them itself (vLLM: verl/utils/vllm/vllm_quant_utils.py quant_weights, every param vLLM built as FP8;
-           SGLang: verl/utils/fp8_utils.py FP8QuantizerHelper) with verl/utils/kernel/fp8_kernel.py
-           scaled_fp8_blockwise: scale_inv = max(amax, 1e-10) / 448 and q = x * (1 / scale_inv). The plan's FP8-block
-           format is TransformerEngine's (scale = RN(448 / amax), scale_inv = RN(1 / scale), q = RN(x * scale);
-           all-zero block scale 1): other scale bytes and other values, so a quantized rollout through verl's sync is
-           refused by name, never approximated. rollout.quantization accepts fp8 / torchao / ascend only
-           (_apply_quantization): NVFP4 and MXFP8 rollouts are refused by name too. Supplying them would take a
-           worker extension class (engine_kwargs.vllm.worker_extension_cls) that quantizes with policyc's own
-           quantizers; none is shipped.
+           checkpoint is read. The sync sends the actor's BF16 parameters; for an FP8 vLLM rollout verl quantizes
+           every param vLLM built as FP8 and passes the rest as BF16 (verl/utils/vllm/vllm_quant_utils.py
+           quant_weights / is_fp8_weight), so the plan is carried exactly when vLLM's reading of the config verl
+           injects for rollout.quantization=fp8 (block 128x128, ignored_layers = every `model.layers.{i}.mlp.gate`)
+           gives every served weight the plan's format (the vllm backend's derive_formats on that config); any other
+           plan is refused naming the first tensor it would change (an engine_kwargs.vllm.hf_overrides would
+           replace verl's config behind its sync's back). verl's quantizer (verl/utils/kernel/fp8_kernel.py
+           scaled_fp8_blockwise) runs a Triton kernel wherever Triton imports: scale_inv = max(amax, 1e-10) / 448,
+           q = x * (1 / scale_inv), other bytes than the plan's TransformerEngine FP8-block format; its PyTorch path
+           (VERL_DISABLE_TRITON_FP8=1, set in the env) computes TE's scale = 448 / amax, scale_inv = 1 / scale,
+           q = x * scale, so it is the one used. rollout.quantization accepts fp8 / torchao / ascend only
+           (_apply_quantization), SGLang fp8 only: NVFP4 and MXFP8 rollouts are refused by name (supplying them would
+           take a worker extension class, engine_kwargs.vllm.worker_extension_cls, quantizing with policyc's own
+           quantizers; none is shipped), and so is an FP8 SGLang rollout, whose sender matches
+           SGLANG_FP8_IGNORED_LAYERS with its own rules (verl/utils/sglang/sglang_fp8_utils.py).
+           nvfp4-weight-only: verl's Megatron NVFP4 W4A16 QAT (megatron.qat, ModelOpt fake quantization exported
+           by verl/utils/modelopt/qat_weight_exporter.py) is a different quantizer than the plan's and serves
+           through vLLM's Marlin W4A16 path, which the vllm backend already refuses by name; it is not used.
 
 Everything policyc does not decide is a placeholder the launcher sets ($HF_CKPT, $TRAIN_FILES, $VAL_FILES, $NNODES,
 $GPUS_PER_NODE); every path in the script is absolute. The gate of `policyc check` (megatron + the rollout backend)
@@ -198,31 +206,75 @@ def _quantized_tensor(plan) -> Optional[str]:
     return next((t.hf_name for t in plan.tensors if is_quantized(t) and t.mtp is None), None)
 
 
-def rollout_overrides(plan, rollout: str, manifest: dict, problems: Problems) -> tuple[list[str], dict[str, str]]:
+def verl_fp8_config(num_layers: int) -> dict:
+    """The quantization_config verl 0.9.1 hands vLLM for rollout.quantization=fp8 (vllm_async_server.py
+    _apply_quantization: FP8_BLOCK_QUANT_KWARGS, every layer's router `model.layers.{i}.mlp.gate` ignored)."""
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+            "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(num_layers)]}
+
+
+def _fp8_rollout(plan, arch, manifest: dict, problems: Problems) -> bool:
+    """Whether verl's own FP8 rollout serves exactly the plan: vLLM's reading (the vllm backend's derive_formats)
+    of the config verl injects must give every served weight the plan's format. verl's sync then quantizes exactly
+    the params vLLM built as FP8 (vllm_quant_utils.py is_fp8_weight) and passes the rest as BF16."""
+    from ..backends.registry import get_backend
+    from ..backends.vllm import MANIFEST
+
+    argv = list(manifest["engine_args"])
+    qcfg = verl_fp8_config(int(arch.config.get("num_hidden_layers", plan.num_layers)))
+    argv[argv.index("--hf-overrides") + 1] = json.dumps({"quantization_config": qcfg})
+    derived = get_backend("vllm").derive_formats({MANIFEST: json.dumps({**manifest, "engine_args": argv})}, arch)
+    for t in plan.tensors:
+        got = derived.get(t.hf_name)
+        if got is None or (not is_quantized(t) and t.precision.weight.kind.value != "bf16"):
+            continue  # not a served GEMM weight / an fp32 exception the vllm backend checks
+        want = t.precision.weight.short() if is_quantized(t) else "bf16"
+        if got != want:
+            problems.add(UnsupportedByBackend(
+                BACKEND, t.hf_name, f"verl's FP8 rollout config (rollout.quantization=fp8: block 128x128, "
+                f"ignored_layers = the routers only, vllm_async_server.py _apply_quantization) makes vLLM serve "
+                f"{got}, the plan says {want}; engine_kwargs.vllm.hf_overrides would replace verl's config behind "
+                "its weight sync's back, so policyc does not emit one",
+                hint="quantize every decoder linear but the routers in FP8 blocks for a verl FP8 rollout, or launch "
+                     "with --engine miles"))
+            return False
+    return True
+
+
+def rollout_overrides(plan, arch, rollout: str, manifest: dict,
+                      problems: Problems) -> tuple[list[str], dict[str, str]]:
     """The rollout's overrides and env from the rollout backend's manifest, refusals into `problems`."""
     quantized = _quantized_tensor(plan)
+    fp8 = False
     if quantized is not None:
         kind = next(t.weight.kind.value for t in plan.tensors if t.hf_name == quantized)
-        if kind == "fp8_block":
-            why = ("verl's weight sync quantizes the actor's BF16 weights itself for an FP8 rollout "
-                   + ("(verl/utils/vllm/vllm_quant_utils.py quant_weights" if rollout == "vllm" else
-                      "(verl/utils/fp8_utils.py FP8QuantizerHelper")
-                   + " -> verl/utils/kernel/fp8_kernel.py scaled_fp8_blockwise: scale_inv = max(amax, 1e-10) / 448, "
-                     "q = x * (1 / scale_inv)), not with the plan's TransformerEngine FP8-block quantizer (scale = "
-                     "RN(448 / amax), scale_inv = RN(1 / scale), q = RN(x * scale)): other bytes after every update")
+        if kind == "fp8_block" and rollout == "vllm":
+            if not _fp8_rollout(plan, arch, manifest, problems):
+                return [], {}
+            fp8 = True
         else:
             why = (f"{kind} rollout: verl 0.9.1 accepts rollout.quantization fp8 / torchao / ascend only "
-                   "(vllm_async_server.py _apply_quantization; SGLang: fp8 only), and its weight sync sends BF16 "
-                   "into whatever the engine built, with no quantizer of this format")
-        problems.add(UnsupportedByBackend(BACKEND, quantized, why,
-                                          hint="keep the rollout BF16 for verl, or launch with --engine miles "
-                                               "(policyc's own live weight update)"))
-        return [], {}
+                   "(vllm_async_server.py _apply_quantization), and its weight sync sends BF16 into whatever the "
+                   "engine built, with no quantizer of this format" if kind != "fp8_block" else
+                   "FP8 SGLang rollout: verl's sender decides per parameter name which weights to quantize "
+                   "(verl/utils/sglang/sglang_fp8_utils.py _matches_ignored_layer, its own matching of "
+                   "SGLANG_FP8_IGNORED_LAYERS) apart from SGLang's own exclusion matching; not verified to agree")
+            problems.add(UnsupportedByBackend(BACKEND, quantized, why,
+                                              hint="use --rollout vllm with an FP8-block plan, keep the rollout BF16 "
+                                                   "for verl, or launch with --engine miles (policyc's own live "
+                                                   "weight update)"))
+            return [], {}
     if rollout == "vllm":
         argv, env = list(manifest["engine_args"]), dict(manifest.get("env") or {})
     else:
         argv, env = list(manifest["server_args"]), dict(manifest.get("env") or {})
-    out = [f"{_ROLLOUT}.name={rollout}", f"{_ROLLOUT}.load_format=dummy", f"{_ROLLOUT}.quantization=null"]
+    out = [f"{_ROLLOUT}.name={rollout}", f"{_ROLLOUT}.load_format=dummy",
+           f"{_ROLLOUT}.quantization=" + ("fp8" if fp8 else "null")]
+    if fp8:
+        # verl's sync quantizer: its default Triton kernel computes scale_inv = max(amax, 1e-10) / 448 and
+        # q = x * (1 / scale_inv); its PyTorch path (this switch) computes TE's scale = 448 / amax,
+        # scale_inv = 1 / scale, q = x * scale, scale 1 for an all-zero block: the plan's bytes
+        env["VERL_DISABLE_TRITON_FP8"] = "1"
     keys = ROLLOUT_KEYS[rollout]
     tp = dp = 1
     ep = False
@@ -236,6 +288,8 @@ def rollout_overrides(plan, rollout: str, manifest: dict, problems: Problems) ->
             ep = True  # verl: enable_expert_parallel = expert_parallel_size > 1, EP = TP x DP
             continue
         name = flag[2:].replace("-", "_")
+        if fp8 and name in ("quantization", "hf_overrides"):
+            continue  # verl's own rollout.quantization=fp8 sets both (checked equal to the plan above)
         if name in VERL_SETS[rollout]:  # pragma: no cover - only quantized plans carry these, refused above
             problems.add(UnsupportedByBackend(BACKEND, "<rollout args>", f"{flag}: verl sets {name} itself and "
                                               "engine_kwargs would override it"))
@@ -246,14 +300,14 @@ def rollout_overrides(plan, rollout: str, manifest: dict, problems: Problems) ->
     return out, env
 
 
-def build_launch(plan, manifest: dict, rollout: str = "vllm", te_version: Optional[str] = None) -> VerlLaunch:
+def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: Optional[str] = None) -> VerlLaunch:
     """The verl launch of a plan the gate accepted (`manifest`: the rollout backend's JSON manifest). Raises the
     collected UnsupportedByBackend refusals. Pure: nothing is written."""
     if rollout not in ROLLOUTS:
         raise VerlError(f"verl rollout engine must be one of {', '.join(ROLLOUTS)}, got {rollout!r}")
     problems = Problems()
     t_over, t_env = trainer_overrides(plan, te_version, problems)
-    r_over, r_env = rollout_overrides(plan, rollout, manifest, problems)
+    r_over, r_env = rollout_overrides(plan, arch, rollout, manifest, problems)
     problems.raise_if_any()
     env = {**t_env, **r_env}
     clash = sorted(k for k in set(t_env) & set(r_env) if t_env[k] != r_env[k])
@@ -334,7 +388,7 @@ def emit_verl_launch(policy: Optional[str], model: str, parallel: Optional[str],
     arts = {a.path: a for a in res.artifacts}
     manifest = json.loads(arts[f"{rollout}/{'serve_args' if rollout == 'vllm' else 'server_args'}.json"].data())
     try:
-        launch = build_launch(plan, manifest, rollout, te_version)
+        launch = build_launch(plan, arch, manifest, rollout, te_version)
     except UnsupportedByBackend as err:
         diags = refusal_diagnostics(err)
         raise VerlError(f"verl {VERL_VERSION} cannot carry this plan ({len(diags)} refusal(s)): "

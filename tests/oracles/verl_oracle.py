@@ -19,8 +19,9 @@ What is asked, per launch (the Hydra overrides of `verl_overrides.txt`, placehol
   * the values verl then holds: the rollout dataclass (name, quantization, load_format, parallel sizes,
     engine_kwargs), the Megatron engine's parallel sizes / dtype / override_transformer_config, and the Ray runtime
     env as main_ppo passes it to ray.init (OmegaConf.to_container of ray_kwargs.ray_init).
-Also `fp8_blockwise(x)`: verl's own FP8 weight-sync quantizer (verl/utils/kernel/fp8_kernel.py, its PyTorch path) on
-a tensor, the bytes and scales it sends.
+Also `fp8_blockwise(x)`: verl's own FP8 weight-sync quantizer (verl/utils/kernel/fp8_kernel.py) on a tensor, both
+of its paths: the Triton kernel it uses wherever Triton imports (run by Triton's interpreter here, TRITON_INTERPRET=1)
+and the PyTorch path VERL_DISABLE_TRITON_FP8=1 selects; the bytes and scales each sends.
 
 Where verl cannot be obtained or loaded, OracleUnavailable is raised with the reason (tests fail, never skip).
 """
@@ -124,7 +125,8 @@ def check(launches: dict[str, list[str]]) -> dict[str, dict]:
 
 
 def fp8_blockwise(values: list[list[float]], block: int = 128) -> dict:
-    """verl's FP8 weight-sync quantizer on one bf16 tensor: {"bytes": [[uint8]], "scale_inv": [[float]]}."""
+    """verl's FP8 weight-sync quantizer on one bf16 tensor: {"triton"|"pytorch": {"bytes": [[uint8]],
+    "scale_inv": [[float]]}}."""
     return _ask({"op": "fp8", "values": values, "block": block})
 
 
@@ -132,6 +134,7 @@ def fp8_blockwise(values: list[list[float]], block: int = 128) -> dict:
 # the verl process
 # ---------------------------------------------------------------------------------------------------------------
 def _serve(site: str, src: str, dst: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # verl's Triton kernels on this CPU (read when triton is imported)
     sys.path.insert(0, site)
     from oracles._sandbox import Sandbox
 
@@ -197,8 +200,15 @@ def _check(verl, launches: dict[str, list[str]]) -> dict[str, dict]:
 def _fp8(request: dict) -> dict:
     import torch
 
-    from verl.utils.kernel.fp8_kernel import _scaled_fp8_blockwise_pytorch
+    from verl.utils.kernel import fp8_kernel
 
     x = torch.tensor(request["values"], dtype=torch.float32).to(torch.bfloat16)
-    q, s = _scaled_fp8_blockwise_pytorch(x, [request["block"], request["block"]])
-    return {"bytes": q.view(torch.uint8).tolist(), "scale_inv": s.float().tolist()}
+    block = [request["block"], request["block"]]
+    if not fp8_kernel._TRITON_AVAILABLE:
+        raise OracleUnavailable("verl's fp8_kernel found no Triton (the test extra installs it)")
+    out = {}
+    for path, fn in (("triton", fp8_kernel.scaled_fp8_blockwise_triton),
+                     ("pytorch", fp8_kernel._scaled_fp8_blockwise_pytorch)):
+        q, s = fn(x, block)
+        out[path] = {"bytes": q.view(torch.uint8).tolist(), "scale_inv": s.float().reshape(-1).tolist()}
+    return out
