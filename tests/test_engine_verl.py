@@ -35,7 +35,8 @@ FLAG_OF = {**{v: k for k, v in mo.FLAG_FIELDS.items()}, **{v: k for k, v in mo.B
 
 
 def _overrides(launch: ve.VerlLaunch) -> list[str]:
-    return ve.read_overrides("\n".join(launch.overrides), VALUES)
+    """The launch's overrides as the script passes them, with its own default GPU count."""
+    return ve.read_overrides("\n".join(launch.overrides), {**VALUES, "GPUS_PER_NODE": str(launch.gpus_per_node)})
 
 
 def _manifest(res, rollout: str) -> dict:

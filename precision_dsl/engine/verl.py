@@ -73,7 +73,7 @@ OVERRIDES = "verl_overrides.txt"
 # Placeholders of the launch (shell variables set by whoever runs it) and the value the oracle substitutes.
 PLACEHOLDERS = {"HF_CKPT": "the BF16 HF checkpoint directory", "TRAIN_FILES": "the training parquet file(s)",
                 "VAL_FILES": "the validation parquet file(s) (default: TRAIN_FILES)",
-                "NNODES": "nodes (default 1)", "GPUS_PER_NODE": "GPUs per node (default 8)"}
+                "NNODES": "nodes (default 1)", "GPUS_PER_NODE": "GPUs per node (default: default_gpus)"}
 
 _MEGATRON = "actor_rollout_ref.actor.megatron"
 _ROLLOUT = "actor_rollout_ref.rollout"
@@ -124,7 +124,24 @@ class VerlLaunch:
     overrides: list[str]  # Hydra overrides; "$NAME" placeholders are expanded by the shell
     env: dict[str, str]  # also in the Ray runtime env
     unset_env: list[str]
+    gpus_per_node: int = 8  # the script's default: the smallest GPU count the layouts fit
     notes: list[str] = field(default_factory=list)
+
+
+def default_gpus(plan) -> int:
+    """The smallest world both layouts tile (Megatron: tp x pp and pp x ep x etp divide it; the rollout: tp x dp
+    replicas), or 8 when 8 is a multiple of it (one common node)."""
+    from math import lcm
+
+    t = plan.parallel.trainer if plan.parallel else None
+    r = plan.parallel.rollout if plan.parallel else None
+    sizes = [1]
+    if t is not None:
+        sizes += [t.tp * t.pp, t.pp * t.ep * t.etp]
+    if r is not None:
+        sizes += [max(r.tp, r.ep)]  # vLLM: EP = TP x DP ranks per replica
+    n = lcm(*sizes)
+    return 8 if 8 % n == 0 else n
 
 
 def _hydra_str(value: str) -> str:
@@ -321,7 +338,7 @@ def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: 
              f"the unset TE variables ({', '.join(megatron.UNSET_ENV)}) are unset in this shell; a Ray cluster "
              "started elsewhere must not set them either"]
     return VerlLaunch(overrides=base + RL_OVERRIDES + t_over + r_over + env_over, env=env,
-                      unset_env=list(megatron.UNSET_ENV), notes=notes)
+                      unset_env=list(megatron.UNSET_ENV), gpus_per_node=default_gpus(plan), notes=notes)
 
 
 def script_text(plan, launch: VerlLaunch, rollout: str) -> str:
@@ -334,12 +351,11 @@ def script_text(plan, launch: VerlLaunch, rollout: str) -> str:
         + (f"vLLM >= {_vllm_version()} rollout" if rollout == "vllm" else
            f"SGLang {versions.TESTED['sglang']} rollout") + "; weights reach the rollout only through verl's sync.",
         "set -euo pipefail",
-        'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'HF_CKPT="${HF_CKPT:?set HF_CKPT to the BF16 HF checkpoint directory of ' + plan.model + '}"',
         'TRAIN_FILES="${TRAIN_FILES:?set TRAIN_FILES to the training parquet file}"',
         'VAL_FILES="${VAL_FILES:-$TRAIN_FILES}"',
         'NNODES="${NNODES:-1}"',
-        'GPUS_PER_NODE="${GPUS_PER_NODE:-8}"',
+        f'GPUS_PER_NODE="${{GPUS_PER_NODE:-{launch.gpus_per_node}}}"',
         "",
         "# 1. environment of the driver (and of the local Ray cluster it starts); the same values travel in",
         "#    ray_kwargs.ray_init.runtime_env.env_vars below",
