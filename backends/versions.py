@@ -14,7 +14,10 @@ Each entry was read in the engines' published sources (tests/test_te_versions.py
            save_original_input (pytorch/module/linear.py, grouped_linear.py: `elif backward_override ==
            "dequantized": save_original_input = False`); in 2.17 those modules' wgrad used the BF16 input
   megatron-core 0.16.0  per-module TE precision config (--te-precision-config-file, TEQuantizationParams);
-           absent in core_v0.15.3. policyc's oracle runs 0.16.1.
+           absent in core_v0.15.3. policyc's oracle runs 0.16.1 (installed) and 0.19.2 (the newest release, from its
+           wheel in another process: tests/test_megatron_oracle.py test_newer_megatron_core_agrees), and both run
+           every module of every accepted cell as the plan says, so the open range `megatron-core>=0.16.0` in the
+           Megatron artifact headers is verified up to VERIFIED["megatron-core"][-1]
   SGLang 0.5.23  the version whose source the SGLang oracle reads (no older release is verified)
 """
 
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 TESTED = {"transformer-engine": "2.20.2", "megatron-core": "0.16.1", "sglang": "0.5.23"}
+# Every release an oracle judged the emitted artifacts with (oldest first); TESTED is the one installed for tests.
+VERIFIED = {"megatron-core": ("0.16.1", "0.19.2")}
 
 # capability -> (engine, first version that has it)
 CAPABILITIES: dict[str, tuple[str, str]] = {

@@ -21,17 +21,35 @@ Nothing here re-implements megatron-core's decisions; each step calls its code:
     uses); when the override does not apply, the module runs the context's (global) recipe.
 
 A load failure raises OracleUnavailable with the reason (tests turn it into a failure, never a skip).
+
+Other megatron-core releases (VERSIONS) are judged by the same functions in a separate process (`judge_in_process`):
+the release's wheel is downloaded once with `pip download --no-deps` into the oracle cache, unpacked, and put first
+on that process's sys.path, so the session's installed 0.16.1 is never shadowed. megatron-core >= 0.17 declares
+Requires-Python >= 3.12; its sources import and run on 3.11 (only the wheel's metadata asks for 3.12), so the wheel
+is fetched with `--python-version 3.12`. The CLI flag -> field table stays Megatron-LM core_v0.16.1's (the training
+arguments are not in the wheel); every field must exist in the release's TransformerConfig, whose constructor
+rejects any other keyword.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-MEGATRON_CORE_VERSION = "0.16.1"
+MEGATRON_CORE_VERSION = "0.16.1"  # the installed one (test extra)
+# Every release the Megatron artifacts are judged by: the installed one and the newest on the registry (read from its
+# wheel, in another process).
+VERSIONS = ("0.16.1", "0.19.2")
 KIND_OF_RECIPE = {"mxfp8": "mxfp8", "blockwise": "fp8_block", "tensorwise": "fp8", "nvfp4": "nvfp4"}
 
 # Megatron-LM core_v0.16.1 CLI flag -> TransformerConfig field (value flags)
@@ -57,18 +75,17 @@ class OracleUnavailable(RuntimeError):
     pass
 
 
-def load():
+def load(version: str = MEGATRON_CORE_VERSION):
     try:
         import megatron.core as mc
         from megatron.core.extensions import transformer_engine as te_ext  # noqa: F401
         from megatron.core.quantization import utils as qutils  # noqa: F401
         from megatron.core.transformer import transformer_block, transformer_layer  # noqa: F401
     except Exception as err:  # pragma: no cover - the failure path is the point
-        raise OracleUnavailable(f"megatron-core {MEGATRON_CORE_VERSION} cannot be imported ({err!r}); install the "
+        raise OracleUnavailable(f"megatron-core {version} cannot be imported ({err!r}); install the "
                                 "test extra: pip install -e '.[test]'") from err
-    if mc.__version__ != MEGATRON_CORE_VERSION:
-        raise OracleUnavailable(f"megatron-core {mc.__version__} installed; the oracle is pinned to "
-                                f"{MEGATRON_CORE_VERSION}")
+    if mc.__version__ != version:
+        raise OracleUnavailable(f"megatron-core {mc.__version__} imported; the oracle is pinned to {version}")
     return mc
 
 
@@ -227,3 +244,92 @@ def read_modules(config, modules: list[str]) -> dict[str, tuple[int, Reading]]:
             name = getattr(rec.fp4_quantization_recipe, "value", rec.fp4_quantization_recipe)
             out[mod] = (rank, Reading(KIND_OF_RECIPE[str(name)]))
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# another release, from its wheel, in its own process
+# ---------------------------------------------------------------------------------------------------------------
+def cache_dir() -> Path:
+    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
+
+
+def fetch_site(version: str) -> Path:
+    """The unpacked megatron-core `version` wheel (pip download --no-deps, PyPI, once; reused after)."""
+    root = cache_dir()
+    site = root / f"megatron-core-{version}-site"
+    if (site / ".complete").is_file():
+        return site
+    wheels = root / "wheels"
+    pattern = f"megatron_core-{version}-*.whl"
+    found = sorted(wheels.glob(pattern))
+    if not found:
+        wheels.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
+               "3.12", "-q", "-d", str(wheels), f"megatron-core=={version}"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        found = sorted(wheels.glob(pattern))
+        if r.returncode != 0 or not found:
+            raise OracleUnavailable(f"cannot download megatron-core=={version} ({' '.join(cmd)}): "
+                                    f"{(r.stderr or r.stdout).strip()[-600:]}")
+    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
+    try:
+        with zipfile.ZipFile(found[0]) as z:
+            z.extractall(tmp, [n for n in z.namelist() if n.startswith("megatron/")])
+        (tmp / ".complete").write_text(found[0].name)
+        if site.exists():
+            shutil.rmtree(site)
+        os.rename(tmp, site)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return site
+
+
+@dataclass(frozen=True)
+class Job:
+    """One judgment: the architecture (bundled model name), the emitted flags and the directory of the YAML."""
+
+    key: str
+    model: str
+    flags: list
+    yaml_dir: Optional[str]
+    modules: list
+
+
+def judge(jobs: list[Job], version: str = MEGATRON_CORE_VERSION) -> dict[str, dict]:
+    """{key: {"stages": [[start, stop]], "modules": {module: [rank, kind, fp8_format]}} or {"error": text}} read by
+    the megatron-core imported in this process (pinned to `version`)."""
+    from precision_dsl.arch import load_architecture
+
+    load(version)
+    out: dict[str, dict] = {}
+    for job in jobs:
+        try:
+            config = build_config(load_architecture(job.model), list(job.flags),
+                                  Path(job.yaml_dir) if job.yaml_dir else None)
+            mods = read_modules(config, list(job.modules))
+            out[job.key] = {"stages": [[r.start, r.stop] for r in stages(config)],
+                            "modules": {m: [rank, r.kind, r.fp8_format] for m, (rank, r) in mods.items()}}
+        except Exception as err:  # megatron-core's own validation refusing is an answer, not a crash
+            out[job.key] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def judge_in_process(jobs: list[Job], version: str, timeout: float = 900) -> dict[str, dict]:
+    """`judge` under megatron-core `version` from its wheel, in a fresh process (the installed release stays in
+    this one)."""
+    site = fetch_site(version)
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d) / "jobs.json", Path(d) / "out.json"
+        src.write_text(json.dumps([job.__dict__ for job in jobs]))
+        code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2], sys.argv[3]]; import megatron_oracle "
+                "as mo; jobs = [mo.Job(**j) for j in json.load(open(sys.argv[4]))]; "
+                "json.dump(mo.judge(jobs, sys.argv[6]), open(sys.argv[5], 'w'))")
+        r = subprocess.run([sys.executable, "-c", code, str(site), str(Path(__file__).parent), str(repo), str(src),
+                            str(dst), version], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if r.returncode != 0 or not dst.exists():
+            raise OracleUnavailable(f"megatron-core {version} judge process failed (rc {r.returncode}): "
+                                    f"{(r.stderr or r.stdout).strip()[-1500:]}")
+        return json.loads(dst.read_text())

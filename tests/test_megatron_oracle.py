@@ -100,3 +100,59 @@ def test_megatron_core_runs_the_plan(model, tmp_path):
             plan.num_layers, plan.parallel.trainer.pp if plan.parallel else 1)], where
         checked += 1
     assert checked >= 20, (checked, refused)
+
+
+def _jobs(model: str, tmp_path) -> tuple[list, dict]:
+    """One megatron_oracle.Job per cell of `model` the Megatron gate accepts, and the plan of each."""
+    from precision_dsl.backends import megatron as mg
+    from precision_dsl.engine.gate import run_gate
+
+    arch = arch_of(model)
+    jobs, plans = [], {}
+    for policy, m, lay in cells():
+        if m != model:
+            continue
+        plan = plan_of(policy, model, lay)
+        res = run_gate(plan, arch, ["megatron"])
+        if not res.ok():
+            continue
+        arts = {a.path: a for a in res.artifacts}
+        d = tmp_path / model / policy / lay
+        d.mkdir(parents=True)
+        for p, a in arts.items():
+            if p.endswith(".yaml"):
+                (d / p.split("/")[-1]).write_text(a.content)
+        key = f"{policy} x {model} x {lay}"
+        jobs.append(mo.Job(key, model, mg.read_args(arts["megatron/args.txt"].content), str(d),
+                           sorted(_expected(plan))))
+        plans[key] = plan
+    return jobs, plans
+
+
+@pytest.mark.parametrize("version", [v for v in mo.VERSIONS if v != mo.MEGATRON_CORE_VERSION])
+def test_newer_megatron_core_agrees(version, tmp_path):
+    """megatron-core `version` (its own wheel, its own process) runs every accepted cell as the plan says, module by
+    module and rank by rank, exactly as the installed 0.16.1 does: the `megatron-core>=0.16.0` every Megatron artifact
+    declares holds for it too."""
+    if LOAD_ERROR:
+        pytest.fail(LOAD_ERROR)
+    from precision_dsl.backends import megatron as mg
+
+    jobs, plans = [], {}
+    for model in MODELS:
+        j, p = _jobs(model, tmp_path)
+        jobs += j
+        plans.update(p)
+    newer = mo.judge_in_process(jobs, version)
+    installed = mo.judge(jobs)
+    assert newer.keys() == installed.keys() == plans.keys()
+    for key, plan in plans.items():
+        assert "error" not in newer[key], f"{key}: megatron-core {version} refuses: {newer[key]['error']}"
+        assert newer[key] == installed[key], f"{key}: megatron-core {version} differs from {mo.MEGATRON_CORE_VERSION}"
+        want = {mod: _plan_reading(ts[0]) for mod, ts in _expected(plan).items()}
+        got = {mod: mo.Reading(kind, fmt) for mod, (_, kind, fmt) in newer[key]["modules"].items()}
+        wrong = {m: (got[m], w) for m, w in want.items() if got[m] != w}
+        assert not wrong, f"{key}: megatron-core {version} runs (got, plan) {dict(list(wrong.items())[:4])}"
+        assert newer[key]["stages"] == [[r.start, r.stop] for r in mg.stage_ranges(
+            plan.num_layers, plan.parallel.trainer.pp if plan.parallel else 1)], key
+    assert len(plans) >= 60, len(plans)

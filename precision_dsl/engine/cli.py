@@ -172,7 +172,9 @@ def register(app: typer.Typer) -> None:
         kl_coef: float = typer.Option(0.0, "--kl-coef"),
         digits: int = typer.Option(2, "--digits", help="arithmetic: digits per operand"),
         operators: str = typer.Option("+", "--operators", help="arithmetic: subset of '+-*'"),
-        engine: str = typer.Option("embedded", "--engine", help="embedded | miles (emit a Miles launch script)"),
+        engine: str = typer.Option("embedded", "--engine", help="embedded | miles | verl (emit a Miles / verl "
+                                   "launch script)"),
+        rollout: str = typer.Option("vllm", "--rollout", help="verl: the rollout engine, vllm | sglang"),
         parallel: Optional[str] = typer.Option(None, "--parallel", help="miles: parallel layout, e.g. "
                                                "'trainer:tp=4,ep=8 rollout:tp=8,ep=8'"),
         launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
@@ -200,10 +202,16 @@ def register(app: typer.Typer) -> None:
                 script = emit_miles_launch(policy, model, parallel, out_dir, launch=launch)
                 con.print(f"wrote {script}")
                 return
+            if engine == "verl":
+                from .verl import emit_verl_launch
+
+                out_dir = _fresh_out_dir(out, f"verl-{Path(policy or 'default').stem}", overwrite)
+                con.print(f"wrote {emit_verl_launch(policy, model, parallel, out_dir, rollout=rollout)}")
+                return
             if engine != "embedded":
                 from ..console import UserError
 
-                raise UserError(f"--engine must be embedded or miles, got {engine!r}")
+                raise UserError(f"--engine must be embedded, miles or verl, got {engine!r}")
             from .loop import RunConfig
             from .plans import policy_path
 

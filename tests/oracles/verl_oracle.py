@@ -1,0 +1,214 @@
+"""verl 0.9.1, asked directly: does its own configuration code accept the launch policyc emits, and what does it make
+of each value?
+
+How verl is obtained: `pip download --no-deps` of verl 0.9.1 and of the configuration libraries it composes with
+(hydra-core 1.3.2, omegaconf 2.3.0, and the antlr4 runtime 4.9.3 omegaconf's grammar was generated with; that one is
+published as a pure-Python sdist, whose `src/antlr4` is taken as is) into the one wheel cache
+($POLICYC_ORACLE_CACHE/wheels, ~2 MB), unpacked once into `verl-0.9.1-site`. Nothing of verl is copied into this
+repository. verl runs in a separate process (`check`): the site goes first on its sys.path, so this session's own
+antlr4 (a newer runtime) is never shadowed, and the heavy modules verl imports at config time but that this box does
+not have (ray, tensordict, transfer_queue, codetiming, wandb, orjson, datasets, pandas) are inert stubs
+(tests/oracles/_sandbox.py); every verl, Hydra and OmegaConf module is real.
+
+What is asked, per launch (the Hydra overrides of `verl_overrides.txt`, placeholders filled with absolute paths):
+  * `hydra.compose("ppo_megatron_trainer", overrides)` on verl's own config directory (unknown keys without `+`,
+    type errors, bad interpolations are refused here);
+  * `verl.utils.config.omega_conf_to_dataclass` of the rollout, actor and actor.megatron sections
+    (RolloutConfig.__post_init__: EP = TP x DP, the name checks; McoreActorConfig / McoreEngineConfig);
+  * `verl.utils.config.validate_config(cfg, need_reference_policy(cfg), need_critic(cfg))`, as main_ppo runs it;
+  * the values verl then holds: the rollout dataclass (name, quantization, load_format, parallel sizes,
+    engine_kwargs), the Megatron engine's parallel sizes / dtype / override_transformer_config, and the Ray runtime
+    env as main_ppo passes it to ray.init (OmegaConf.to_container of ray_kwargs.ray_init).
+Also `fp8_blockwise(x)`: verl's own FP8 weight-sync quantizer (verl/utils/kernel/fp8_kernel.py) on a tensor, both
+of its paths: the Triton kernel it uses wherever Triton imports (run by Triton's interpreter here, TRITON_INTERPRET=1)
+and the PyTorch path VERL_DISABLE_TRITON_FP8=1 selects; the bytes and scales each sends.
+
+Where verl cannot be obtained or loaded, OracleUnavailable is raised with the reason (tests fail, never skip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+VERL_VERSION = "0.9.1"
+WHEELS = (f"verl=={VERL_VERSION}", "hydra-core==1.3.2", "omegaconf==2.3.0")
+ANTLR = "antlr4-python3-runtime==4.9.3"  # omegaconf 2.3.0's grammar needs exactly this runtime
+STUBS = ("ray", "tensordict", "transfer_queue", "codetiming", "wandb", "orjson", "datasets", "pandas")
+PACKAGES = ("verl", "hydra", "omegaconf", "antlr4")
+CONFIG_NAME = "ppo_megatron_trainer"
+
+
+class OracleUnavailable(RuntimeError):
+    """verl could not be obtained or loaded: the reason, for a failing test."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
+
+
+def _sdist(req: str) -> Path:
+    wheels = cache_dir() / "wheels"
+    name, version = req.split("==")
+    found = sorted(wheels.glob(f"{name}-{version}.tar.gz"))
+    if found:
+        return found[0]
+    wheels.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", str(wheels), req]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheels.glob(f"{name}-{version}.tar.gz"))
+    if r.returncode != 0 or not found:
+        raise OracleUnavailable(f"cannot download {req} ({' '.join(cmd)}): {(r.stderr or r.stdout).strip()[-600:]}")
+    return found[0]
+
+
+def fetch_site() -> Path:
+    """The unpacked verl wheel + Hydra + OmegaConf + antlr4 4.9.3, downloaded with pip once and reused."""
+    from .sglang_oracle import OracleUnavailable as WheelUnavailable, wheel
+
+    root = cache_dir()
+    site = root / f"verl-{VERL_VERSION}-site"
+    if (site / ".complete").is_file():
+        return site
+    try:
+        whls = [wheel(req) for req in WHEELS]
+    except WheelUnavailable as err:
+        raise OracleUnavailable(str(err)) from None
+    sdist = _sdist(ANTLR)
+    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
+    try:
+        for whl in whls:
+            with zipfile.ZipFile(whl) as z:
+                z.extractall(tmp, [n for n in z.namelist() if ".dist-info/" not in n])
+        with tarfile.open(sdist) as t:
+            top = sdist.name[:-len(".tar.gz")]
+            members = [m for m in t.getmembers() if m.name.startswith(f"{top}/src/antlr4/") and m.isfile()]
+            for m in members:
+                m.name = m.name[len(f"{top}/src/"):]
+            t.extractall(tmp, members, filter="data")
+        (tmp / ".complete").write_text(json.dumps(sorted(p.name for p in whls + [sdist])))
+        if site.exists():
+            shutil.rmtree(site)
+        os.rename(tmp, site)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return site
+
+
+def _ask(request: dict, timeout: float = 900) -> dict:
+    site = fetch_site()
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = Path(d) / "in.json", Path(d) / "out.json"
+        src.write_text(json.dumps(request))
+        tests = str(Path(__file__).resolve().parents[1])
+        code = (f"import sys; sys.path.insert(0, {tests!r}); from oracles.verl_oracle import _serve; "
+                f"_serve({str(site)!r}, {str(src)!r}, {str(dst)!r})")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if r.returncode != 0 or not dst.exists():
+            raise OracleUnavailable(f"verl {VERL_VERSION} process failed (rc {r.returncode}): "
+                                    f"{(r.stderr or r.stdout).strip()[-1500:]}")
+        return json.loads(dst.read_text())
+
+
+def check(launches: dict[str, list[str]]) -> dict[str, dict]:
+    """{key: verl's reading of the launch} or {key: {"error": verl's own error text}} for every override list."""
+    return _ask({"op": "check", "launches": launches})
+
+
+def fp8_blockwise(values: list[list[float]], block: int = 128) -> dict:
+    """verl's FP8 weight-sync quantizer on one bf16 tensor: {"triton"|"pytorch": {"bytes": [[uint8]],
+    "scale_inv": [[float]]}}."""
+    return _ask({"op": "fp8", "values": values, "block": block})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the verl process
+# ---------------------------------------------------------------------------------------------------------------
+def _serve(site: str, src: str, dst: str) -> None:
+    os.environ["TRITON_INTERPRET"] = "1"  # verl's Triton kernels on this CPU (read when triton is imported)
+    sys.path.insert(0, site)
+    from oracles._sandbox import Sandbox
+
+    request = json.loads(Path(src).read_text())
+    with Sandbox(site, PACKAGES, stubs=STUBS):
+        import verl
+
+        out = _check(verl, request["launches"]) if request["op"] == "check" else _fp8(request)
+    Path(dst).write_text(json.dumps(out))
+
+
+def _plain(obj):
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict) or hasattr(obj, "items"):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return repr(obj)
+
+
+def _check(verl, launches: dict[str, list[str]]) -> dict[str, dict]:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    out: dict[str, dict] = {}
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        for key, overrides in launches.items():
+            try:
+                cfg = compose(CONFIG_NAME, overrides=list(overrides))
+                rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+                actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+                engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
+                ref = need_reference_policy(cfg)
+                validate_config(cfg, use_reference_policy=ref, use_critic=need_critic(cfg))
+                ray_init = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
+                out[key] = {
+                    "rollout": {k: _plain(getattr(rollout, k)) for k in (
+                        "name", "quantization", "quantization_config_file", "load_format", "dtype",
+                        "tensor_model_parallel_size", "data_parallel_size", "expert_parallel_size",
+                        "pipeline_model_parallel_size", "engine_kwargs", "n")},
+                    "actor": {"strategy": actor.strategy, "use_kl_loss": actor.use_kl_loss},
+                    "megatron": {k: _plain(getattr(engine, k)) for k in (
+                        "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                        "expert_tensor_parallel_size", "dtype", "override_transformer_config")},
+                    "qat": _plain(getattr(engine, "qat", None)),
+                    "env_vars": (ray_init.get("runtime_env") or {}).get("env_vars") or {},
+                    "need_reference_policy": bool(ref),
+                }
+            except BaseException as err:  # verl's own refusal is the answer
+                out[key] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+def _fp8(request: dict) -> dict:
+    import torch
+
+    from verl.utils.kernel import fp8_kernel
+
+    x = torch.tensor(request["values"], dtype=torch.float32).to(torch.bfloat16)
+    block = [request["block"], request["block"]]
+    if not fp8_kernel._TRITON_AVAILABLE:
+        raise OracleUnavailable("verl's fp8_kernel found no Triton (the test extra installs it)")
+    out = {}
+    for path, fn in (("triton", fp8_kernel.scaled_fp8_blockwise_triton),
+                     ("pytorch", fp8_kernel._scaled_fp8_blockwise_pytorch)):
+        q, s = fn(x, block)
+        out[path] = {"bytes": q.view(torch.uint8).tolist(), "scale_inv": s.float().reshape(-1).tolist()}
+    return out

@@ -1,0 +1,264 @@
+"""`policyc run --engine verl` judged by verl 0.9.1's own configuration code (tests/oracles/verl_oracle.py: Hydra
+compose of ppo_megatron_trainer, its config dataclasses, validate_config) and by megatron-core's (the Megatron actor's
+override_transformer_config read as TransformerConfig, tests/megatron_oracle.py).
+
+Every shipped policy x {qwen3-30b-a3b, deepseek-v3} x layouts x {vllm, sglang} rollout is either accepted by verl
+with every value the plan's (trainer recipe per module, rollout layout, no rollout quantization, the env in the Ray
+runtime env as strings) or refused by name (tensor + capability); the refusal of a quantized rollout rests on verl's
+own FP8 sync quantizer giving other bytes than the plan's format, checked here on a tensor."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import subprocess
+
+import pytest
+
+import megatron_oracle as mo
+from conftest import StrictCliRunner
+from matrix import LAYOUTS, POLICIES, arch_of, plan_of
+from oracles import verl_oracle as vo
+from precision_dsl.backends.common import UnsupportedByBackend
+from precision_dsl.backends.registry import EmitOptions
+from precision_dsl.cli import app
+from precision_dsl.engine import verl as ve
+from precision_dsl.engine.gate import refusal_diagnostics, run_gate
+
+runner = StrictCliRunner()
+MODELS = ["qwen3-30b-a3b", "deepseek-v3"]
+VALUES = {"HF_CKPT": "/models/hf", "TRAIN_FILES": "/data/train.parquet", "VAL_FILES": "/data/val.parquet",
+          "NNODES": "1", "GPUS_PER_NODE": "8"}
+SEED = ("miles-nvfp4", "qwen3-30b-a3b")
+# Megatron-LM flag of each TransformerConfig field, as the megatron oracle's own table names them
+FLAG_OF = {**{v: k for k, v in mo.FLAG_FIELDS.items()}, **{v: k for k, v in mo.BOOL_FLAGS.items()}}
+
+
+def _overrides(launch: ve.VerlLaunch) -> list[str]:
+    """The launch's overrides as the script passes them, with its own default GPU count."""
+    return ve.read_overrides("\n".join(launch.overrides), {**VALUES, "GPUS_PER_NODE": str(launch.gpus_per_node)})
+
+
+def _manifest(res, rollout: str) -> dict:
+    import json
+
+    name = "serve_args" if rollout == "vllm" else "server_args"
+    return json.loads(next(a for a in res.artifacts if a.path == f"{rollout}/{name}.json").data())
+
+
+def _plan_reading(t) -> mo.Reading:
+    p = t.precision
+    if not p.is_quantized:
+        return mo.Reading("bf16")
+    if t.weight.kind.value == "nvfp4":
+        return mo.Reading("nvfp4")
+    hybrid = p.backward.value == "quantized" and p.grad.element == "e5m2"
+    return mo.Reading(t.weight.kind.value, "hybrid" if hybrid else "e4m3")
+
+
+def _megatron_runs_the_plan(plan, model: str, reading: dict) -> None:
+    """megatron-core builds TransformerConfig from what verl holds (parallel sizes + override_transformer_config)
+    and runs every decoder module with the plan's recipe."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from precision_dsl.backends.megatron import megatron_module
+
+    meg = reading["megatron"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    ours = {k: v for k, v in meg["override_transformer_config"].items()
+            if k not in ("recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
+                         "attention_backend")}  # verl's own defaults
+    assert set(ours) <= fields, f"not TransformerConfig fields: {set(ours) - fields}"
+    flags = ["--bf16"] if meg["dtype"] == "bfloat16" else []
+    for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+              "expert_tensor_parallel_size"):
+        if meg[k] is not None:
+            flags += [FLAG_OF[k], str(meg[k])]
+    for k, v in ours.items():
+        if k == "transformer_impl":
+            flags += ["--transformer-impl", v]
+        elif v is True:
+            flags.append(FLAG_OF[k])
+        else:
+            flags += [FLAG_OF[k], str(v)]
+    config = mo.build_config(arch_of(model), flags, None)
+    mods = {}
+    for t in plan.tensors:
+        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
+                and t.role != "mtp.eh_proj":
+            mods.setdefault(megatron_module(t.megatron_name), t)
+    got = mo.read_modules(config, sorted(mods))
+    wrong = {m: (got[m][1], _plan_reading(t)) for m, t in mods.items() if got[m][1] != _plan_reading(t)}
+    assert not wrong, f"megatron-core runs (got, plan) {dict(list(wrong.items())[:4])}"
+
+
+def _rollout_layout(plan, rollout: str) -> dict:
+    side = plan.parallel.rollout if plan.parallel else None
+    tp, ep = (side.tp, side.ep) if side else (1, 1)
+    return {"tensor_model_parallel_size": tp, "expert_parallel_size": ep}
+
+
+def test_every_cell_is_accepted_by_verl_or_refused_by_name():
+    accepted, refused, names = {}, {}, {}
+    for model in MODELS:
+        arch = arch_of(model)
+        for policy in POLICIES:
+            for lay in LAYOUTS:
+                plan = plan_of(policy, model, lay)
+                for rollout in ve.ROLLOUTS:
+                    key = f"{policy} x {model} x {lay} x {rollout}"
+                    res = run_gate(plan, arch, ["megatron", rollout], EmitOptions(rollout=rollout))
+                    if not res.ok():
+                        assert all(d.tensor and d.message for d in res.errors()), key
+                        refused[key] = [d.message for d in res.errors()]
+                        continue
+                    try:
+                        launch = ve.build_launch(plan, arch, _manifest(res, rollout), rollout)
+                    except UnsupportedByBackend as err:
+                        diags = refusal_diagnostics(err)
+                        assert diags and all(d.tensor and d.code == "unsupported-by-verl" and d.hint
+                                             for d in diags), key
+                        refused[key] = [d.message for d in diags]
+                        continue
+                    accepted[key] = (plan, model, rollout, launch)
+                    names[key] = _overrides(launch)
+    # the seed recipe: refused by name, for both of verl's gaps
+    seed = refused[f"{SEED[0]} x {SEED[1]} x none x vllm"]
+    assert any("per-module TE precision recipe" in m for m in seed), seed
+    assert any("nvfp4 rollout" in m and "model.layers.0.mlp.experts.0" in m for m in seed), seed
+    # FP8 blocks with the last layers BF16: verl's own FP8 config would quantize them
+    assert any("ignored_layers = the routers only" in m and "model.layers.40." in m
+               for m in refused["fp8-blockwise-hopper x qwen3-30b-a3b x none x vllm"])
+    assert len(accepted) >= 12, sorted(accepted)
+    readings = vo.check(names)
+    for key, (plan, model, rollout, launch) in accepted.items():
+        r = readings[key]
+        assert "error" not in r, f"{key}: verl refuses: {r['error']}"
+        ro = r["rollout"]
+        quantized = any(t.precision.is_quantized for t in plan.tensors)
+        assert ro["name"] == rollout and ro["quantization"] == ("fp8" if quantized else None), key
+        assert ro["quantization_config_file"] is None, key
+        assert ro["load_format"] == "dummy" and ro["dtype"] == "bfloat16", key
+        for k, v in _rollout_layout(plan, rollout).items():
+            assert ro[k] == v, (key, k, ro[k], v)
+        # engine_kwargs hold no key verl sets itself (they are spread last over verl's own args)
+        assert not set(ro["engine_kwargs"][rollout]) & ve.VERL_SETS[rollout], key
+        assert r["need_reference_policy"] is False and r["qat"]["enable"] is False, key
+        assert r["env_vars"] == launch.env and all(isinstance(v, str) for v in r["env_vars"].values()), key
+        _megatron_runs_the_plan(plan, model, r)
+
+
+def test_trainer_overrides_carry_a_global_recipe():
+    """A plan whose quantized modules all share the global recipe (no per-module YAML needed) reaches verl's
+    Megatron actor as override_transformer_config, and megatron-core runs it module by module as the plan says."""
+    from precision_dsl.backends.common import Problems
+
+    plan = plan_of("fp8-blockwise-hopper", "qwen3-30b-a3b", "none")
+    problems = Problems()
+    over, env = ve.trainer_overrides(plan, None, problems)
+    assert not problems.items, [str(p) for p in problems.items]
+    assert f"++{ve._MEGATRON}.override_transformer_config.fp8_recipe=blockwise" in over
+    assert env == {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"}
+    bf16 = plan_of("bf16", "qwen3-30b-a3b", "none")
+    res = run_gate(bf16, arch_of("qwen3-30b-a3b"), ["megatron", "vllm"], EmitOptions(rollout="vllm"))
+    base = ve.build_launch(bf16, arch_of("qwen3-30b-a3b"), _manifest(res, "vllm"), "vllm")
+    base_over = [o for o in base.overrides if not o.startswith(f"++{ve._MEGATRON}.override_transformer_config.")
+                 and not o.startswith(f"{ve._MEGATRON}.")]
+    env_over = [f"++{ve._ENV}.{k}={ve._hydra_str(v)}" for k, v in env.items()]
+    r = vo.check({"fp8": ve.read_overrides("\n".join(base_over + over + env_over), VALUES)})["fp8"]
+    assert "error" not in r, r["error"]
+    assert r["env_vars"] == env
+    _megatron_runs_the_plan(plan, "qwen3-30b-a3b", r)
+    # DeepSeek-V3 keeps its shared experts / kv_b_proj BF16 inside FP8 layers: only a per-module recipe says that
+    problems = Problems()
+    ve.trainer_overrides(plan_of("fp8-blockwise-hopper", "deepseek-v3", "none"), None, problems)
+    assert [p.capability for p in problems.items if "per-module TE precision recipe" in p.capability]
+
+
+def test_verl_fp8_sync_quantizer_path_is_the_plans():
+    """verl's FP8 weight-sync quantizer (fp8_kernel.py): its PyTorch path, which the launch selects with
+    VERL_DISABLE_TRITON_FP8=1, gives the plan's FP8-block bytes and scales; its default Triton kernel does not."""
+    import torch
+
+    from precision_dsl.formats import fp8_block
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(256, 384, generator=g) * torch.logspace(-3, 1, 384)).to(torch.bfloat16)
+    x[:128, 256:] = 0  # an all-zero block: TE's scale 1
+    theirs = vo.fp8_blockwise(x.float().tolist())
+    ours = fp8_block.quantize(x, "e4m3", (128, 128), pow2=False)
+
+    def same(path):
+        b = torch.tensor(theirs[path]["bytes"], dtype=torch.uint8)
+        s = torch.tensor(theirs[path]["scale_inv"], dtype=torch.float32).reshape(ours.scale.shape)
+        return torch.equal(b, ours.data) and torch.equal(s, ours.scale), (b == ours.data).float().mean().item()
+
+    exact, _ = same("pytorch")
+    assert exact, "verl's PyTorch FP8 path no longer gives the plan's bytes"
+    exact, agree = same("triton")
+    assert not exact and agree > 0.9, agree  # the same format, not the same quantizer
+    launch_env = ve.build_launch(*_fp8_everywhere()).env
+    assert launch_env["VERL_DISABLE_TRITON_FP8"] == "1"
+
+
+def _fp8_everywhere():
+    """FP8 blocks on every decoder linear of Qwen3-30B-A3B but the routers: what verl's own FP8 rollout serves."""
+    from precision_dsl.resolve import resolve
+
+    import tempfile
+    from pathlib import Path
+
+    d = Path(tempfile.mkdtemp())
+    (d / "fp8-all.policy").write_text('policy "fp8-all" {\n  target hopper\n  default bf16\n'
+                                     '  attn: fp8_block(scales=fp32)\n  routed_experts: fp8_block(scales=fp32)\n}\n')
+    arch = arch_of("qwen3-30b-a3b")
+    plan = resolve(d / "fp8-all.policy", arch, None)
+    res = run_gate(plan, arch, ["megatron", "vllm"], EmitOptions(rollout="vllm"))
+    assert res.ok(), [d.message for d in res.errors()][:3]
+    return plan, arch, _manifest(res, "vllm"), "vllm"
+
+
+def test_fp8_rollout_verl_can_carry_is_accepted():
+    """A plan verl's FP8 rollout serves exactly: verl accepts the launch, its rollout quantization is fp8 (verl's
+    own config, no engine_kwargs quantization), and megatron-core runs the actor's recipe as the plan says."""
+    plan, arch, manifest, rollout = _fp8_everywhere()
+    launch = ve.build_launch(plan, arch, manifest, rollout)
+    r = vo.check({"fp8": _overrides(launch)})["fp8"]
+    assert "error" not in r, r["error"]
+    assert r["rollout"]["quantization"] == "fp8"
+    assert not {"quantization", "hf_overrides"} & set(r["rollout"]["engine_kwargs"]["vllm"])
+    assert r["env_vars"] == launch.env and r["env_vars"]["VLLM_USE_DEEP_GEMM"] == "0"
+    assert r["megatron"]["override_transformer_config"]["fp8_recipe"] == "blockwise"
+    _megatron_runs_the_plan(plan, "qwen3-30b-a3b", r)
+
+
+def test_cli_writes_the_verl_launch(tmp_path):
+    out = tmp_path / "verl"
+    r = runner.invoke(app, ["run", "--engine", "verl", "bf16", "--model", "qwen3-30b-a3b", "--parallel",
+                            "trainer:tp=2,ep=4,etp=1 rollout:tp=4,ep=4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    script = (out / ve.SCRIPT).read_text()
+    plan_hash = next(line for line in script.splitlines() if "-- plan " in line).split("-- plan ")[1]
+    assert plan_hash in (out / ve.OVERRIDES).read_text() and (out / "policyc_plan.json").exists()
+    assert (out / "megatron" / "args.txt").exists() and (out / "vllm" / "serve_args.json").exists()
+    assert subprocess.run(["bash", "-n", str(out / ve.SCRIPT)]).returncode == 0
+    assert "python -m verl.trainer.main_ppo --config-name ppo_megatron_trainer" in script
+    # the script passes exactly the overrides of verl_overrides.txt (what the oracle judged)
+    body = script[script.index("ppo_megatron_trainer \\\n") + len("ppo_megatron_trainer \\\n"):script.index('  "$@"')]
+    words = [shlex.split(line.rstrip("\\ ")) for line in body.splitlines()]
+    assert all(len(w) == 1 for w in words), words  # one override per line, one shell word each
+    listed = [ln for ln in (out / ve.OVERRIDES).read_text().splitlines() if not ln.startswith("#")]
+    assert [w[0] for w in words] == [ln.replace('"$', "$").replace('_FILES"', "_FILES").replace('_CKPT"', "_CKPT")
+                                     .replace('NNODES"', "NNODES").replace('_NODE"', "_NODE") for ln in listed]
+
+
+@pytest.mark.parametrize("args,needle,code", [
+    (["run", "--engine", "verl", "miles-nvfp4", "--model", "qwen3-30b-a3b"], "per-module TE precision recipe", 1),
+    (["run", "--engine", "verl", "bf16", "--model", "tiny-moe", "--rollout", "trtllm"], "--rollout must be", 2),
+    (["run", "--engine", "verl", "mxfp8-e2e", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
+])
+def test_cli_refusals_are_messages(tmp_path, args, needle, code):
+    r = runner.invoke(app, args + ["--out", str(tmp_path / "o")])
+    assert r.exit_code == code, r.output
+    assert needle in " ".join(r.output.split()), r.output
+    assert not (tmp_path / "o" / ve.SCRIPT).exists()
