@@ -40,16 +40,15 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.format_specs import is_per_token
 from precision_dsl.precision import FormatKind
-from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, engine_format,
-                                          fused_module_sizes, is_quantized, kind_handler, module_of, plan_stamp,
-                                          read_json_artifact)
+from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, argv_file, dump_json,
+                                          engine_format, fused_module_sizes, is_quantized, kind_handler, module_of,
+                                          plan_stamp, read_json_artifact)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "sglang"
@@ -523,9 +522,8 @@ def emit(plan: Plan) -> list[Artifact]:
                               "the quantization_config below and policyc_plan.json)",
                 "quantization_config": cfg.quantization_config, "notes": cfg.notes}
     arts = [Artifact("sglang/server_args.json", dump_json(manifest), "SGLang server args + env + quant config"),
-            Artifact("sglang/launch_args.txt", f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); "
-                     "argv fragment: $(grep -v '^#' launch_args.txt)\n" + shlex.join(cfg.server_args) + "\n",
-                     "argv fragment for launch_server"),
+            Artifact("sglang/launch_args.txt", argv_file(cfg.server_args),
+                     "argv fragment: python -m sglang.launch_server --model-path CKPT $(cat launch_args.txt)"),
             Artifact("sglang/env.sh", "\n".join(env_lines) + "\n", "environment for the SGLang server"),
             Artifact("sglang/quantization_config.json", dump_json({"policyc": stamp,
                                                                    "quantization_config": cfg.quantization_config}),

@@ -49,3 +49,15 @@ def sglang_oracle():
         return SGLangOracle(fetch_site())
     except OracleUnavailable as err:
         pytest.fail(f"SGLang oracle unavailable: {err}", pytrace=False)
+
+
+def cat_words(path) -> list[str]:
+    """The words `cmd $(cat PATH)` hands `cmd`: bash's own word splitting and pathname expansion of the file, run
+    in the file's directory (users paste the argv files whole)."""
+    import subprocess
+    from pathlib import Path
+
+    path = Path(path)
+    out = subprocess.run(["bash", "-c", 'printf "%s\\0" $(cat "$1")', "cat_words", path.name], cwd=path.parent,
+                         capture_output=True, check=True)
+    return out.stdout.decode().split("\0")[:-1]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import textwrap
 from pathlib import Path
 
@@ -160,9 +159,28 @@ def test_sglang_artifacts_carry_the_plan_hash(sglang_oracle, tmp_path):
     plan = plan_of("nvfp4-pertoken-hp-backward", "qwen3-30b-a3b", None)
     arts = {a.path: a.content for a in sglang.emit(plan)}
     h = plan.content_hash()
+    assert h not in arts.pop("sglang/launch_args.txt")  # bare argv: `$(cat launch_args.txt)`
     for path, content in arts.items():
         assert h in content, f"{path} lacks the plan hash"
     assert json.loads(arts["sglang/hf_quant_config.json"])["policyc"]["content_hash"] == h
-    argv = [ln for ln in arts["sglang/launch_args.txt"].splitlines() if not ln.startswith("#")]
-    assert len(argv) == 1 and re.search(r"--tp-size 1\b", argv[0])
-    assert not disagreements(plan, ask(sglang_oracle, plan, tmp_path))  # SGLang still reads the stamped file
+    assert not disagreements(plan, ask(sglang_oracle, plan, tmp_path))  # SGLang still reads the stamped files
+
+
+@pytest.mark.parametrize("model,text", [
+    ("deepseek-v3", 'policy "x" { target blackwell; default bf16; routed_experts: mxfp8 backward=quantized\n'
+                    ' router: fp32 }'),  # a JSON word: --json-model-override-args {"router_fp32":true}
+    ("qwen3-30b-a3b", None)], ids=["deepseek-v3-json-word", "qwen3-30b-a3b-nvfp4"])
+def test_launch_args_txt_is_pasted_whole(sglang_oracle, model, text, tmp_path):
+    """`python -m sglang.launch_server --model-path CKPT $(cat launch_args.txt)`: the words the shell hands SGLang
+    (no quote removal, no comment line) are the server args, and SGLang's own parser accepts them."""
+    from conftest import cat_words
+
+    plan = _plan_text(tmp_path, text, model) if text else plan_of("nvfp4-pertoken-hp-backward", model, None)
+    out = tmp_path / "out"
+    for a in sglang.emit(plan):
+        (out / a.path).parent.mkdir(parents=True, exist_ok=True)
+        (out / a.path).write_text(a.content)
+    words = cat_words(out / "sglang/launch_args.txt")
+    assert words == sglang.rollout_config(plan).server_args
+    launch = ask(sglang_oracle, plan, tmp_path, words)  # prepare_server_args(words): argparse exits on a stray word
+    assert not disagreements(plan, launch)
