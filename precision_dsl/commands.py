@@ -279,6 +279,21 @@ def _params(n: float, scale: float, digits: int = 1) -> str:
     return f"{n:.0f}"
 
 
+def plan_hints(plan: Plan) -> list[str]:
+    """What `policyc check` will refuse that the plan table does not say, with the fix. A quantized lm_head (e.g.
+    from `default mxfp8`): megatron-core 0.16's output_layer is no TransformerEngine module and SGLang's / vLLM's
+    ParallelLMHead is not quantized by their checkpoint methods, so every trainer and rollout backend refuses it."""
+    heads = [t for t in plan.tensors if t.role == "lm_head" and t.is_linear and t.weight.is_quantized]
+    if not heads:
+        return []
+    t = heads[0]
+    fix = "add the rule `lm_head: bf16`" if t.decided_by is None else \
+        f"add `lm_head: bf16` after `{t.decided_by.text}` ({_rule(t)})"
+    dense = not any(u.role.startswith("routed_experts.") for u in plan.tensors)
+    return [f"{t.hf_name} is {t.weight.short()}: no trainer or rollout backend quantizes lm_head, so `policyc check` "
+            f"refuses it; {fix}" + (" or start from the shipped mxfp8-dense / nvfp4-dense" if dense else "")]
+
+
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -343,6 +358,8 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     if any(t.weight.kind.value in ("mxfp8", "nvfp4") or t.activation.kind.value in ("mxfp8", "nvfp4")
            for t in plan.tensors if t.is_linear):
         con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
+    for hint in plan_hints(plan):
+        con.print(f"[cyan]hint:[/] {escape(hint)}", markup=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -554,6 +571,10 @@ def register(app: typer.Typer) -> None:
             console().print(table)
             if len(ts) > 2000:
                 console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
+            from .engine.plans import default_policy, fitting_policies, is_dense
+
+            console().print(f"shipped policies that fit {arch.name} ({'dense' if is_dense(arch) else 'MoE'}): "
+                            f"{', '.join(fitting_policies(arch))}; `policyc run` default: {default_policy(arch)}")
 
         guard(body)
 

@@ -17,6 +17,9 @@ SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backwa
                  "nvfp4-pertoken-dequant-backward")
 # Shipped policies every backend must emit (the others are refused by name: tests/test_emit_shipped.py).
 EMITTING_POLICIES = SEED_POLICIES + ("fp8-blockwise-hopper", "miles-nvfp4")
+# Shipped recipes for dense models: their `mlp` rule matches nothing on tiny-moe / Qwen3-MoE (no dense MLP layers),
+# so the MoE matrices leave them out; tests/test_policies.py and test_emit_shipped.py cover them on dense models.
+DENSE_RECIPES = ("mxfp8-dense", "nvfp4-dense")
 
 
 class StrictCliRunner(CliRunner):

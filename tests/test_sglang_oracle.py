@@ -25,6 +25,8 @@ from precision_dsl.diagnostics import PolicyError
 from precision_dsl.parallel import parse_parallel
 from precision_dsl.resolve import resolve
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
@@ -32,7 +34,8 @@ LAYOUTS = {"none": None, "tp8ep8": "rollout:tp=8,ep=8", "tp4ep2pp2": "rollout:tp
 # DeepSeek-V3 (46k tensors, ~3 s CPU per case) takes the layouts where SGLang decides differently: ep 1 (shared
 # experts fusable) and ep > 1 (not); moe-TP > 1 is covered on the two smaller models.
 CASES = [(p, m, lay) for p in POLICIES for m in MODELS for lay in LAYOUTS
-         if not (m == "deepseek-v3" and lay == "tp4ep2pp2")]
+         if not (m == "deepseek-v3" and lay == "tp4ep2pp2")
+         and not (p in DENSE_RECIPES and m != "deepseek-v3")]  # of these, only DeepSeek-V3 has dense MLP layers
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,3 +187,14 @@ def test_launch_args_txt_is_pasted_whole(sglang_oracle, model, text, tmp_path):
     assert words == sglang.rollout_config(plan).server_args
     launch = ask(sglang_oracle, plan, tmp_path, words)  # prepare_server_args(words): argparse exits on a stray word
     assert not disagreements(plan, launch)
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-0.6b", "llama-3.2-1b"])
+def test_sglang_runs_the_dense_mxfp8_recipe(sglang_oracle, model, tmp_path):
+    """policies/mxfp8-dense.policy on the bundled dense models: SGLang runs every tensor in the plan's format."""
+    plan = plan_of("mxfp8-dense", model, None)
+    launch = ask(sglang_oracle, plan, tmp_path)
+    assert launch.quant_name == sglang.rollout_config(plan).method is not None
+    assert not disagreements(plan, launch)
+    assert {k for n, k in launch.kinds.items() if plan.by_name()[n].layer == 0} == {"mxfp8"}
+    assert all(k == "bf16" for n, k in launch.kinds.items() if plan.by_name()[n].layer is None)

@@ -25,8 +25,10 @@ from precision_dsl.parallel import parse_parallel
 from precision_dsl.precision import FormatKind
 from precision_dsl.resolve import resolve
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
+POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy") if p.stem not in DENSE_RECIPES)
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3", "glm-4.5-air"]
 LAYOUTS = {"none": None, "tp4ep4": "rollout:tp=4,ep=4"}
 VERSION = vllm.VLLM_VERSION
