@@ -32,6 +32,7 @@ Public API:
   emit(plan) -> list[Artifact]                # sglang/server_args.json, sglang/launch_args.txt, sglang/env.sh,
                                               # sglang/quantization_config.json (+ hf_quant_config.json for NVFP4)
   derive_kinds(quant_config, arch) -> {hf_name: kind}     # what SGLang would run, from a quantization_config
+  shared_experts_fused(plan) -> bool; serving_prefix(plan, tensor) -> the SGLang module that loads it
   SGLangBackend (registered "sglang"): emit(plan, options, problems), derive_formats(artifacts, arch)
 """
 
@@ -309,6 +310,52 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
             if (t.mtp, t.layer) in routed and routed[(t.mtp, t.layer)] != mine:
                 return t
     return None
+
+
+# MoE runners after which SGLang 0.5.23 switches shared-expert fusion off itself (arg_groups/overrides.py
+# `_moe_runner_fusion_disable`).
+_UNFUSING_RUNNERS = frozenset({"flashinfer_trtllm", "flashinfer_trtllm_routed", "experimental_sgl_trtllm",
+                               "flashinfer_cutedsl", "lora_triton", "lora_cutedsl", "lora_marlin"})
+
+
+def shared_experts_fused(plan: Plan) -> bool:
+    """Whether SGLang 0.5.23, launched with this plan's emitted args, loads each decoder layer's shared expert into
+    the routed-experts FusedMoE: DeepSeek-V3 (models/deepseek_v2.py `shared_experts_fusion_disable_reason`:
+    DeepseekV3ForCausalLM with 256 routed experts and one shared expert) and GLM-4.5 (models/glm4_moe.py), on a
+    CUDA GPU, with expert parallelism 1, unless `--disable-shared-experts-fusion` is passed or the MoE runner
+    turns fusion off; on Blackwell `--moe-runner-backend auto` with BF16 experts becomes flashinfer_trtllm for both
+    (arg_groups/overrides.py, the DeepseekV3ForCausalLM sm100 default; arg_groups/model_overrides/glm4_moe.py), so
+    only Hopper fuses there. Raises UnsupportedByBackend where the plan is refused (nothing is served)."""
+
+    def compute() -> bool:
+        args = rollout_config(plan).server_args
+        runner = args[args.index("--moe-runner-backend") + 1] if "--moe-runner-backend" in args else "auto"
+        side = plan.parallel.rollout if plan.parallel else None
+        if runner == "auto" and plan.target == "blackwell" and "--quantization" not in args:
+            runner = "flashinfer_trtllm"
+        if "--disable-shared-experts-fusion" in args or runner in _UNFUSING_RUNNERS or (side and side.ep > 1):
+            return False
+        gate = next((t for t in plan.tensors if t.role == "shared_experts.gate" and t.mtp is None), None)
+        if gate is None:
+            return False
+        if plan.model_type == "glm4_moe":
+            return True
+        routed = [t for t in plan.tensors if t.role == "routed_experts.gate" and t.layer == gate.layer
+                  and t.mtp is None]
+        one_shared = bool(routed) and gate.shape[0] == routed[0].shape[0]  # n_shared_experts x moe_intermediate
+        return plan.model_type == "deepseek_v3" and len(routed) == 256 and one_shared
+
+    return plan.memo("sglang.shared_experts_fused", compute)
+
+
+def serving_prefix(plan: Plan, t: TensorPlan) -> str:
+    """The SGLang module that loads `t` under the emitted launch. The IR's `sglang_prefix` is the architecture's
+    module name with shared-expert fusion off (one name whatever the launch); where SGLang fuses
+    (`shared_experts_fused`), `model.layers.N.mlp.shared_experts.*` is loaded as expert `n_routed_experts` of
+    `model.layers.N.mlp.experts` (models/deepseek_common/deepseek_weight_loader.py, glm4_moe.py load_weights)."""
+    if t.role.startswith("shared_experts.") and t.mtp is None and shared_experts_fused(plan):
+        return module_of(t.hf_name).split(".shared_experts.")[0] + ".experts"
+    return _sglang_prefix(t)
 
 
 def rollout_config(plan: Plan) -> RolloutConfig:

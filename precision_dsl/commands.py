@@ -294,6 +294,29 @@ def plan_hints(plan: Plan) -> list[str]:
             f"refuses it; {fix}" + (" or start from the shipped mxfp8-dense / nvfp4-dense" if dense else "")]
 
 
+def sglang_module(policy: Path, arch, tensor) -> str:
+    """The SGLang module that loads `tensor` (an arch TensorInfo) when this policy's plan is served. The IR's
+    sglang_prefix is the module with shared-expert fusion off; only the SGLang backend knows whether its launch lets
+    SGLang fuse a shared expert into the routed-experts FusedMoE (backends/sglang.py `serving_prefix`), so shared
+    experts are asked there (it resolves the plan; rollout ep 1, as `explain` has no layout)."""
+    unfused = tensor.sglang_prefix or tensor.hf_name.rsplit(".", 1)[0]
+    if not tensor.role.startswith("shared_experts.") or tensor.mtp is not None:
+        return unfused
+    from .backends import sglang
+    from .backends.common import UnsupportedByBackend
+    from .resolve import resolve
+
+    plan = resolve(policy, arch)
+    try:
+        fused = sglang.serving_prefix(plan, plan.by_name()[tensor.hf_name])
+    except UnsupportedByBackend:
+        return f"{unfused} (the SGLang backend refuses this plan: `policyc check`)"
+    if fused == unfused:
+        return unfused
+    return (f"{fused} (SGLang {sglang.SGLANG_VERSION} fuses the shared expert into the routed-experts FusedMoE as "
+            f"one more expert; unfused module {unfused})")
+
+
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -487,6 +510,11 @@ def register(app: typer.Typer) -> None:
             matches = explain(policy, arch, target)
             con = console()
             con.print(Text(target, style="bold"))
+            info = next(t for t in arch.tensors if t.hf_name == target)
+            if info.megatron_name:
+                con.print(Text(f"  megatron: {info.megatron_name}" + (f" [{info.megatron_part}]" if info.megatron_part
+                                                                       else ""), style="dim"))
+            con.print(Text(f"  sglang:   {sglang_module(policy, arch, info)}", style="dim"))
             if not matches:
                 con.print("  no rule matched; the policy's default applies")
             for ref, prec, won in matches:

@@ -214,3 +214,17 @@ def test_arch_says_which_shipped_policies_fit(model, fits, default):
     kind = "dense" if "dense" in default else "MoE"
     assert f"shipped policies that fit {model} ({kind}): {fits}; `policyc run` default: {default}" in \
         " ".join(res.output.split())
+
+
+def test_explain_names_the_sglang_module_that_loads_a_fused_shared_expert(tmp_path):
+    """DeepSeek-V3 BF16 on Hopper, rollout ep 1: SGLang fuses the shared expert into `mlp.experts`
+    (tests/test_sglang_oracle.py proves it with SGLang's code); on Blackwell its MoE runner keeps it apart."""
+    name = "model.layers.3.mlp.shared_experts.gate_proj.weight"
+    hopper = tmp_path / "h.policy"
+    hopper.write_text('policy "h" {\n  target hopper\n  default bf16\n}\n')
+    res = runner.invoke(app, ["explain", str(hopper), name, "--model", "deepseek-v3"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert "megatron: decoder.layers.3.mlp.shared_experts.linear_fc1.weight [gate]" in res.output
+    assert "sglang:   model.layers.3.mlp.experts (SGLang 0.5.23 fuses the shared expert" in res.output
+    res = runner.invoke(app, ["explain", str(POL / "bf16.policy"), name, "--model", "deepseek-v3"], terminal_width=400)
+    assert res.exit_code == 0 and "sglang:   model.layers.3.mlp.shared_experts.gate_up_proj\n" in res.output

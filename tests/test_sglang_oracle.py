@@ -95,6 +95,12 @@ def test_sglang_runs_exactly_the_plan(sglang_oracle, policy, model, layout_id, t
                                     and t.mtp is None)
     bad = disagreements(plan, launch)
     assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+    # the module names policyc gives the tensors (explain, the backend's exclusions) are the ones SGLang loads
+    assert sglang.shared_experts_fused(plan) == (launch.shared_experts_fused > 0)
+    by_name = plan.by_name()
+    named = {n: sglang.serving_prefix(plan, by_name[n]) for n in launch.prefixes}
+    wrong = [f"{n}: policyc {named[n]}, SGLang {p}" for n, p in launch.prefixes.items() if named[n] != p]
+    assert not wrong, f"{len(wrong)} module names differ, e.g. {wrong[:3]}"
     if any(t.role == "router.weight" and t.weight.kind.value == "fp32" for t in plan.tensors):
         assert launch.hf_overrides["router_fp32"] is True
 
@@ -198,3 +204,39 @@ def test_sglang_runs_the_dense_mxfp8_recipe(sglang_oracle, model, tmp_path):
     assert not disagreements(plan, launch)
     assert {k for n, k in launch.kinds.items() if plan.by_name()[n].layer == 0} == {"mxfp8"}
     assert all(k == "bf16" for n, k in launch.kinds.items() if plan.by_name()[n].layer is None)
+
+
+HOPPER_BF16 = 'policy "h" { target hopper; default bf16 }'
+HOPPER_FP8_EXPERTS = ('policy "h8" { target hopper; default bf16; routed_experts: fp8_block(scales=fp32)\n'
+                      ' shared_experts: fp8_block(scales=fp32) }')
+
+
+@pytest.mark.parametrize("model,text,layout,fused", [
+    ("deepseek-v3", HOPPER_BF16, None, True),
+    ("deepseek-v3", HOPPER_BF16, "rollout:tp=8,ep=8", False),  # expert parallelism: SGLang keeps them apart
+    ("deepseek-v3", HOPPER_FP8_EXPERTS, None, True),  # one format for shared and routed: no flag, fused
+    ("deepseek-v3", 'policy "b" { target blackwell; default bf16 }', None, False),  # auto -> flashinfer_trtllm
+    ("glm-4.5-air", HOPPER_BF16, None, True)],
+    ids=["dsv3-hopper-bf16", "dsv3-hopper-bf16-ep8", "dsv3-hopper-fp8-experts", "dsv3-blackwell-bf16",
+         "glm-hopper-bf16"])
+def test_fused_shared_experts_are_named_as_sglang_loads_them(sglang_oracle, model, text, layout, fused, tmp_path):
+    """Where SGLang fuses a layer's shared expert into the routed-experts FusedMoE (num_fused_shared_experts),
+    policyc names its module `model.layers.N.mlp.experts` (serving_prefix; the IR's sglang_prefix stays the
+    unfused module) and `policyc explain` says so: every module name agrees with the one SGLang loads."""
+    plan = resolve(_write(tmp_path, text), arch_of(model), parse_parallel(layout))
+    launch = ask(sglang_oracle, plan, tmp_path)
+    assert (launch.shared_experts_fused > 0) == fused == sglang.shared_experts_fused(plan)
+    by_name = plan.by_name()
+    wrong = [f"{n}: policyc {sglang.serving_prefix(plan, by_name[n])}, SGLang {p}" for n, p in launch.prefixes.items()
+             if sglang.serving_prefix(plan, by_name[n]) != p]
+    assert not wrong, f"{len(wrong)} module names differ, e.g. {wrong[:3]}"
+    shared = by_name["model.layers.3.mlp.shared_experts.gate_proj.weight"]
+    assert shared.sglang_prefix == "model.layers.3.mlp.shared_experts.gate_up_proj"  # the IR: unfused
+    assert sglang.serving_prefix(plan, shared) == ("model.layers.3.mlp.experts" if fused else shared.sglang_prefix)
+    assert not disagreements(plan, launch)
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "p.policy"
+    p.write_text(text)
+    return p
