@@ -318,20 +318,24 @@ _UNFUSING_RUNNERS = frozenset({"flashinfer_trtllm", "flashinfer_trtllm_routed", 
                                "flashinfer_cutedsl", "lora_triton", "lora_cutedsl", "lora_marlin"})
 
 
+def _flag(args: list[str], name: str) -> Optional[str]:
+    return args[args.index(name) + 1] if name in args else None
+
+
 def shared_experts_fused(plan: Plan) -> bool:
     """Whether SGLang 0.5.23, launched with this plan's emitted args, loads each decoder layer's shared expert into
     the routed-experts FusedMoE: DeepSeek-V3 (models/deepseek_v2.py `shared_experts_fusion_disable_reason`:
     DeepseekV3ForCausalLM with 256 routed experts and one shared expert) and GLM-4.5 (models/glm4_moe.py), on a
     CUDA GPU, with expert parallelism 1, unless `--disable-shared-experts-fusion` is passed or the MoE runner
-    turns fusion off; on Blackwell `--moe-runner-backend auto` with BF16 experts becomes flashinfer_trtllm for both
-    (arg_groups/overrides.py, the DeepseekV3ForCausalLM sm100 default; arg_groups/model_overrides/glm4_moe.py), so
-    only Hopper fuses there. Raises UnsupportedByBackend where the plan is refused (nothing is served)."""
+    turns fusion off; on Blackwell `--moe-runner-backend auto` becomes flashinfer_trtllm for both (BF16 experts
+    under no / mxfp8 quantization: arg_groups/overrides.py, the DeepseekV3ForCausalLM sm100 and MXFP8 defaults;
+    arg_groups/model_overrides/glm4_moe.py), as it does for MXFP8 anywhere. Raises UnsupportedByBackend where the plan is refused (nothing is served)."""
 
     def compute() -> bool:
         args = rollout_config(plan).server_args
-        runner = args[args.index("--moe-runner-backend") + 1] if "--moe-runner-backend" in args else "auto"
+        runner = _flag(args, "--moe-runner-backend") or "auto"
         side = plan.parallel.rollout if plan.parallel else None
-        if runner == "auto" and plan.target == "blackwell" and "--quantization" not in args:
+        if runner == "auto" and (plan.target == "blackwell" or _flag(args, "--quantization") == "mxfp8"):
             runner = "flashinfer_trtllm"
         if "--disable-shared-experts-fusion" in args or runner in _UNFUSING_RUNNERS or (side and side.ep > 1):
             return False
