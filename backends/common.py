@@ -177,6 +177,19 @@ def dump_json(obj, compact: bool = False) -> str:
     return json.dumps(obj, indent=2, sort_keys=False) + "\n"
 
 
+def argv_file(args: list[str]) -> str:
+    """An argv fragment file users paste whole (`launch_server $(cat launch_args.txt)`): the words alone, one line,
+    no comment (the engine would read `#` as an argument) and no shell quoting (`$(cat)` word-splits its output
+    but never removes quotes). Every word must therefore survive word splitting and pathname expansion unchanged;
+    the plan hash lives in the JSON / env.sh / YAML artifacts `check_artifacts` scans."""
+    import re
+
+    bad = [a for a in args if not a or re.search(r"[\s*?\[]", a)]
+    if bad:  # pragma: no cover - an emitter bug, not a user error
+        raise AssertionError(f"argv words {bad} do not survive $(cat) word splitting")
+    return " ".join(args) + "\n"
+
+
 def write_tree_atomic(out_dir: Path, files: Iterable[Artifact], force: bool = False) -> Path:
     """Write `files` under `out_dir` atomically: everything goes to a temp dir next to `out_dir`, which is then
     renamed into place. An existing `out_dir` is replaced only with `force` (it is moved aside first and removed

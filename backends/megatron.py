@@ -53,8 +53,8 @@ from precision_dsl.format_specs import NVFP4_SPEC, Scope
 from precision_dsl.precision import BackwardMode, FormatKind, Precision
 
 from precision_dsl.backends import versions
-from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
-                                          engine_format, fused_module_sizes, kind_handler, plan_stamp,
+from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, argv_file,
+                                          dump_json, engine_format, fused_module_sizes, kind_handler, plan_stamp,
                                           read_json_artifact, unsupported_kind)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
@@ -660,8 +660,8 @@ def emit(plan: Plan, te_version: Optional[str] = None) -> list[Artifact]:
     env_sh = (header + "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(cfg.env.items()))
               + "# TE's defaults are the exact behaviour; a value left in the environment would not be\n"
               + f"unset {' '.join(UNSET_ENV)}\n")
-    arts = [Artifact("megatron/args.txt", header + " ".join(cfg.flags) + "\n",
-                     "Megatron-LM argv fragment (lines starting with # are comments)"),
+    arts = [Artifact("megatron/args.txt", argv_file(cfg.flags),
+                     "Megatron-LM argv fragment: pretrain_gpt.py $(cat args.txt)"),
             Artifact("megatron/flags.json", dump_json({"policyc": stamp, "flags": cfg.flags, "env": cfg.env,
                                                        "unset_env": list(UNSET_ENV),
                                                        "first_last_layers_bf16": list(cfg.first_last),
@@ -679,7 +679,7 @@ def emit(plan: Plan, te_version: Optional[str] = None) -> list[Artifact]:
 
 
 def read_args(text: str) -> list[str]:
-    """The argv of an emitted megatron/args.txt (its `#` header lines are comments)."""
+    """The argv of an emitted megatron/args.txt (`#` lines are skipped: files emitted before it was bare argv)."""
     return " ".join(line for line in text.splitlines() if not line.lstrip().startswith("#")).split()
 
 

@@ -32,6 +32,7 @@ Public API:
   emit(plan) -> list[Artifact]                # sglang/server_args.json, sglang/launch_args.txt, sglang/env.sh,
                                               # sglang/quantization_config.json (+ hf_quant_config.json for NVFP4)
   derive_kinds(quant_config, arch) -> {hf_name: kind}     # what SGLang would run, from a quantization_config
+  shared_experts_fused(plan) -> bool; serving_prefix(plan, tensor) -> the SGLang module that loads it
   SGLangBackend (registered "sglang"): emit(plan, options, problems), derive_formats(artifacts, arch)
 """
 
@@ -40,16 +41,15 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-import shlex
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.format_specs import is_per_token
 from precision_dsl.precision import FormatKind
-from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, dump_json, engine_format,
-                                          fused_module_sizes, is_quantized, kind_handler, module_of, plan_stamp,
-                                          read_json_artifact, unsupported_kind)
+from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, argv_file, dump_json,
+                                          engine_format, fused_module_sizes, is_quantized, kind_handler, module_of,
+                                          plan_stamp, read_json_artifact, unsupported_kind)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "sglang"
@@ -327,6 +327,56 @@ def _shared_expert_fusion_changes_formats(plan: Plan) -> Optional[TensorPlan]:
     return None
 
 
+# MoE runners after which SGLang 0.5.23 switches shared-expert fusion off itself (arg_groups/overrides.py
+# `_moe_runner_fusion_disable`).
+_UNFUSING_RUNNERS = frozenset({"flashinfer_trtllm", "flashinfer_trtllm_routed", "experimental_sgl_trtllm",
+                               "flashinfer_cutedsl", "lora_triton", "lora_cutedsl", "lora_marlin"})
+
+
+def shared_experts_fused(plan: Plan) -> bool:
+    """Whether SGLang 0.5.23, launched with this plan's emitted args, loads each decoder layer's shared expert into
+    the routed-experts FusedMoE: DeepSeek-V3 (models/deepseek_v2.py `shared_experts_fusion_disable_reason`:
+    DeepseekV3ForCausalLM with 256 routed experts and one shared expert) and GLM-4.5 (models/glm4_moe.py), on a
+    CUDA GPU, with expert parallelism 1, unless `--disable-shared-experts-fusion` is passed or the MoE runner
+    turns fusion off; on Blackwell `--moe-runner-backend auto` becomes flashinfer_trtllm for both (BF16 experts
+    under no / mxfp8 quantization: arg_groups/overrides.py, the DeepseekV3ForCausalLM sm100 and MXFP8 defaults;
+    arg_groups/model_overrides/glm4_moe.py), as it does for MXFP8 anywhere. Raises UnsupportedByBackend where the plan is refused (nothing is served)."""
+
+    return plan.memo("sglang.shared_experts_fused",
+                     lambda: _fuses_shared_experts(rollout_config(plan).server_args, plan.model_type, plan.tensors,
+                                                   plan.target))
+
+
+def _fuses_shared_experts(args: list[str], model_type: str, tensors, target: Optional[str]) -> bool:
+    """The one reading of SGLang's shared-expert fusion (see `shared_experts_fused`) from the server args, the model
+    and the target GPU (None: not known, as for a hand-written launch; only the args then decide the runner)."""
+    runner = _arg(args, "--moe-runner-backend") or "auto"
+    ep = int(_arg(args, "--ep-size") or _arg(args, "--expert-parallel-size") or 1)
+    if runner == "auto" and (target == "blackwell" or _arg(args, "--quantization") == "mxfp8"):
+        runner = "flashinfer_trtllm"
+    if "--disable-shared-experts-fusion" in args or runner in _UNFUSING_RUNNERS or ep > 1:
+        return False
+    tensors = list(tensors)
+    gate = next((t for t in tensors if t.role == "shared_experts.gate" and t.mtp is None), None)
+    if gate is None:
+        return False
+    if model_type == "glm4_moe":
+        return True
+    routed = [t for t in tensors if t.role == "routed_experts.gate" and t.layer == gate.layer and t.mtp is None]
+    one_shared = bool(routed) and gate.shape[0] == routed[0].shape[0]  # n_shared_experts x moe_intermediate
+    return model_type == "deepseek_v3" and len(routed) == 256 and one_shared
+
+
+def serving_prefix(plan: Plan, t: TensorPlan) -> str:
+    """The SGLang module that loads `t` under the emitted launch. The IR's `sglang_prefix` is the architecture's
+    module name with shared-expert fusion off (one name whatever the launch); where SGLang fuses
+    (`shared_experts_fused`), `model.layers.N.mlp.shared_experts.*` is loaded as expert `n_routed_experts` of
+    `model.layers.N.mlp.experts` (models/deepseek_common/deepseek_weight_loader.py, glm4_moe.py load_weights)."""
+    if t.role.startswith("shared_experts.") and t.mtp is None and shared_experts_fused(plan):
+        return module_of(t.hf_name).split(".shared_experts.")[0] + ".experts"
+    return _sglang_prefix(t)
+
+
 def rollout_config(plan: Plan) -> RolloutConfig:
     """Validated SGLang configuration of `plan` (memoized on the plan; raises UnsupportedByBackend naming every
     problem found, BackendErrors when there are several)."""
@@ -555,9 +605,8 @@ def emit(plan: Plan) -> list[Artifact]:
                               "the quantization_config below and policyc_plan.json)",
                 "quantization_config": cfg.quantization_config, "notes": cfg.notes}
     arts = [Artifact("sglang/server_args.json", dump_json(manifest), "SGLang server args + env + quant config"),
-            Artifact("sglang/launch_args.txt", f"# policyc {stamp['content_hash']} ({plan.policy_name} on {plan.model}); "
-                     "argv fragment: $(grep -v '^#' launch_args.txt)\n" + shlex.join(cfg.server_args) + "\n",
-                     "argv fragment for launch_server"),
+            Artifact("sglang/launch_args.txt", argv_file(cfg.server_args),
+                     "argv fragment: python -m sglang.launch_server --model-path CKPT $(cat launch_args.txt)"),
             Artifact("sglang/env.sh", "\n".join(env_lines) + "\n", "environment for the SGLang server"),
             Artifact("sglang/quantization_config.json", dump_json({"policyc": stamp,
                                                                    "quantization_config": cfg.quantization_config}),
@@ -662,8 +711,6 @@ class RolloutTensor:
 
 # DeepSeek-V2/V3 (models/deepseek_v2.py) can load a layer's shared expert as one more expert of the routed FusedMoE
 # (`resolve_shared_experts_config`); these MoE runners keep it apart.
-_NO_SHARED_FUSION_RUNNERS = ("flashinfer_trtllm", "flashinfer_trtllm_routed", "flashinfer_cutedsl")
-_SHARED_FUSION_MODELS = ("deepseek_v3", "deepseek_v2")
 
 
 def _arg(argv: list[str], name: str) -> Optional[str]:
@@ -675,20 +722,13 @@ def _arg(argv: list[str], name: str) -> Optional[str]:
     return None
 
 
-def shared_experts_fused(server_args: list[str], arch) -> Optional[str]:
+def shared_experts_fusion(server_args: list[str], arch, target: Optional[str] = None) -> Optional[str]:
     """Why SGLang fuses the shared experts into the routed FusedMoE under these server args, or None when it does not
-    (no shared experts, --disable-shared-experts-fusion, ep > 1, a runner that keeps them apart)."""
-    if arch.model_type not in _SHARED_FUSION_MODELS or not any(t.role.startswith("shared_experts.")
-                                                                for t in arch.tensors):
-        return None
-    if "--disable-shared-experts-fusion" in server_args:
-        return None
-    ep = int(_arg(server_args, "--ep-size") or _arg(server_args, "--expert-parallel-size") or 1)
-    runner = _arg(server_args, "--moe-runner-backend") or "auto"
-    if ep > 1 or runner in _NO_SHARED_FUSION_RUNNERS:
+    (the same reading as `shared_experts_fused`, for a launch read back: `_fuses_shared_experts`)."""
+    if not _fuses_shared_experts(server_args, arch.model_type, arch.tensors, target):
         return None
     return (f"SGLang {SGLANG_VERSION} loads the shared expert as one more expert of the routed FusedMoE "
-            "(no --disable-shared-experts-fusion, ep 1)")
+            "(no --disable-shared-experts-fusion, ep 1, a MoE runner that keeps fusion on)")
 
 
 def rollout_tensors(quant_config: Optional[dict], env: dict, server_args: list[str], arch) -> dict[str, RolloutTensor]:
@@ -698,7 +738,7 @@ def rollout_tensors(quant_config: Optional[dict], env: dict, server_args: list[s
     activation SGLang computes."""
     kinds = derive_kinds(quant_config, arch)
     fused = fused_module_sizes(arch)
-    fusion = shared_experts_fused(server_args, arch)
+    fusion = shared_experts_fusion(server_args, arch)
     routed_kind: dict[tuple, str] = {}
     for t in arch.tensors:
         if t.role.startswith("routed_experts."):

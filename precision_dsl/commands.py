@@ -281,6 +281,44 @@ def _params(n: float, scale: float, digits: int = 1) -> str:
     return f"{n:.0f}"
 
 
+def plan_hints(plan: Plan) -> list[str]:
+    """What `policyc check` will refuse that the plan table does not say, with the fix. A quantized lm_head (e.g.
+    from `default mxfp8`): megatron-core 0.16's output_layer is no TransformerEngine module and SGLang's / vLLM's
+    ParallelLMHead is not quantized by their checkpoint methods, so every trainer and rollout backend refuses it."""
+    heads = [t for t in plan.tensors if t.role == "lm_head" and t.is_linear and t.weight.is_quantized]
+    if not heads:
+        return []
+    t = heads[0]
+    fix = "add the rule `lm_head: bf16`" if t.decided_by is None else \
+        f"add `lm_head: bf16` after `{t.decided_by.text}` ({_rule(t)})"
+    dense = not any(u.role.startswith("routed_experts.") for u in plan.tensors)
+    return [f"{t.hf_name} is {t.weight.short()}: no trainer or rollout backend quantizes lm_head, so `policyc check` "
+            f"refuses it; {fix}" + (" or start from the shipped mxfp8-dense / nvfp4-dense" if dense else "")]
+
+
+def sglang_module(policy: Path, arch, tensor) -> str:
+    """The SGLang module that loads `tensor` (an arch TensorInfo) when this policy's plan is served. The IR's
+    sglang_prefix is the module with shared-expert fusion off; only the SGLang backend knows whether its launch lets
+    SGLang fuse a shared expert into the routed-experts FusedMoE (backends/sglang.py `serving_prefix`), so shared
+    experts are asked there (it resolves the plan; rollout ep 1, as `explain` has no layout)."""
+    unfused = tensor.sglang_prefix or tensor.hf_name.rsplit(".", 1)[0]
+    if not tensor.role.startswith("shared_experts.") or tensor.mtp is not None:
+        return unfused
+    from .backends import sglang
+    from .backends.common import UnsupportedByBackend
+    from .resolve import resolve
+
+    plan = resolve(policy, arch)
+    try:
+        fused = sglang.serving_prefix(plan, plan.by_name()[tensor.hf_name])
+    except UnsupportedByBackend:
+        return f"{unfused} (the SGLang backend refuses this plan: `policyc check`)"
+    if fused == unfused:
+        return unfused
+    return (f"{fused} (SGLang {sglang.SGLANG_VERSION} fuses the shared expert into the routed-experts FusedMoE as "
+            f"one more expert; unfused module {unfused})")
+
+
 def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -345,6 +383,8 @@ def _print_plan(plan: Plan, tensor_glob: Optional[str], expand: bool) -> None:
     if any(t.weight.kind in BLACKWELL_ONLY_KINDS or t.activation.kind in BLACKWELL_ONLY_KINDS
            for t in plan.tensors if t.is_linear):
         con.print(f"[yellow]note:[/] {escape(EMULATION_NOTE)}", markup=True)
+    for hint in plan_hints(plan):
+        con.print(f"[cyan]hint:[/] {escape(hint)}", markup=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -472,6 +512,11 @@ def register(app: typer.Typer) -> None:
             matches = explain(policy, arch, target)
             con = console()
             con.print(Text(target, style="bold"))
+            info = next(t for t in arch.tensors if t.hf_name == target)
+            if info.megatron_name:
+                con.print(Text(f"  megatron: {info.megatron_name}" + (f" [{info.megatron_part}]" if info.megatron_part
+                                                                       else ""), style="dim"))
+            con.print(Text(f"  sglang:   {sglang_module(policy, arch, info)}", style="dim"))
             if not matches:
                 con.print("  no rule matched; the policy's default applies")
             for ref, prec, won in matches:
@@ -557,6 +602,10 @@ def register(app: typer.Typer) -> None:
             console().print(table)
             if len(ts) > 2000:
                 console().print(f"... {len(ts) - 2000} more (use --name GLOB or --json)")
+            from .engine.plans import default_policy, fitting_policies, is_dense
+
+            console().print(f"shipped policies that fit {arch.name} ({'dense' if is_dense(arch) else 'MoE'}): "
+                            f"{', '.join(fitting_policies(arch))}; `policyc run` default: {default_policy(arch)}")
 
         guard(body)
 

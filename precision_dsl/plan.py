@@ -65,7 +65,7 @@ class TensorPlan(CheckpointTensor, BaseModel):
     hf_name: str
     megatron_name: Optional[str] = None
     megatron_part: Optional[str] = None
-    sglang_prefix: Optional[str] = None
+    sglang_prefix: Optional[str] = None  # shared-expert fusion off (it depends on the launch: sglang.serving_prefix)
     role: str
     layer: Optional[int] = None
     expert: Optional[int] = None

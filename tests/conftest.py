@@ -17,6 +17,9 @@ SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backwa
                  "nvfp4-pertoken-dequant-backward")
 # Shipped policies every backend must emit (the others are refused by name: tests/test_emit_shipped.py).
 EMITTING_POLICIES = SEED_POLICIES + ("fp8-blockwise-hopper", "miles-nvfp4")
+# Shipped recipes for dense models: their `mlp` rule matches nothing on tiny-moe / Qwen3-MoE (no dense MLP layers),
+# so the MoE matrices leave them out; tests/test_policies.py and test_emit_shipped.py cover them on dense models.
+DENSE_RECIPES = ("mxfp8-dense", "nvfp4-dense")
 
 
 class StrictCliRunner(CliRunner):
@@ -49,3 +52,15 @@ def sglang_oracle():
         return SGLangOracle(fetch_site())
     except OracleUnavailable as err:
         pytest.fail(f"SGLang oracle unavailable: {err}", pytrace=False)
+
+
+def cat_words(path) -> list[str]:
+    """The words `cmd $(cat PATH)` hands `cmd`: bash's own word splitting and pathname expansion of the file, run
+    in the file's directory (users paste the argv files whole)."""
+    import subprocess
+    from pathlib import Path
+
+    path = Path(path)
+    out = subprocess.run(["bash", "-c", 'printf "%s\\0" $(cat "$1")', "cat_words", path.name], cwd=path.parent,
+                         capture_output=True, check=True)
+    return out.stdout.decode().split("\0")[:-1]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
+POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy") if p.stem not in DENSE_RECIPES)
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
 # uneven: 4 layers on pp=3, 48 on pp=5, 61 on pp=4 (none of them divides)
 UNEVEN = {"tiny-moe": "trainer:pp=3", "qwen3-30b-a3b": "trainer:pp=5", "deepseek-v3": "trainer:pp=4"}

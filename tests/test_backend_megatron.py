@@ -24,7 +24,7 @@ from precision_dsl.arch import load_architecture  # noqa: E402
 from precision_dsl.parallel import parse_parallel  # noqa: E402
 from precision_dsl.resolve import resolve  # noqa: E402
 
-from conftest import SEED_POLICIES  # noqa: E402
+from conftest import SEED_POLICIES, cat_words  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SEEDS = SEED_POLICIES
@@ -248,9 +248,12 @@ def test_older_te_is_refused_naming_the_capability(policy, te, needs):
 def test_declared_minimum_is_in_every_header():
     plan = plan_of("mxfp8-dequant-backward", "tiny-moe")
     arts = {a.path: a.content for a in mg.emit(plan)}
-    for p in ("megatron/args.txt", "megatron/env.sh", "megatron/te_precision.yaml"):
+    for p in ("megatron/env.sh", "megatron/te_precision.yaml"):
         assert plan.content_hash() in arts[p] and "transformer-engine>=2.18.0" in arts[p], p
-    assert "transformer-engine>=2.13.0" in mg.emit(plan_of("mxfp8-e2e", "tiny-moe"))[0].content
+    flags = arts["megatron/flags.json"]
+    assert plan.content_hash() in flags and '"transformer-engine": "2.18.0"' in flags
+    e2e = {a.path: a.content for a in mg.emit(plan_of("mxfp8-e2e", "tiny-moe"))}
+    assert "transformer-engine>=2.13.0" in e2e["megatron/env.sh"]
 
 
 @pytest.mark.parametrize("body,tensor_re,capability_re", [
@@ -292,3 +295,25 @@ def test_resolver_without_megatron_agrees_with_megatron_loader():
     a = mg.resolve_modules(cfg.flags, cfg.yamls, mods, plan.num_layers, 1, use_megatron=True)
     b = mg.resolve_modules(cfg.flags, cfg.yamls, mods, plan.num_layers, 1, use_megatron=False)
     assert a == b
+
+
+@pytest.mark.parametrize("policy,model,parallel", [("nvfp4-pertoken-hp-backward", "deepseek-v3", "trainer:pp=4"),
+                                                   ("mxfp8-e2e", "qwen3-30b-a3b", None)])
+def test_args_txt_is_pasted_whole(policy, model, parallel, tmp_path):
+    """`pretrain_gpt.py $(cat megatron/args.txt)`: every word the shell hands the script is a Megatron-LM flag or
+    its value (no `# policyc ...` comment line: the hash is in flags.json / env.sh / the YAML), and megatron-core
+    builds its TransformerConfig from exactly those words."""
+    import megatron_oracle as mo
+
+    plan = plan_of(policy, model, parallel)
+    arts = mg.emit(plan)
+    for a in arts:
+        (tmp_path / a.path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / a.path).write_text(a.content)
+    words = cat_words(tmp_path / "megatron/args.txt")
+    assert words == mg.trainer_config(plan).flags
+    config = mo.build_config(arch_of(model), words, tmp_path / "megatron")  # parse_flags: an unknown word fails
+    assert config.num_layers == arch_of(model).num_layers
+    from precision_dsl.backends.common import check_artifacts
+
+    assert "megatron/flags.json" in check_artifacts(tmp_path, plan)

@@ -21,8 +21,10 @@ from precision_dsl.backends.common import Problems, UnsupportedByBackend
 from precision_dsl.parallel import parse_parallel
 from precision_dsl.resolve import resolve
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
+POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy") if p.stem not in DENSE_RECIPES)
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3", "glm-4.5-air"]
 
 # The cells vLLM 0.33.0 cannot serve exactly, and the words their refusal must carry.

@@ -12,7 +12,7 @@ from precision_dsl.cli import app
 from precision_dsl.commands import diff_plans, plan_rows, role_summary, summarize
 from precision_dsl.plan import Plan
 from precision_dsl.resolve import resolve
-from conftest import StrictCliRunner
+from conftest import DENSE_RECIPES, StrictCliRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 POL = ROOT / "policies"
@@ -178,7 +178,53 @@ def test_fast_plan_json_matches_pydantic_on_every_shipped_policy(tmp_path):
     odd = tmp_path / "odd.policy"
     odd.write_text('policy "odd \u00e9" {\n    default bf16\n'
                    '    name("*.mlp.experts.1*"): mxfp8  # 50% "quoted" \\ é\n    layers[-10%:]: bf16\n}\n')
-    for policy in [*sorted(POL.glob("*.policy")), odd]:
+    for policy in [*sorted(p for p in POL.glob("*.policy") if p.stem not in DENSE_RECIPES), odd]:
         plan = resolve(policy, arch)
         want = '{"content_hash":' + json.dumps(plan.content_hash()) + "," + plan.model_dump_json()[1:]
         assert "".join(plan.json_pieces()) == plan.to_json() == want, policy.name
+
+
+def test_plan_hints_that_check_refuses_a_quantized_lm_head(tmp_path):
+    """`default mxfp8` on a dense model quantizes lm_head, which every trainer / rollout backend refuses: `plan`
+    says so before `check` does, with the fix; the plan that follows the hint passes the gate."""
+    from precision_dsl.engine.gate import run_gate
+
+    pol = tmp_path / "d.policy"
+    pol.write_text('policy "d" {\n  target blackwell\n  default mxfp8\n}\n')
+    res = runner.invoke(app, ["plan", str(pol), "--model", "qwen3-8b"])
+    assert res.exit_code == 0, res.output
+    assert "hint: lm_head.weight is mxfp8" in res.output and "lm_head: bf16" in res.output
+    assert "mxfp8-dense" in res.output
+    assert runner.invoke(app, ["check", str(pol), "--model", "qwen3-8b"]).exit_code == 1
+    pol.write_text('policy "d" {\n  target blackwell\n  default mxfp8\n  lm_head: bf16\n}\n')
+    arch = load_architecture("qwen3-8b")
+    assert run_gate(resolve(pol, arch), arch, ["megatron", "sglang"]).ok()
+    assert "hint: lm_head" not in runner.invoke(app, ["plan", str(pol), "--model", "qwen3-8b"]).output
+    assert "hint:" not in runner.invoke(app, ["plan", str(POL / "mxfp8-dense.policy"), "--model", "qwen3-8b"]).output
+
+
+@pytest.mark.parametrize("model,fits,default", [
+    ("qwen3-8b", "bf16, fp8-blockwise-hopper, mxfp8-dense, nvfp4-dense", "nvfp4-dense"),
+    ("tiny-moe", "bf16, fp8-blockwise-hopper, language-tour, miles-nvfp4, mxfp8-dequant-backward, mxfp8-e2e, "
+                 "mxfp8-hp-backward, nvfp4-pertoken-dequant-backward, nvfp4-pertoken-hp-backward, nvfp4-weight-only",
+     "nvfp4-pertoken-dequant-backward")])
+def test_arch_says_which_shipped_policies_fit(model, fits, default):
+    res = runner.invoke(app, ["arch", model, "--name", "lm_head*"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    kind = "dense" if "dense" in default else "MoE"
+    assert f"shipped policies that fit {model} ({kind}): {fits}; `policyc run` default: {default}" in \
+        " ".join(res.output.split())
+
+
+def test_explain_names_the_sglang_module_that_loads_a_fused_shared_expert(tmp_path):
+    """DeepSeek-V3 BF16 on Hopper, rollout ep 1: SGLang fuses the shared expert into `mlp.experts`
+    (tests/test_sglang_oracle.py proves it with SGLang's code); on Blackwell its MoE runner keeps it apart."""
+    name = "model.layers.3.mlp.shared_experts.gate_proj.weight"
+    hopper = tmp_path / "h.policy"
+    hopper.write_text('policy "h" {\n  target hopper\n  default bf16\n}\n')
+    res = runner.invoke(app, ["explain", str(hopper), name, "--model", "deepseek-v3"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    assert "megatron: decoder.layers.3.mlp.shared_experts.linear_fc1.weight [gate]" in res.output
+    assert "sglang:   model.layers.3.mlp.experts (SGLang 0.5.23 fuses the shared expert" in res.output
+    res = runner.invoke(app, ["explain", str(POL / "bf16.policy"), name, "--model", "deepseek-v3"], terminal_width=400)
+    assert res.exit_code == 0 and "sglang:   model.layers.3.mlp.shared_experts.gate_up_proj\n" in res.output

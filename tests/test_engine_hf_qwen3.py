@@ -109,3 +109,23 @@ def test_bf16_run_is_not_labelled_emulated(qwen3_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert "emulated" not in r.output.lower()
     assert "emulated" not in json.loads((out / "summary.json").read_text())["note"]
+
+
+def test_run_on_a_dense_model_picks_the_dense_default(qwen3_dir, tmp_path):
+    """The MoE default (nvfp4-pertoken-dequant-backward) names routed_experts, which a dense Qwen3 lacks: without a
+    policy `policyc run` takes nvfp4-dense, and an MoE-only policy is refused naming the shipped ones that fit."""
+    from precision_dsl.cli import app
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "add one and one", "label": "2"}) + "\n")
+    out = tmp_path / "run"
+    r = StrictCliRunner().invoke(app, ["run", "--model", str(qwen3_dir), "--task", str(data), "--steps", "1",
+                                       "--prompts", "2", "--samples", "2", "--max-new-tokens", "4", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "default policy nvfp4-dense" in r.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["quantized_weights_identical_every_step"] is True
+    bad = StrictCliRunner().invoke(app, ["run", "mxfp8-e2e", "--model", str(qwen3_dir), "--task", str(data),
+                                         "--steps", "1", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code != 0
+    assert "routed_experts" in bad.output and "fit" in bad.output and "mxfp8-dense" in bad.output, bad.output

@@ -18,6 +18,11 @@ from conftest import SEED_POLICIES
 
 POLICIES = sorted(p.name for p in policies_dir().glob("*.policy"))
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
+DENSE_MODELS = ["qwen3-8b", "qwen3-0.6b", "llama-3.2-1b"]
+# Recipes for dense models: their `mlp` rule needs dense MLP layers (Qwen3-MoE has none; DeepSeek-V3 its first 3).
+DENSE_POLICIES = {"mxfp8-dense.policy", "nvfp4-dense.policy"}
+# What resolves on a dense model: the dense recipes and those whose expert rules are optional.
+FIT_DENSE = DENSE_POLICIES | {"bf16.policy", "fp8-blockwise-hopper.policy", "keep-bf16.policy"}
 SEED_RECIPES = {  # conftest.SEED_POLICIES with the recipe each one must produce
     "bf16.policy": None,
     "mxfp8-e2e.policy": ("mxfp8", BackwardMode.QUANTIZED),
@@ -44,17 +49,62 @@ def test_seed_recipes_are_the_seed_policies():
 
 def test_all_expected_files_are_shipped():
     expected = set(SEED_RECIPES) | {"fp8-blockwise-hopper.policy", "nvfp4-weight-only.policy", "miles-nvfp4.policy", "language-tour.policy",
-                                    "keep-bf16.policy"}
+                                    "keep-bf16.policy"} | DENSE_POLICIES
     assert expected <= set(POLICIES)
     assert Path(policies_dir()).name == "policies"
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("policy", POLICIES)
+RESOLVING = [(p, m) for p in POLICIES for m in MODELS if not (p in DENSE_POLICIES and m != "deepseek-v3")] \
+    + [(p, m) for p in sorted(FIT_DENSE) for m in DENSE_MODELS]
+
+
+@pytest.mark.parametrize("policy,model", RESOLVING)
 def test_policy_resolves(policy, model):
     p = plan(policy, model)
     assert len(p.tensors) == len(arch(model).tensors)
     assert p.policy_files[0].endswith(policy)
+
+
+@pytest.mark.parametrize("model", ["tiny-moe", "qwen3-30b-a3b", *DENSE_MODELS])
+def test_fitting_policies_are_those_that_resolve(model):
+    """engine.plans.fitting_policies (what `policyc arch` and `policyc run` say fits) judges on one routed expert
+    per layer: the same answer as resolving on the whole model."""
+    from precision_dsl.diagnostics import PolicyError
+    from precision_dsl.engine.plans import fitting_policies
+
+    full = []
+    for name in POLICIES:
+        if name == "keep-bf16.policy":  # an import fragment, not a recipe
+            continue
+        try:
+            resolve(policies_dir() / name, arch(model))
+        except PolicyError:
+            continue
+        full.append(name.removesuffix(".policy"))
+    assert fitting_policies(arch(model)) == full
+    assert {f"{p}.policy" for p in full} == (FIT_DENSE - {"keep-bf16.policy"} if model in DENSE_MODELS
+                                             else set(POLICIES) - DENSE_POLICIES - {"keep-bf16.policy"})
+
+
+@pytest.mark.parametrize("model", DENSE_MODELS)
+def test_dense_recipes(model):
+    """mxfp8-dense: every decoder GEMM MXFP8 (quantized backward); nvfp4-dense: the MLP NVFP4 with per-token
+    activation scales and gate/up sharing one weight scale (dequantized backward). Both keep embeddings, lm_head,
+    norms and the final 15% of layers BF16."""
+    n = arch(model).num_layers
+    tail = set(range(n - -(-15 * n // 100), n))
+    for policy, kind, roles, backward in (("mxfp8-dense.policy", "mxfp8", ("attn.", "mlp."), BackwardMode.QUANTIZED),
+                                          ("nvfp4-dense.policy", "nvfp4", ("mlp.",), BackwardMode.DEQUANTIZED)):
+        p = plan(policy, model)
+        for t in p.tensors:
+            quantized = t.is_linear and t.layer is not None and t.layer not in tail and t.role.startswith(roles)
+            if not quantized:
+                assert t.weight.kind == FormatKind.BF16, (policy, t.hf_name, t.precision.short())
+                continue
+            assert t.weight.kind.value == kind and t.backward == backward, (policy, t.hf_name)
+            if kind == "nvfp4":
+                assert t.activation.global_scale == "row"
+                assert (t.share_scale_group is not None) == (t.role in ("mlp.gate", "mlp.up")), t.hf_name
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 import textwrap
 from pathlib import Path
 
@@ -26,6 +25,8 @@ from precision_dsl.diagnostics import PolicyError
 from precision_dsl.parallel import parse_parallel
 from precision_dsl.resolve import resolve
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
 MODELS = ["tiny-moe", "qwen3-30b-a3b", "deepseek-v3"]
@@ -33,7 +34,8 @@ LAYOUTS = {"none": None, "tp8ep8": "rollout:tp=8,ep=8", "tp4ep2pp2": "rollout:tp
 # DeepSeek-V3 (46k tensors, ~3 s CPU per case) takes the layouts where SGLang decides differently: ep 1 (shared
 # experts fusable) and ep > 1 (not); moe-TP > 1 is covered on the two smaller models.
 CASES = [(p, m, lay) for p in POLICIES for m in MODELS for lay in LAYOUTS
-         if not (m == "deepseek-v3" and lay == "tp4ep2pp2")]
+         if not (m == "deepseek-v3" and lay == "tp4ep2pp2")
+         and not (p in DENSE_RECIPES and m != "deepseek-v3")]  # of these, only DeepSeek-V3 has dense MLP layers
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +95,12 @@ def test_sglang_runs_exactly_the_plan(sglang_oracle, policy, model, layout_id, t
                                     and t.mtp is None)
     bad = disagreements(plan, launch)
     assert not bad, f"{len(bad)} tensors differ, e.g. {bad[:3]}"
+    # the module names policyc gives the tensors (explain, the backend's exclusions) are the ones SGLang loads
+    assert sglang.shared_experts_fused(plan) == (launch.shared_experts_fused > 0)
+    by_name = plan.by_name()
+    named = {n: sglang.serving_prefix(plan, by_name[n]) for n in launch.prefixes}
+    wrong = [f"{n}: policyc {named[n]}, SGLang {p}" for n, p in launch.prefixes.items() if named[n] != p]
+    assert not wrong, f"{len(wrong)} module names differ, e.g. {wrong[:3]}"
     if any(t.role == "router.weight" and t.weight.kind.value == "fp32" for t in plan.tensors):
         assert launch.hf_overrides["router_fp32"] is True
 
@@ -160,9 +168,75 @@ def test_sglang_artifacts_carry_the_plan_hash(sglang_oracle, tmp_path):
     plan = plan_of("nvfp4-pertoken-hp-backward", "qwen3-30b-a3b", None)
     arts = {a.path: a.content for a in sglang.emit(plan)}
     h = plan.content_hash()
+    assert h not in arts.pop("sglang/launch_args.txt")  # bare argv: `$(cat launch_args.txt)`
     for path, content in arts.items():
         assert h in content, f"{path} lacks the plan hash"
     assert json.loads(arts["sglang/hf_quant_config.json"])["policyc"]["content_hash"] == h
-    argv = [ln for ln in arts["sglang/launch_args.txt"].splitlines() if not ln.startswith("#")]
-    assert len(argv) == 1 and re.search(r"--tp-size 1\b", argv[0])
-    assert not disagreements(plan, ask(sglang_oracle, plan, tmp_path))  # SGLang still reads the stamped file
+    assert not disagreements(plan, ask(sglang_oracle, plan, tmp_path))  # SGLang still reads the stamped files
+
+
+@pytest.mark.parametrize("model,text", [
+    ("deepseek-v3", 'policy "x" { target blackwell; default bf16; routed_experts: mxfp8 backward=quantized\n'
+                    ' router: fp32 }'),  # a JSON word: --json-model-override-args {"router_fp32":true}
+    ("qwen3-30b-a3b", None)], ids=["deepseek-v3-json-word", "qwen3-30b-a3b-nvfp4"])
+def test_launch_args_txt_is_pasted_whole(sglang_oracle, model, text, tmp_path):
+    """`python -m sglang.launch_server --model-path CKPT $(cat launch_args.txt)`: the words the shell hands SGLang
+    (no quote removal, no comment line) are the server args, and SGLang's own parser accepts them."""
+    from conftest import cat_words
+
+    plan = _plan_text(tmp_path, text, model) if text else plan_of("nvfp4-pertoken-hp-backward", model, None)
+    out = tmp_path / "out"
+    for a in sglang.emit(plan):
+        (out / a.path).parent.mkdir(parents=True, exist_ok=True)
+        (out / a.path).write_text(a.content)
+    words = cat_words(out / "sglang/launch_args.txt")
+    assert words == sglang.rollout_config(plan).server_args
+    launch = ask(sglang_oracle, plan, tmp_path, words)  # prepare_server_args(words): argparse exits on a stray word
+    assert not disagreements(plan, launch)
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-0.6b", "llama-3.2-1b"])
+def test_sglang_runs_the_dense_mxfp8_recipe(sglang_oracle, model, tmp_path):
+    """policies/mxfp8-dense.policy on the bundled dense models: SGLang runs every tensor in the plan's format."""
+    plan = plan_of("mxfp8-dense", model, None)
+    launch = ask(sglang_oracle, plan, tmp_path)
+    assert launch.quant_name == sglang.rollout_config(plan).method is not None
+    assert not disagreements(plan, launch)
+    assert {k for n, k in launch.kinds.items() if plan.by_name()[n].layer == 0} == {"mxfp8"}
+    assert all(k == "bf16" for n, k in launch.kinds.items() if plan.by_name()[n].layer is None)
+
+
+HOPPER_BF16 = 'policy "h" { target hopper; default bf16 }'
+HOPPER_FP8_EXPERTS = ('policy "h8" { target hopper; default bf16; routed_experts: fp8_block(scales=fp32)\n'
+                      ' shared_experts: fp8_block(scales=fp32) }')
+
+
+@pytest.mark.parametrize("model,text,layout,fused", [
+    ("deepseek-v3", HOPPER_BF16, None, True),
+    ("deepseek-v3", HOPPER_BF16, "rollout:tp=8,ep=8", False),  # expert parallelism: SGLang keeps them apart
+    ("deepseek-v3", HOPPER_FP8_EXPERTS, None, True),  # one format for shared and routed: no flag, fused
+    ("deepseek-v3", 'policy "b" { target blackwell; default bf16 }', None, False),  # auto -> flashinfer_trtllm
+    ("glm-4.5-air", HOPPER_BF16, None, True)],
+    ids=["dsv3-hopper-bf16", "dsv3-hopper-bf16-ep8", "dsv3-hopper-fp8-experts", "dsv3-blackwell-bf16",
+         "glm-hopper-bf16"])
+def test_fused_shared_experts_are_named_as_sglang_loads_them(sglang_oracle, model, text, layout, fused, tmp_path):
+    """Where SGLang fuses a layer's shared expert into the routed-experts FusedMoE (num_fused_shared_experts),
+    policyc names its module `model.layers.N.mlp.experts` (serving_prefix; the IR's sglang_prefix stays the
+    unfused module) and `policyc explain` says so: every module name agrees with the one SGLang loads."""
+    plan = resolve(_write(tmp_path, text), arch_of(model), parse_parallel(layout))
+    launch = ask(sglang_oracle, plan, tmp_path)
+    assert (launch.shared_experts_fused > 0) == fused == sglang.shared_experts_fused(plan)
+    by_name = plan.by_name()
+    wrong = [f"{n}: policyc {sglang.serving_prefix(plan, by_name[n])}, SGLang {p}" for n, p in launch.prefixes.items()
+             if sglang.serving_prefix(plan, by_name[n]) != p]
+    assert not wrong, f"{len(wrong)} module names differ, e.g. {wrong[:3]}"
+    shared = by_name["model.layers.3.mlp.shared_experts.gate_proj.weight"]
+    assert shared.sglang_prefix == "model.layers.3.mlp.shared_experts.gate_up_proj"  # the IR: unfused
+    assert sglang.serving_prefix(plan, shared) == ("model.layers.3.mlp.experts" if fused else shared.sglang_prefix)
+    assert not disagreements(plan, launch)
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "p.policy"
+    p.write_text(text)
+    return p

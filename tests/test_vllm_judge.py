@@ -31,8 +31,10 @@ from precision_dsl.parallel import parse_parallel
 from precision_dsl.precision import FormatKind
 from precision_dsl.resolve import resolve
 
+from conftest import DENSE_RECIPES
+
 REPO = Path(__file__).resolve().parents[1]
-POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
+POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy") if p.stem not in DENSE_RECIPES)
 # model -> the config overrides of its reduced variant (None: the bundled config as it is)
 MODELS = {"tiny-moe": None,
           "qwen3-30b-a3b": {"num_hidden_layers": 8},

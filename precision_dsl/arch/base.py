@@ -164,6 +164,8 @@ class TensorInfo(CheckpointTensor, BaseModel):
     megatron_name: Optional[str] = None  # e.g. decoder.layers.3.mlp.experts.linear_fc1.weight17 (None: no equivalent)
     megatron_part: Optional[str] = None  # how the HF tensor sits inside the Megatron one: "gate"|"up"|"q"|"k"|"v"
     sglang_prefix: Optional[str] = None  # SGLang module prefix, e.g. model.layers.3.mlp.experts (FusedMoE)
+    # (with shared-expert fusion off: whether SGLang fuses a shared expert into mlp.experts depends on the launch,
+    # which only the SGLang backend decides: backends/sglang.py serving_prefix)
     fused_group: Optional[str] = None  # key of FUSED_SIBLINGS this tensor belongs to, if any
     # How the source checkpoint STORES this tensor when that differs from `dtype` (the logical dtype training sees):
     # an FP8-block release (DeepSeek-V3, Kimi-K2: quantization_config quant_method fp8) stores most linears as

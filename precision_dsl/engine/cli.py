@@ -145,9 +145,9 @@ def _live_run(cfg, title: str):
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
-        policy: Optional[str] = typer.Argument(None, help="policy file or shipped policy name "
-                                               "(default: nvfp4-pertoken-dequant-backward)"),
-        model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3-MoE directory"),
+        policy: Optional[str] = typer.Argument(None, help="policy file or shipped policy name (default: "
+                                               "nvfp4-pertoken-dequant-backward; nvfp4-dense on a dense model)"),
+        model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3 / Qwen3-MoE directory"),
         task: str = typer.Option("arithmetic", "--task", help="arithmetic | PATH.jsonl (dapo-math style)"),
         steps: int = typer.Option(150, "--steps", min=1),
         seed: int = typer.Option(0, "--seed"),
@@ -215,14 +215,24 @@ def register(app: typer.Typer) -> None:
             from .loop import RunConfig
             from .plans import policy_path
 
-            cfg = _run_config(RunConfig, policy=policy, model=model, task=task, steps=steps, seed=seed,
+            chosen = policy
+            if chosen is None:  # the default that fits: the MoE recipes have nothing to quantize on a dense model
+                from ..arch import load_architecture
+                from .model import resolve_model_dir
+                from .plans import DEFAULT_POLICY, default_policy
+
+                model_dir = resolve_model_dir(model)
+                chosen = default_policy(load_architecture(str(model_dir) if Path(model).is_dir() else model))
+                if chosen != DEFAULT_POLICY:
+                    con.print(f"{model} has no routed experts: default policy {chosen}")
+            cfg = _run_config(RunConfig, policy=chosen, model=model, task=task, steps=steps, seed=seed,
                               device=device, prompts_per_step=prompts, samples_per_prompt=samples, lr=lr,
                               kl_coef=kl_coef, digits=digits, operators=operators, broken_contract=broken_contract,
                               rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
                               force_layout=force_layout, rollout_numerics=rollout_numerics,
                               routing_replay=routing_replay, max_new_tokens=max_new_tokens,
                               train_micro_batch=micro_batch)
-            name = policy_path(policy).stem
+            name = policy_path(chosen).stem
             out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
                                                                 else ""), overwrite)
             cfg = cfg.model_copy(update={"out": out_dir})  # validated above; the directory exists only now

@@ -19,6 +19,9 @@ from ..resources import find_policy, policy_hint
 from ..errors import PolicycError
 
 DEFAULT_POLICY = "nvfp4-pertoken-dequant-backward"
+# Its counterpart for a model without routed experts (every MoE recipe names routed_experts, which a dense model
+# lacks, so the MoE default would not even resolve there).
+DEFAULT_DENSE_POLICY = "nvfp4-dense"
 SEED_POLICIES = ("bf16", "mxfp8-e2e", "mxfp8-hp-backward", "mxfp8-dequant-backward",
                  "nvfp4-pertoken-hp-backward", "nvfp4-pertoken-dequant-backward")
 BROKEN_KINDS = ("per_tensor", "unshared")
@@ -37,9 +40,48 @@ def policy_path(policy: Optional[str]) -> Path:
     return path
 
 
+def is_dense(arch) -> bool:
+    """No routed experts: the MoE recipes do not apply."""
+    return not any(t.role.startswith("routed_experts.") for t in arch.tensors)
+
+
+def default_policy(arch) -> str:
+    """The shipped policy `policyc run` uses when none is given: the NVFP4 per-token recipe that fits the model."""
+    return DEFAULT_DENSE_POLICY if is_dense(arch) else DEFAULT_POLICY
+
+
+def fitting_policies(arch) -> list[str]:
+    """The shipped recipes that resolve on `arch` (import fragments without a `default`, like keep-bf16, are not
+    recipes). Judged on the architecture with one routed expert per layer: a selector sees role, layer and MTP, the
+    shipped name globs name no expert, so every expert resolves like expert 0 (DeepSeek-V3: 1.7k tensors instead of
+    46k; tests/test_policies.py compares with full resolution)."""
+    from ..diagnostics import PolicyError
+    from ..lang import ast
+    from ..resolve import load_policy
+    from ..resources import policies_dir
+
+    few = arch.model_copy(update={"tensors": tuple(t for t in arch.tensors if not t.expert)})
+    out = []
+    for path in sorted(policies_dir().glob("*.policy")):
+        try:
+            if not any(isinstance(st, ast.Default) for st in load_policy(path).statements):
+                continue
+            resolve(path, few)
+        except PolicyError:
+            continue
+        out.append(path.stem)
+    return out
+
+
 def load_plan(policy: Optional[str], arch, parallel=None) -> Plan:
-    """Resolve a policy (path or shipped name) against the architecture with the project's resolver."""
-    return resolve(str(policy_path(policy)), arch, parallel)
+    """Resolve a policy (path or shipped name; None: the default that fits the model) against the architecture with
+    the project's resolver. A policy that does not resolve on the model names the shipped ones that do."""
+    from ..diagnostics import PolicyError
+
+    try:
+        return resolve(str(policy_path(policy or default_policy(arch))), arch, parallel)
+    except PolicyError as err:
+        raise err.with_note(f"shipped policies that fit {arch.name}: {', '.join(fitting_policies(arch))}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -166,6 +166,7 @@ class Launch:
     hf_overrides: dict = field(default_factory=dict)  # model-config fields after --json-model-override-args
     kinds: dict[str, str] = field(default_factory=dict)  # hf_name -> kind SGLang runs (loaded modules only)
     methods: dict[str, str] = field(default_factory=dict)  # SGLang module prefix -> quant method class
+    prefixes: dict[str, str] = field(default_factory=dict)  # hf_name -> the SGLang module prefix that loads it
 
 
 RESOLVED_FIELDS = ("tp_size", "ep_size", "pp_size", "moe_dp_size", "quantization", "kv_cache_dtype",
@@ -294,6 +295,7 @@ class SGLangOracle:
                 cache[key] = _method_kind(method, quant_config)
                 launch.methods[prefix] = type(method).__name__ if method is not None else "None"
             launch.kinds[t.hf_name] = cache[key]
+            launch.prefixes[t.hf_name] = prefix
 
 
 def _plain(v):
