@@ -709,10 +709,6 @@ class RolloutTensor:
     block: Optional[tuple[int, int]] = None
 
 
-# DeepSeek-V2/V3 (models/deepseek_v2.py) can load a layer's shared expert as one more expert of the routed FusedMoE
-# (`resolve_shared_experts_config`); these MoE runners keep it apart.
-
-
 def _arg(argv: list[str], name: str) -> Optional[str]:
     for i, a in enumerate(argv):
         if a == name and i + 1 < len(argv):
