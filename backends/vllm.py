@@ -64,13 +64,14 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
-from precision_dsl.precision import FormatKind
+from precision_dsl.precision import BLACKWELL_ONLY_KINDS, PER_TOKEN, FormatKind, is_per_token
 from precision_dsl.backends.registry import Backend, register_backend
 from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
-                                           is_quantized, module_of, plan_stamp, read_json_artifact)
+                                           is_quantized, kind_handler, module_of, plan_stamp,
+                                           read_json_artifact, unsupported_kind)
 
 BACKEND = "vllm"
 # The vLLM releases whose own code judges what is emitted (tests/test_vllm_judge.py builds every emitted
@@ -95,11 +96,6 @@ ROUTER_QUANTIZABLE = frozenset({"qwen3_moe"})
 # model_types whose router GateLinear holds fp32 params (glm4_moe.py: params_dtype=torch.float32).
 ROUTER_FP32 = frozenset({"glm4_moe"})
 _ROW_PARALLEL = {"attn.o", "mlp.down", "routed_experts.down", "shared_experts.down"}
-_BLOCK_K = {FormatKind.MXFP8: 32, FormatKind.NVFP4: 16, FormatKind.FP8_BLOCK: 128}
-# The converter's per-format tensor suffixes are backends/quantize.py SUFFIXES; vLLM's loaders register these.
-_VLLM_SUFFIXES = {FormatKind.MXFP8: ("weight", "weight_scale"),
-                  FormatKind.NVFP4: ("weight", "weight_scale", "weight_scale_2", "input_scale"),
-                  FormatKind.FP8_BLOCK: ("weight", "weight_scale_inv")}
 _ENV_FP8_BLOCK = {"VLLM_USE_DEEP_GEMM": "0", "VLLM_USE_DEEP_GEMM_E8M0": "0", "VLLM_MOE_USE_DEEP_GEMM": "0"}
 _ENV_NVFP4 = {"FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH": "1", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH": "1"}
 
@@ -335,7 +331,7 @@ def _check_tensor(t: TensorPlan, plan: Plan, version: tuple) -> None:
         return
     check_supported(t, BACKEND)  # a checkpoint can store it (converter formats)
     w, a = t.precision.weight, t.precision.activation
-    if w.kind in (FormatKind.MXFP8, FormatKind.NVFP4) and a.is_quantized and plan.target != "blackwell":
+    if w.kind in BLACKWELL_ONLY_KINDS and a.is_quantized and plan.target != "blackwell":
         raise UnsupportedByBackend(
             BACKEND, t.hf_name, f"{w.kind.value} with quantized activations on a {plan.target} target: vLLM's "
             f"{w.kind.value} GEMMs with {w.kind.value} activations need SM100 (FlashInfer: vllm/model_executor/"
@@ -353,56 +349,66 @@ def _check_tensor(t: TensorPlan, plan: Plan, version: tuple) -> None:
                                    "W_UV BMMs of absorbed attention (layers/attention/mla_attention.py "
                                    "split_kv_b_proj), which run in BF16, not the plan's GEMM",
                                    hint="keep attn.kv_b in bf16 (optional attn.kv_b: bf16)")
-    if w.kind == FormatKind.FP8_BLOCK:
-        if a.kind != FormatKind.FP8_BLOCK or a.block != (1, 128):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, "vLLM's block FP8 (Fp8LinearMethod, Fp8MoEMethod) quantizes "
-                                       f"activations dynamically 1x128; the plan has activations {a.short()}")
-        if w.scale_dtype not in (None, "fp32") or a.scale_dtype not in (None, "fp32"):
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{w.scale_dtype or a.scale_dtype}' FP8-block scales: the "
-                                       "only power-of-two path is DeepGEMM's UE8M0 requantization "
-                                       "(quantization/utils/fp8_utils.py deepgemm_post_process_fp8_weight_block), "
-                                       "not verified equal to TransformerEngine's pow2 scaling",
-                                       hint="use fp8_block(scales=fp32) for a vLLM rollout")
-    elif w.kind == FormatKind.MXFP8:
-        if version < (0, 33, 0):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, "MXFP8 on vLLM 0.24.0: its ModelConfig._verify_quantization (vllm/config/"
-                "model.py) raises 'Quantization method mxfp8 is an override but hasn't been added to the overrides "
-                "list' for a ModelOpt MXFP8 checkpoint, so the server does not start",
-                hint="serve MXFP8 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
-        if a.kind != FormatKind.MXFP8 or a.element != "e4m3" or a.block != (1, 32):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, f"MXFP8 weights with {a.short()} activations: vLLM's ModelOpt MXFP8 methods "
-                "quantize activations to MXFP8 (quantization/modelopt.py resolve: kMxfp8Static weights, kMxfp8Dynamic "
-                "activations); there is no weight-only MXFP8 method for a checkpoint",
-                hint="use mxfp8 for both weights and activations (the policy's mxfp8 rule)")
-    elif w.kind == FormatKind.NVFP4:
-        if not t.role.startswith("routed_experts."):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, "NVFP4 outside routed experts: vLLM's ModelOpt NVFP4 linear always uses the "
-                "static per-tensor input_scale (quantization/modelopt.py KNvfp4Dynamic.process); the per-token "
-                "override (quantization_config.moe.activation) exists for RoutedExperts only",
-                hint="keep NVFP4 on routed experts only")
-        if not a.is_quantized:
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, f"weight-only NVFP4 ({w.short()} weights, {a.short()} activations): vLLM serves "
-                "W4A16_NVFP4 through the Marlin FP4 kernels only (quantization/utils/marlin_utils_fp4.py: block "
-                "scales re-encoded S0E5M3 with a power-of-two rescale, the global scale applied to the output), not "
-                "verified to reproduce the plan's dequantized-weight GEMM",
-                hint="use nvfp4(act_scale=per_token) for a vLLM rollout")
-        if version < (0, 33, 0):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, "NVFP4 per-token activations on vLLM 0.24.0: its --quantization-config schema "
-                "has no nvfp4_per_token activation (vllm/config/quantization.py QuantizationConfigArgs rejects it) "
-                "and its ModelOptNvFp4FusedMoE (quantization/modelopt.py) reads no activation override: the experts "
-                "run with one static global input scale",
-                hint="serve NVFP4 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
-        if a.kind != FormatKind.NVFP4 or a.global_scale != "row":
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, f"NVFP4 activations {a.short()}: vLLM's ModelOpt NVFP4 MoE uses one static global "
-                "input scale (the max over experts, utils/flashinfer_fp4_moe.py) unless the per-token override is "
-                "given; the converter writes input_scale = 1, so only per-token activations are exact",
-                hint="use nvfp4(act_scale=per_token)")
+    _served(w.kind, t.hf_name).check(t, version)
+
+
+def _check_fp8_block(t: TensorPlan, version: tuple) -> None:
+    w, a = t.precision.weight, t.precision.activation
+    if a.kind != w.kind or a.block != (1, 128):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, "vLLM's block FP8 (Fp8LinearMethod, Fp8MoEMethod) quantizes "
+                                   f"activations dynamically 1x128; the plan has activations {a.short()}")
+    if w.scale_dtype not in (None, "fp32") or a.scale_dtype not in (None, "fp32"):
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"'{w.scale_dtype or a.scale_dtype}' FP8-block scales: the "
+                                   "only power-of-two path is DeepGEMM's UE8M0 requantization "
+                                   "(quantization/utils/fp8_utils.py deepgemm_post_process_fp8_weight_block), "
+                                   "not verified equal to TransformerEngine's pow2 scaling",
+                                   hint="use fp8_block(scales=fp32) for a vLLM rollout")
+
+
+def _check_mxfp8(t: TensorPlan, version: tuple) -> None:
+    w, a = t.precision.weight, t.precision.activation
+    if version < (0, 33, 0):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, "MXFP8 on vLLM 0.24.0: its ModelConfig._verify_quantization (vllm/config/"
+            "model.py) raises 'Quantization method mxfp8 is an override but hasn't been added to the overrides "
+            "list' for a ModelOpt MXFP8 checkpoint, so the server does not start",
+            hint="serve MXFP8 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
+    if a.kind != w.kind or a.element != "e4m3" or a.block != (1, 32):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, f"MXFP8 weights with {a.short()} activations: vLLM's ModelOpt MXFP8 methods "
+            "quantize activations to MXFP8 (quantization/modelopt.py resolve: kMxfp8Static weights, kMxfp8Dynamic "
+            "activations); there is no weight-only MXFP8 method for a checkpoint",
+            hint="use mxfp8 for both weights and activations (the policy's mxfp8 rule)")
+
+
+def _check_nvfp4(t: TensorPlan, version: tuple) -> None:
+    w, a = t.precision.weight, t.precision.activation
+    if not t.role.startswith("routed_experts."):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, "NVFP4 outside routed experts: vLLM's ModelOpt NVFP4 linear always uses the "
+            "static per-tensor input_scale (quantization/modelopt.py KNvfp4Dynamic.process); the per-token "
+            "override (quantization_config.moe.activation) exists for RoutedExperts only",
+            hint="keep NVFP4 on routed experts only")
+    if not a.is_quantized:
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, f"weight-only NVFP4 ({w.short()} weights, {a.short()} activations): vLLM serves "
+            "W4A16_NVFP4 through the Marlin FP4 kernels only (quantization/utils/marlin_utils_fp4.py: block "
+            "scales re-encoded S0E5M3 with a power-of-two rescale, the global scale applied to the output), not "
+            "verified to reproduce the plan's dequantized-weight GEMM",
+            hint="use nvfp4(act_scale=per_token) for a vLLM rollout")
+    if version < (0, 33, 0):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, "NVFP4 per-token activations on vLLM 0.24.0: its --quantization-config schema "
+            "has no nvfp4_per_token activation (vllm/config/quantization.py QuantizationConfigArgs rejects it) "
+            "and its ModelOptNvFp4FusedMoE (quantization/modelopt.py) reads no activation override: the experts "
+            "run with one static global input scale",
+            hint="serve NVFP4 with vLLM 0.33.0 (--vllm-version 0.33.0) or with SGLang (--rollout sglang)")
+    if a.kind != w.kind or not is_per_token(a):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, f"NVFP4 activations {a.short()}: vLLM's ModelOpt NVFP4 MoE uses one static global "
+            "input scale (the max over experts, utils/flashinfer_fp4_moe.py) unless the per-token override is "
+            "given; the converter writes input_scale = 1, so only per-token activations are exact",
+            hint="use nvfp4(act_scale=per_token)")
 
 
 def _check_fused(plan: Plan, problems: Problems) -> None:
@@ -425,7 +431,8 @@ def _check_fused(plan: Plan, problems: Problems) -> None:
                     hint="give the fused siblings the same format in the policy"))
                 break
         else:
-            if is_quantized(first) and first.weight.kind == FormatKind.NVFP4 and len(members) > 1:
+            rules = _FORMATS.get(first.weight.kind)
+            if is_quantized(first) and rules is not None and rules.fused_one_global_scale and len(members) > 1:
                 gid = {groups[m.hf_name].id if m.hf_name in groups else None for m in members}
                 if len(gid) != 1 or None in gid or set(groups[first.hf_name].members) != {m.hf_name for m in members}:
                     problems.add(UnsupportedByBackend(
@@ -456,9 +463,10 @@ def _check_high_precision(plan: Plan, problems: Problems) -> None:
     on load, except the GLM-4.5 router (fp32 params) and the fp32 noaux_tc router bias."""
     for t in plan.tensors:
         kind = t.precision.weight.kind
-        if kind not in (FormatKind.FP32, FormatKind.FP16) or t.mtp is not None or vllm_module(t, plan.model_type) is None:
-            continue
-        if t.role == "router.weight" and kind == FormatKind.FP32 and plan.model_type in ROUTER_FP32:
+        rules = _FORMATS.get(kind)
+        if rules is None or rules.held is None or t.mtp is not None or vllm_module(t, plan.model_type) is None:
+            continue  # quantized kinds (_check_tensor) and the model dtype itself
+        if rules.held(t, plan):
             continue
         problems.add(UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} {t.role}: vLLM builds this weight in the "
                                           "model dtype and casts the checkpoint tensor on load",
@@ -509,21 +517,45 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int, module_n: int) -> N
     if (row and k % split) or (not row and n % split):
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"shape {t.shape} does not split evenly over {split} ranks")
     k_part, n_part = (k // split, n) if row else (k, n // split)
+    module_n_part = module_n if row or split == 1 else module_n // split
+    rules = _served(t.weight.kind, t.hf_name)
+    rules.shapes(t, _RankShape(split, row, experts, k_part, n_part, module_n_part), rules.block_k)
+
+
+@dataclass(frozen=True)
+class _RankShape:
+    """One quantized weight's GEMM as one rank holds it (`_check_shapes`)."""
+
+    split: int  # ranks the weight is split over
+    row: bool  # row-parallel (K split) rather than column-parallel (N split)
+    experts: bool  # a routed expert (FusedMoE) rather than a linear
+    k_part: int
+    n_part: int
+    module_n_part: int  # N per rank of the vLLM module holding the weight (a fused module: all its shards)
+
+
+def _whole_k_blocks(t: TensorPlan, s: _RankShape, block_k: int) -> None:
     kind = t.weight.kind
-    if kind != FormatKind.FP8_BLOCK:
-        if k_part % _BLOCK_K[kind]:
-            raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {_BLOCK_K[kind]} == 0; "
-                                       f"K per rank is {k_part} (shape {t.shape}, split {split})")
-        module_n_part = module_n if row or split == 1 else module_n // split
-        if kind == FormatKind.MXFP8 and not experts and (k_part < 128 or module_n_part < 128):
-            raise UnsupportedByBackend(
-                BACKEND, t.hf_name, f"MXFP8 linear with N x K per rank {module_n_part} x {k_part}: the FlashInfer "
-                "MXFP8 GEMMs need N >= 128 and K >= 128 (vllm/model_executor/kernels/linear/mxfp8/flashinfer.py "
-                "_check_mm_mxfp8_shape); with --linear-backend flashinfer_cutlass vLLM then finds no kernel, and "
-                "unpinned it falls back to MarlinMxfp8LinearKernel (W8A16, BF16 activations)",
-                hint="use a smaller rollout tp, or keep this module in bf16 for a vLLM rollout")
-        return
-    if experts:
+    if s.k_part % block_k:
+        raise UnsupportedByBackend(BACKEND, t.hf_name, f"{kind.value} needs K per rank % {block_k} == 0; "
+                                   f"K per rank is {s.k_part} (shape {t.shape}, split {s.split})")
+
+
+def _mxfp8_shapes(t: TensorPlan, s: _RankShape, block_k: int) -> None:
+    _whole_k_blocks(t, s, block_k)
+    if not s.experts and (s.k_part < 128 or s.module_n_part < 128):
+        raise UnsupportedByBackend(
+            BACKEND, t.hf_name, f"MXFP8 linear with N x K per rank {s.module_n_part} x {s.k_part}: the FlashInfer "
+            "MXFP8 GEMMs need N >= 128 and K >= 128 (vllm/model_executor/kernels/linear/mxfp8/flashinfer.py "
+            "_check_mm_mxfp8_shape); with --linear-backend flashinfer_cutlass vLLM then finds no kernel, and "
+            "unpinned it falls back to MarlinMxfp8LinearKernel (W8A16, BF16 activations)",
+            hint="use a smaller rollout tp, or keep this module in bf16 for a vLLM rollout")
+
+
+def _fp8_block_shapes(t: TensorPlan, s: _RankShape, block_k: int) -> None:
+    # the 128x128 block grid: validate_fp8_block_shape(_moe) checks whole blocks per partition, not K alone
+    split, row, k_part, n_part = s.split, s.row, s.k_part, s.n_part
+    if s.experts:
         inter = k_part if row else n_part  # the MoE intermediate size per partition
         if inter % 128:
             raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 MoE needs the intermediate size per rank % 128 "
@@ -545,7 +577,6 @@ def _check_shapes(t: TensorPlan, tp: int, expert_split: int, module_n: int) -> N
         raise UnsupportedByBackend(BACKEND, t.hf_name, f"block FP8 needs N per rank % 128 == 0 (quantization/utils/"
                                    f"fp8_utils.py validate_fp8_block_shape); it is {n_part} over {split} ranks",
                                    hint="use a smaller rollout tp")
-
 
 def _exclusions(plan: Plan, quantized_prefixes: set[str], modelopt: bool) -> list[str]:
     """Every vLLM module the plan leaves in high precision that the method would otherwise quantize: shard names AND
@@ -584,6 +615,136 @@ def _module_sizes(plan: Plan) -> dict[str, int]:
             if m is not None:
                 out[m.prefix] = out.get(m.prefix, 0) + t.shape[0]
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the format table: how vLLM serves each format kind
+# ---------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _QuantContext:
+    """What a kind's quant config builder reads of the plan (`serve_config`)."""
+
+    plan: Plan
+    tensor: str  # the first quantized tensor (named by a refusal)
+    quant: list  # the served quantized TensorPlans
+    has_moe: bool
+    experts_quantized: bool
+    prefixes: set  # the vLLM module prefixes the plan quantizes
+
+
+@dataclass(frozen=True)
+class _Quant:
+    """One kind's serving configuration: --quantization, the checkpoint quantization_config, the online
+    --quantization-config (None: not given), and the engine args, env and notes it adds."""
+
+    method: str
+    config: dict
+    online: Optional[dict] = None
+    args: tuple = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    notes: tuple = ()
+
+
+def _fp8_block_config(c: _QuantContext) -> _Quant:
+    args = ["--linear-backend", "triton"]
+    if c.has_moe and c.experts_quantized:
+        args += ["--moe-backend", "triton"]
+    return _Quant("fp8", {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                          "weight_block_size": [128, 128],
+                          "ignored_layers": _exclusions(c.plan, c.prefixes, modelopt=False)},
+                  args=tuple(args), env=_ENV_FP8_BLOCK)
+
+
+def _mxfp8_config(c: _QuantContext) -> _Quant:
+    # ModelOpt's flat form (quantization/modelopt.py ModelOptQuantConfigBase.from_config: quant_algo + ignore),
+    # matched by is_layer_excluded; the MiniMax form (quant_method mxfp8) would read only ignored_layers.
+    qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_scheme": None,
+            "ignore": _exclusions(c.plan, c.prefixes, modelopt=True), "producer": MODELOPT_PRODUCER}
+    # pinned to the FlashInfer W8A8 MXFP8 kernels: vLLM refuses to start where they cannot run, instead of
+    # falling back to Marlin W8A16 (kernels/linear/__init__.py _POSSIBLE_MXFP8_KERNELS, fused_moe/oracle/
+    # mxfp8.py select_mxfp8_moe_backend)
+    args = []
+    if any(not t.role.startswith("routed_experts.") for t in c.quant):
+        args += ["--linear-backend", "flashinfer_cutlass"]
+    if c.experts_quantized:
+        args += ["--moe-backend", "flashinfer_trtllm"]
+    return _Quant("modelopt_mxfp8", qcfg, args=tuple(args),
+                  notes=("MXFP8 activations need SM100 (Blackwell) and FlashInfer; vLLM refuses to start otherwise",))
+
+
+def _nvfp4_config(c: _QuantContext) -> _Quant:
+    # per-token routed experts only (_check_nvfp4 refuses the rest)
+    qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_scheme": None,
+            "ignore": _exclusions(c.plan, c.prefixes, modelopt=True), "producer": MODELOPT_PRODUCER,
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                          "input_activations": {"num_bits": 4, "type": "float",
+                                                                "group_size": 16, "dynamic": True},
+                                          "targets": ["Linear"]}}}
+    return _Quant("modelopt_fp4", qcfg, online={"moe": {"activation": "nvfp4_per_token"}},
+                  args=("--moe-backend", "flashinfer_trtllm"), env=_ENV_NVFP4,
+                  notes=("NVFP4 per-token MoE activations need SM100 (Blackwell) and the FlashInfer TRT-LLM MoE "
+                         "backend; vLLM refuses to start otherwise",))
+
+
+def _fp32_held(t: TensorPlan, plan: Plan) -> bool:
+    """The GLM-4.5 router GateLinear holds fp32 params (glm4_moe.py: params_dtype=torch.float32)."""
+    return t.role == "router.weight" and plan.model_type in ROUTER_FP32
+
+
+def _cast_on_load(t: TensorPlan, plan: Plan) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class _VllmFormat:
+    """How vLLM serves one format kind. A quantized kind: the per-tensor check (`check(t, version)`), the per-rank
+    shape check (`shapes(t, rank_shape, block_k)`), the quant config builder, K elements per scale block, the
+    checkpoint tensor suffixes vLLM's loaders register (the converter's are backends/quantize.py SUFFIXES), and
+    whether a fused module serves its shards with one global scale. A high-precision kind: whether vLLM holds it in
+    the model dtype (compared by `_self_check`) or, where it is not, whether vLLM holds a tensor of that kind
+    (`held(t, plan)`; False: refused, cast on load)."""
+
+    check: Optional[Callable[[TensorPlan, tuple], None]] = None
+    shapes: Optional[Callable[[TensorPlan, _RankShape, int], None]] = None
+    config: Optional[Callable[[_QuantContext], _Quant]] = None
+    block_k: int = 1
+    suffixes: tuple = ()
+    fused_one_global_scale: bool = False  # ModelOpt NVFP4: w13_weight_scale_2[:, 0]; a fused linear takes the max
+    model_dtype: bool = False
+    held: Optional[Callable[[TensorPlan, Plan], bool]] = None
+
+
+# THE format table of the vLLM backend: a quantized kind not here (FP8 per-tensor) is refused (`_served`).
+_FORMATS = {
+    FormatKind.MXFP8: _VllmFormat(_check_mxfp8, _mxfp8_shapes, _mxfp8_config, 32, ("weight", "weight_scale")),
+    FormatKind.NVFP4: _VllmFormat(_check_nvfp4, _whole_k_blocks, _nvfp4_config, 16,
+                                  ("weight", "weight_scale", "weight_scale_2", "input_scale"),
+                                  fused_one_global_scale=True),
+    FormatKind.FP8_BLOCK: _VllmFormat(_check_fp8_block, _fp8_block_shapes, _fp8_block_config, 128,
+                                      ("weight", "weight_scale_inv")),
+    FormatKind.BF16: _VllmFormat(model_dtype=True),
+    FormatKind.FP32: _VllmFormat(held=_fp32_held),
+    FormatKind.FP16: _VllmFormat(held=_cast_on_load),
+}
+
+
+def _served(kind: FormatKind, tensor: str) -> _VllmFormat:
+    """The quantized serving rules of `kind` (a kind vLLM is not served with: refused, common.kind_handler)."""
+    rules = kind_handler(_FORMATS, kind, BACKEND, tensor)
+    if rules.check is None:
+        raise unsupported_kind(BACKEND, tensor, kind)
+    return rules
+
+
+
+def held_in_model_dtype(kind: FormatKind) -> bool:
+    """An unquantized weight of `kind` is what vLLM holds in the model dtype (bf16), so reading the emitted config
+    back must give exactly that; other high-precision kinds are `held` exceptions (`_check_high_precision`)."""
+    rules = _FORMATS.get(kind)
+    return rules is not None and rules.model_dtype
+
+def _quant_config(kind: FormatKind, c: _QuantContext) -> _Quant:
+    return _served(kind, c.tensor).config(c)
 
 
 def serve_config(plan: Plan, problems: Problems, version: str = VLLM_VERSION) -> Optional[ServeConfig]:
@@ -638,41 +799,15 @@ def serve_config(plan: Plan, problems: Problems, version: str = VLLM_VERSION) ->
     if kind is None:
         method, qcfg = None, None
         notes.append("unquantized: serve the converter's checkpoint (it carries no quantization_config)")
-    elif kind == FormatKind.FP8_BLOCK:
-        method = "fp8"
-        qcfg = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128],
-                "ignored_layers": _exclusions(plan, qprefixes, modelopt=False)}
-        args += ["--linear-backend", "triton"]
-        if has_moe and experts_quantized:
-            args += ["--moe-backend", "triton"]
-        env.update(_ENV_FP8_BLOCK)
-    elif kind == FormatKind.MXFP8:
-        # ModelOpt's flat form (quantization/modelopt.py ModelOptQuantConfigBase.from_config: quant_algo + ignore),
-        # matched by is_layer_excluded; the MiniMax form (quant_method mxfp8) would read only ignored_layers.
-        method = "modelopt_mxfp8"
-        qcfg = {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_scheme": None,
-                "ignore": _exclusions(plan, qprefixes, modelopt=True), "producer": MODELOPT_PRODUCER}
-        # pinned to the FlashInfer W8A8 MXFP8 kernels: vLLM refuses to start where they cannot run, instead of
-        # falling back to Marlin W8A16 (kernels/linear/__init__.py _POSSIBLE_MXFP8_KERNELS, fused_moe/oracle/
-        # mxfp8.py select_mxfp8_moe_backend)
-        if any(not t.role.startswith("routed_experts.") for t in quant):
-            args += ["--linear-backend", "flashinfer_cutlass"]
-        if experts_quantized:
-            args += ["--moe-backend", "flashinfer_trtllm"]
-        notes.append("MXFP8 activations need SM100 (Blackwell) and FlashInfer; vLLM refuses to start otherwise")
-    else:  # NVFP4 (per-token routed experts; everything else was refused above)
-        method = "modelopt_fp4"
-        qcfg = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_scheme": None,
-                "ignore": _exclusions(plan, qprefixes, modelopt=True), "producer": MODELOPT_PRODUCER,
-                "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
-                                              "input_activations": {"num_bits": 4, "type": "float",
-                                                                    "group_size": 16, "dynamic": True},
-                                              "targets": ["Linear"]}}}
-        online = {"moe": {"activation": "nvfp4_per_token"}}
-        args += ["--moe-backend", "flashinfer_trtllm"]
-        env.update(_ENV_NVFP4)
-        notes.append("NVFP4 per-token MoE activations need SM100 (Blackwell) and the FlashInfer TRT-LLM MoE backend; "
-                     "vLLM refuses to start otherwise")
+    else:
+        q = problems.run(_quant_config, kind, _QuantContext(plan, kinds[kind].hf_name, quant, has_moe,
+                                                            experts_quantized, qprefixes))
+        if q is None:
+            return None
+        method, qcfg, online = q.method, q.config, q.online
+        args += q.args
+        env.update(q.env)
+        notes += q.notes
     if method is not None:
         args += ["--quantization", method,
                  "--hf-overrides", json.dumps({"quantization_config": qcfg}, sort_keys=True, separators=(",", ":"))]
@@ -697,7 +832,7 @@ def _self_check(plan: Plan, cfg: ServeConfig, problems: Problems) -> None:
         except ValueError as err:
             problems.add(UnsupportedByBackend(BACKEND, t.hf_name, f"vLLM would refuse the emitted config: {err}"))
             continue
-        if not is_quantized(t) and t.precision.weight.kind != FormatKind.BF16:
+        if not is_quantized(t) and not held_in_model_dtype(t.precision.weight.kind):
             continue  # fp32 / fp16 exceptions: _check_high_precision
         want = t.precision.weight.short() if is_quantized(t) else _hp(t)
         if got != want:
@@ -786,7 +921,7 @@ def serve_tensors(qcfg: Optional[dict], online: Optional[dict], env: Mapping[str
             row = per_token and m.kind == "experts"
             why.append("--quantization-config moe.activation nvfp4_per_token: per-token activation scales" if row
                        else "the checkpoint's static per-tensor input_scale")
-            fields = dict(act_scope="row" if row else "tensor", shared=w.endswith(",shared]"), block=(1, 16))
+            fields = dict(act_scope=PER_TOKEN if row else "tensor", shared=w.endswith(",shared]"), block=(1, 16))
         elif kind == "fp8_block":
             fields = dict(scale_dtype="pow2" if "pow2" in w else "fp32")
             if "pow2" in w:

@@ -92,8 +92,6 @@ def test_no_code_compares_a_scope_against_the_raw_row_literal():
 # format table (module-level dicts, allowed everywhere), the engines through `FormatSpec` facts and kind sets.
 _KIND_BRANCH_ALLOWED = {
     "precision_dsl/format_specs.py",
-    # the next backend to clean: its fp8_block / mxfp8 / nvfp4 / fp32 / fp16 checks still compare kinds inline
-    "backends/vllm.py",
 }
 
 

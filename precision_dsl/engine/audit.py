@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..format_specs import PER_TOKEN
 from .audit_inputs import AuditError, Deployment, read_deployment
 
 
@@ -60,7 +61,7 @@ class AuditResult:
 def _nvfp4_call(act_scope: Optional[str], block, act: bool = True) -> str:
     args = []
     if act:
-        args.append(f"act_scale={'per_token' if act_scope == 'row' else 'per_tensor'}")
+        args.append(f"act_scale={'per_token' if act_scope == PER_TOKEN else 'per_tensor'}")
     args.append("weight_scale=per_tensor")
     if tuple(block or (1, 16)) == (16, 16):
         args.append("weight_block=16x16")

@@ -235,7 +235,7 @@ def _fp8_rollout(plan, arch, manifest: dict, problems: Problems) -> bool:
     of the config verl injects must give every served weight the plan's format. verl's sync then quantizes exactly
     the params vLLM built as FP8 (vllm_quant_utils.py is_fp8_weight) and passes the rest as BF16."""
     from ..backends.registry import get_backend
-    from ..backends.vllm import MANIFEST
+    from ..backends.vllm import MANIFEST, held_in_model_dtype
 
     argv = list(manifest["engine_args"])
     qcfg = verl_fp8_config(int(arch.config.get("num_hidden_layers", plan.num_layers)))
@@ -243,7 +243,7 @@ def _fp8_rollout(plan, arch, manifest: dict, problems: Problems) -> bool:
     derived = get_backend("vllm").derive_formats({MANIFEST: json.dumps({**manifest, "engine_args": argv})}, arch)
     for t in plan.tensors:
         got = derived.get(t.hf_name)
-        if got is None or (not is_quantized(t) and t.precision.weight.kind.value != "bf16"):
+        if got is None or (not is_quantized(t) and not held_in_model_dtype(t.precision.weight.kind)):
             continue  # not a served GEMM weight / an fp32 exception the vllm backend checks
         want = t.precision.weight.short() if is_quantized(t) else "bf16"
         if got != want:
