@@ -312,7 +312,7 @@ def test_vllm_reading_of_a_hand_written_launch_is_vllms(tmp_path):
     last = plan.num_layers - 1
     qcfg["ignored_layers"] = [e for e in qcfg["ignored_layers"] if f"layers.{last}.mlp" not in e]
     args[i] = json.dumps({"quantization_config": qcfg})
-    modules = vllm_oracle.vllm_modules(vllm.VLLM_VERSION, model_dir_for(plan, tmp_path), args)
+    modules = vllm_oracle.vllm_modules(vllm.VLLM_VERSION, model_dir_for(plan, "qwen3-0.6b"), args)
     ours = vllm.serve_tensors(qcfg, None, manifest["env"], arch_of("qwen3-0.6b"))
     where = module_of_tensor(modules, plan)
     names = [n for n in where if n in ours]  # a tied lm_head answers for model.embed_tokens.weight

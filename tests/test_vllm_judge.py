@@ -86,7 +86,7 @@ _ROOT = Path(tempfile.mkdtemp(prefix="policyc-vllm-judge-"))
 @functools.lru_cache(maxsize=None)
 def config_of(model: str) -> dict:
     config = json.loads((REPO / "precision_dsl" / "models" / model / "config.json").read_text())
-    config.update(MODELS[model] or {})
+    config.update(MODELS.get(model) or {})  # a model outside the judged grid: its bundled config as it is
     return config
 
 
