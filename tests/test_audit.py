@@ -59,7 +59,13 @@ CASES = [(p, m, r) for r in ("sglang", "vllm") for m in ROUND_TRIP_MODELS for p 
 
 @pytest.mark.parametrize("policy,model,rollout", CASES, ids=[f"{p}-{m}-{r}" for p, m, r in CASES])
 def test_emit_then_audit_agrees_and_recovers_the_plan(policy, model, rollout, tmp_path):
-    plan = plan_of(policy, model)
+    from precision_dsl.diagnostics import PolicyError
+
+    try:
+        plan = plan_of(policy, model)
+    except PolicyError as err:  # a dense recipe on an MoE model without dense layers: no plan, no deployment
+        assert "matches no tensor" in str(err) and policy.endswith("-dense")
+        return
     try:
         out = emitted(plan, tmp_path / "out", rollout)
     except UnsupportedByBackend as err:  # a plan the backends refuse has no deployment to audit
