@@ -288,7 +288,7 @@ def test_cli_writes_the_verl_launch(tmp_path):
 @pytest.mark.parametrize("args,needle,code", [
     (["run", "--engine", "verl", "miles-nvfp4", "--model", "qwen3-30b-a3b"], "per-module TE precision recipe", 1),
     (["run", "--engine", "verl", "bf16", "--model", "tiny-moe", "--rollout", "trtllm"], "--rollout must be", 2),
-    (["run", "--engine", "verl", "mxfp8-e2e", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
+    (["run", "--engine", "verl", "nvfp4-weight-only", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
 ])
 def test_cli_refusals_are_messages(tmp_path, args, needle, code):
     r = runner.invoke(app, args + ["--out", str(tmp_path / "o")])
@@ -358,3 +358,20 @@ def test_worker_plan_file_is_checked(tmp_path):
                                (str(tmp_path / "none.json"), None, "cannot read")):
         with pytest.raises(vw.VerlWorkerError, match=needle):
             vw.load_plan_file(path, want)
+
+
+def test_cli_writes_the_extension_launch_with_the_plan_beside_it(tmp_path):
+    """An MXFP8 rollout (global MXFP8 trainer recipe): the launch runs policyc's worker extension, whose plan file is
+    the emitted policyc_plan.json by absolute path, with its hash."""
+    out = tmp_path / "verl"
+    r = runner.invoke(app, ["run", "--engine", "verl", "mxfp8-e2e", "--model", "qwen3-30b-a3b", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    listed = (out / ve.OVERRIDES).read_text()
+    assert f"engine_kwargs.vllm.worker_extension_cls={vw.EXTENSION}" in listed
+    plan_file = out.resolve() / "policyc_plan.json"
+    assert f'{vw.ENV_PLAN}="{plan_file}"' in listed
+    from precision_dsl.plan import Plan
+
+    plan = Plan.from_json(plan_file.read_text())
+    assert f'{vw.ENV_PLAN_HASH}="{plan.content_hash()}"' in listed
+    assert vw.load_plan_file(str(plan_file), plan.content_hash()).content_hash() == plan.content_hash()
