@@ -375,3 +375,22 @@ def test_cli_writes_the_extension_launch_with_the_plan_beside_it(tmp_path):
     plan = Plan.from_json(plan_file.read_text())
     assert f'{vw.ENV_PLAN_HASH}="{plan.content_hash()}"' in listed
     assert vw.load_plan_file(str(plan_file), plan.content_hash()).content_hash() == plan.content_hash()
+
+
+def test_worker_extension_is_verls_class_extended_as_vllm_loads_it(tmp_path):
+    """verl 0.9.1 and vLLM 0.33.0 together (tests/oracles/verl_oracle.py `extension`): vLLM resolves the dotted path
+    the launch names to a subclass of verl's vLLMColocateWorkerExtension, with no attribute clashing with vLLM's
+    Worker, verl's RPCs inherited, its weight sync and process setup replaced (no verl ModelOpt-QAT state), and the
+    plan read from the file the launch points at."""
+    from precision_dsl.backends.common import plan_json_bytes
+
+    plan = plan_of(*SEED, "none")
+    f = tmp_path / "policyc_plan.json"
+    f.write_bytes(plan_json_bytes(plan))
+    r = vo.extension(vw.EXTENSION, {vw.ENV_PLAN: str(f), vw.ENV_PLAN_HASH: plan.content_hash()})
+    assert r["subclasses_verl"] and r["mro"][:2] == [vw.EXTENSION, vw.VERL_EXTENSION], r["mro"]
+    assert r["clashes"] == [], r["clashes"]
+    assert r["verl_rpcs"] == ["update_weights_from_ipc", "monkey_patch_model", "_get_zmq_handle"]
+    assert r["overrides"] == ["__new__", "update_weights_from_ipc"]
+    assert r["instance"] == {"_is_qat_model": False, "_is_modelopt_qat": False}
+    assert r["plan_hash"] == plan.content_hash()
