@@ -3,9 +3,10 @@ compose of ppo_megatron_trainer, its config dataclasses, validate_config) and by
 override_transformer_config read as TransformerConfig, tests/megatron_oracle.py).
 
 Every shipped policy x {qwen3-30b-a3b, deepseek-v3} x layouts x {vllm, sglang} rollout is either accepted by verl
-with every value the plan's (trainer recipe per module, rollout layout, no rollout quantization, the env in the Ray
-runtime env as strings) or refused by name (tensor + capability); the refusal of a quantized rollout rests on verl's
-own FP8 sync quantizer giving other bytes than the plan's format, checked here on a tensor."""
+with every value the plan's (trainer recipe per module, rollout layout, the env in the Ray runtime env as strings;
+a quantized vLLM rollout through verl's own FP8 path only where its sync quantizer gives the plan's bytes, checked
+here on a tensor, otherwise through policyc's worker extension on the vllm backend's own serving args) or refused by
+name (tensor + capability). The extension's bytes: tests/test_engine_verl_worker.py."""
 
 from __future__ import annotations
 
