@@ -311,8 +311,9 @@ def _seed_rollout_launch():
     bf16 = plan_of("bf16", SEED[1], "none")
     base = ve.build_launch(bf16, arch, _manifest(run_gate(bf16, arch, ["megatron", "vllm"],
                                                           EmitOptions(rollout="vllm")), "vllm"), "vllm")
-    keep = [o for o in base.overrides if not o.startswith(f"{ve._ROLLOUT}.") and f"{ve._ROLLOUT}.engine_kwargs."
-            not in o and not o.startswith(f"++{ve._ENV}.")]
+    ours = {o.split("=")[0].lstrip("+") for o in r_over}
+    keep = [o for o in base.overrides if o.split("=")[0].lstrip("+") not in ours
+            and f"{ve._ROLLOUT}.engine_kwargs." not in o and not o.startswith(f"++{ve._ENV}.")]
     env = {**base.env, **r_env}
     env_over = [f"++{ve._ENV}.{k}={ve._hydra_str(v)}" for k, v in sorted(env.items())]
     return plan, manifest, r_over, env, ve.read_overrides("\n".join(keep + r_over + env_over), VALUES)

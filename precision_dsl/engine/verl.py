@@ -364,6 +364,9 @@ def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: 
     notes = ["no reference model: the recipe's KL coefficient is 0 (use_kl_loss=False, use_kl_in_reward=False)",
              f"the unset TE variables ({', '.join(megatron.UNSET_ENV)}) are unset in this shell; a Ray cluster "
              "started elsewhere must not set them either"]
+    if any(".worker_extension_cls=" in o for o in r_over):
+        notes.append(f"the rollout runs policyc's vLLM worker extension: precision_dsl must be importable in the "
+                     f"rollout's Python and {plan_file} readable at that path on every rollout node")
     return VerlLaunch(overrides=base + RL_OVERRIDES + t_over + r_over + env_over, env=env,
                       unset_env=list(megatron.UNSET_ENV), gpus_per_node=default_gpus(plan), notes=notes)
 
