@@ -3,13 +3,15 @@ compose of ppo_megatron_trainer, its config dataclasses, validate_config) and by
 override_transformer_config read as TransformerConfig, tests/megatron_oracle.py).
 
 Every shipped policy x {qwen3-30b-a3b, deepseek-v3} x layouts x {vllm, sglang} rollout is either accepted by verl
-with every value the plan's (trainer recipe per module, rollout layout, no rollout quantization, the env in the Ray
-runtime env as strings) or refused by name (tensor + capability); the refusal of a quantized rollout rests on verl's
-own FP8 sync quantizer giving other bytes than the plan's format, checked here on a tensor."""
+with every value the plan's (trainer recipe per module, rollout layout, the env in the Ray runtime env as strings;
+a quantized vLLM rollout through verl's own FP8 path only where its sync quantizer gives the plan's bytes, checked
+here on a tensor, otherwise through policyc's worker extension on the vllm backend's own serving args) or refused by
+name (tensor + capability). The extension's bytes: tests/test_engine_verl_worker.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import subprocess
 
@@ -23,6 +25,7 @@ from precision_dsl.backends.common import UnsupportedByBackend
 from precision_dsl.backends.registry import EmitOptions
 from precision_dsl.cli import app
 from precision_dsl.engine import verl as ve
+from precision_dsl.engine import verl_worker as vw
 from precision_dsl.engine.gate import refusal_diagnostics, run_gate
 
 runner = StrictCliRunner()
@@ -98,6 +101,29 @@ def _rollout_layout(plan, rollout: str) -> dict:
     return {"tensor_model_parallel_size": tp, "expert_parallel_size": ep}
 
 
+def _engine_kwargs_argv(kwargs: dict) -> list[str]:
+    """verl's engine_kwargs as the vLLM command-line flags they become (a str value passes as is)."""
+    out = []
+    for k, v in kwargs.items():
+        if k == "worker_extension_cls":
+            continue
+        out += [f"--{k.replace('_', '-')}"] + ([] if v is True else [str(v)])
+    return out
+
+
+def _extension_launch_is_the_plans(plan, key: str, reading: dict, manifest: dict) -> None:
+    """What verl holds for a worker-extension rollout is the vllm backend's serving exactly: every engine arg (the
+    layout ones through verl's own keys), the plan's quantization_config as one JSON string, the plan in the env."""
+    kwargs = reading["rollout"]["engine_kwargs"]["vllm"]
+    want = {f: v for f, v in ve._pairs(manifest["engine_args"]) if f not in ve.ROLLOUT_KEYS["vllm"]
+            and f != "--enable-expert-parallel"}
+    got = dict(ve._pairs(_engine_kwargs_argv(kwargs)))
+    assert got == want, (key, set(got) ^ set(want))
+    assert json.loads(kwargs["hf_overrides"]) == json.loads(want["--hf-overrides"]), key
+    env = reading["env_vars"]
+    assert env[vw.ENV_PLAN_HASH] == plan.content_hash() and env[vw.ENV_PLAN].endswith("policyc_plan.json"), key
+
+
 def test_every_cell_is_accepted_by_verl_or_refused_by_name():
     accepted, refused, names = {}, {}, {}
     for model in MODELS:
@@ -122,27 +148,35 @@ def test_every_cell_is_accepted_by_verl_or_refused_by_name():
                         continue
                     accepted[key] = (plan, model, rollout, launch)
                     names[key] = _overrides(launch)
-    # the seed recipe: refused by name, for both of verl's gaps
+    # the seed recipe: refused by name for the trainer's per-module TE recipe only (its NVFP4 rollout is carried by
+    # policyc's worker extension), citing the engines' code that lacks the hook
     seed = refused[f"{SEED[0]} x {SEED[1]} x none x vllm"]
-    assert any("per-module TE precision recipe" in m for m in seed), seed
-    assert any("nvfp4 rollout" in m and "model.layers.0.mlp.experts.0" in m for m in seed), seed
-    # FP8 blocks with the last layers BF16: verl's own FP8 config would quantize them
-    assert any("ignored_layers = the routers only" in m and "model.layers.40." in m
-               for m in refused["fp8-blockwise-hopper x qwen3-30b-a3b x none x vllm"])
+    assert seed and all("per-module TE precision recipe" in m for m in seed), seed
+    assert all(s in seed[0] for s in ("transformer_config.py:877", "transformer_impl.py:354-409",
+                                      "RecipeConfig.from_yaml_file")), seed
+    # FP8 blocks with the last layers BF16 (verl's own FP8 config would quantize them): the worker extension
+    assert "fp8-blockwise-hopper x qwen3-30b-a3b x none x vllm" in accepted
     assert len(accepted) >= 12, sorted(accepted)
     readings = vo.check(names)
     for key, (plan, model, rollout, launch) in accepted.items():
         r = readings[key]
         assert "error" not in r, f"{key}: verl refuses: {r['error']}"
         ro = r["rollout"]
-        quantized = any(t.precision.is_quantized for t in plan.tensors)
-        assert ro["name"] == rollout and ro["quantization"] == ("fp8" if quantized else None), key
+        kwargs = ro["engine_kwargs"][rollout]
+        extension = kwargs.get("worker_extension_cls") == vw.EXTENSION
+        verl_fp8 = any(t.precision.is_quantized for t in plan.tensors) and not extension
+        assert ro["name"] == rollout and ro["quantization"] == ("fp8" if verl_fp8 else None), key
         assert ro["quantization_config_file"] is None, key
         assert ro["load_format"] == "dummy" and ro["dtype"] == "bfloat16", key
         for k, v in _rollout_layout(plan, rollout).items():
             assert ro[k] == v, (key, k, ro[k], v)
-        # engine_kwargs hold no key verl sets itself (they are spread last over verl's own args)
-        assert not set(ro["engine_kwargs"][rollout]) & ve.VERL_SETS[rollout], key
+        # engine_kwargs hold no key verl sets itself (they are spread last over verl's own args), but with the
+        # extension: its class and the quantization keys verl leaves None / {} for rollout.quantization=null
+        allowed = (ve.EXTENSION_SETS | {"worker_extension_cls"}) if extension else set()
+        assert not set(kwargs) & (ve.VERL_SETS[rollout] - allowed), key
+        if extension:
+            _extension_launch_is_the_plans(plan, key, r, _manifest(run_gate(plan, arch_of(model), ["megatron", rollout],
+                                                                            EmitOptions(rollout=rollout)), rollout))
         assert r["need_reference_policy"] is False and r["qat"]["enable"] is False, key
         assert r["env_vars"] == launch.env and all(isinstance(v, str) for v in r["env_vars"].values()), key
         _megatron_runs_the_plan(plan, model, r)
@@ -255,10 +289,110 @@ def test_cli_writes_the_verl_launch(tmp_path):
 @pytest.mark.parametrize("args,needle,code", [
     (["run", "--engine", "verl", "miles-nvfp4", "--model", "qwen3-30b-a3b"], "per-module TE precision recipe", 1),
     (["run", "--engine", "verl", "bf16", "--model", "tiny-moe", "--rollout", "trtllm"], "--rollout must be", 2),
-    (["run", "--engine", "verl", "mxfp8-e2e", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
+    (["run", "--engine", "verl", "nvfp4-weight-only", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
 ])
 def test_cli_refusals_are_messages(tmp_path, args, needle, code):
     r = runner.invoke(app, args + ["--out", str(tmp_path / "o")])
     assert r.exit_code == code, r.output
     assert needle in " ".join(r.output.split()), r.output
     assert not (tmp_path / "o" / ve.SCRIPT).exists()
+
+
+def _seed_rollout_launch():
+    """The seed recipe's rollout overrides (policyc's worker extension) on the BF16 plan's trainer overrides: the
+    seed's trainer half is refused by name (per-module TE recipe), its rollout half is judged here."""
+    from precision_dsl.backends.common import Problems
+
+    plan, arch = plan_of(*SEED, "none"), arch_of(SEED[1])
+    manifest = _manifest(run_gate(plan, arch, ["megatron", "vllm"], EmitOptions(rollout="vllm")), "vllm")
+    problems = Problems()
+    r_over, r_env = ve.rollout_overrides(plan, arch, "vllm", manifest, problems, "/out/policyc_plan.json")
+    assert not problems.items, [str(p) for p in problems.items]
+    bf16 = plan_of("bf16", SEED[1], "none")
+    base = ve.build_launch(bf16, arch, _manifest(run_gate(bf16, arch, ["megatron", "vllm"],
+                                                          EmitOptions(rollout="vllm")), "vllm"), "vllm")
+    ours = {o.split("=")[0].lstrip("+") for o in r_over}
+    keep = [o for o in base.overrides if o.split("=")[0].lstrip("+") not in ours
+            and f"{ve._ROLLOUT}.engine_kwargs." not in o and not o.startswith(f"++{ve._ENV}.")]
+    env = {**base.env, **r_env}
+    env_over = [f"++{ve._ENV}.{k}={ve._hydra_str(v)}" for k, v in sorted(env.items())]
+    return plan, manifest, r_over, env, ve.read_overrides("\n".join(keep + r_over + env_over), VALUES)
+
+
+def test_seed_nvfp4_rollout_runs_policycs_worker_extension_in_verl():
+    """The seed's NVFP4 per-token rollout: verl's config code accepts the launch with policyc's worker extension in
+    engine_kwargs.vllm (replacing verl's vLLMColocateWorkerExtension, which verl passes first and engine_kwargs
+    override), no verl rollout quantization, and the vllm backend's own serving args (ModelOpt NVFP4 config as
+    hf_overrides, the per-token MoE activation as quantization_config) as one string each."""
+    plan, manifest, r_over, env, overrides = _seed_rollout_launch()
+    assert f"++{ve._ROLLOUT}.engine_kwargs.vllm.worker_extension_cls={vw.EXTENSION}" in r_over
+    r = vo.check({"seed": overrides})["seed"]
+    assert "error" not in r, r["error"]
+    ro = r["rollout"]
+    assert ro["quantization"] is None and ro["quantization_config_file"] is None and ro["load_format"] == "dummy"
+    kwargs = ro["engine_kwargs"]["vllm"]
+    assert kwargs["worker_extension_cls"] == vw.EXTENSION and kwargs["quantization"] == "modelopt_fp4"
+    assert json.loads(kwargs["quantization_config"]) == {"moe": {"activation": "nvfp4_per_token"}}
+    assert json.loads(kwargs["hf_overrides"])["quantization_config"]["quant_algo"] == "NVFP4"
+    _extension_launch_is_the_plans(plan, "seed", r, manifest)
+    assert r["env_vars"] == env
+
+
+def test_worker_extension_module_imports_nothing_heavy():
+    """The dotted path vLLM resolves (importlib + getattr) is importable without vLLM / verl: the class is built on
+    first access, inside the vLLM worker; any other name is an AttributeError."""
+    code = ("import sys; import precision_dsl.engine.verl_worker as w; "
+            "bad = [m for m in ('torch', 'vllm', 'verl') if m in sys.modules]; assert not bad, bad; "
+            "assert w.EXTENSION == w.__name__ + '.PolicycWorkerExtension'\n"
+            "try:\n    w.Other\nexcept AttributeError:\n    pass\nelse:\n    raise SystemExit('no AttributeError')")
+    r = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_worker_plan_file_is_checked(tmp_path):
+    from precision_dsl.backends.common import plan_json_bytes
+
+    plan = plan_of(*SEED, "none")
+    f = tmp_path / "policyc_plan.json"
+    f.write_bytes(plan_json_bytes(plan))
+    assert vw.load_plan_file(str(f), plan.content_hash()).content_hash() == plan.content_hash()
+    for path, want, needle in ((None, None, vw.ENV_PLAN), (str(f), "sha256:0", "was emitted for"),
+                               (str(tmp_path / "none.json"), None, "cannot read")):
+        with pytest.raises(vw.VerlWorkerError, match=needle):
+            vw.load_plan_file(path, want)
+
+
+def test_cli_writes_the_extension_launch_with_the_plan_beside_it(tmp_path):
+    """An MXFP8 rollout (global MXFP8 trainer recipe): the launch runs policyc's worker extension, whose plan file is
+    the emitted policyc_plan.json by absolute path, with its hash."""
+    out = tmp_path / "verl"
+    r = runner.invoke(app, ["run", "--engine", "verl", "mxfp8-e2e", "--model", "qwen3-30b-a3b", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    listed = (out / ve.OVERRIDES).read_text()
+    assert f"engine_kwargs.vllm.worker_extension_cls={vw.EXTENSION}" in listed
+    plan_file = out.resolve() / "policyc_plan.json"
+    assert f'{vw.ENV_PLAN}="{plan_file}"' in listed
+    from precision_dsl.plan import Plan
+
+    plan = Plan.from_json(plan_file.read_text())
+    assert f'{vw.ENV_PLAN_HASH}="{plan.content_hash()}"' in listed
+    assert vw.load_plan_file(str(plan_file), plan.content_hash()).content_hash() == plan.content_hash()
+
+
+def test_worker_extension_is_verls_class_extended_as_vllm_loads_it(tmp_path):
+    """verl 0.9.1 and vLLM 0.33.0 together (tests/oracles/verl_oracle.py `extension`): vLLM resolves the dotted path
+    the launch names to a subclass of verl's vLLMColocateWorkerExtension, with no attribute clashing with vLLM's
+    Worker, verl's RPCs inherited, its weight sync and process setup replaced (no verl ModelOpt-QAT state), and the
+    plan read from the file the launch points at."""
+    from precision_dsl.backends.common import plan_json_bytes
+
+    plan = plan_of(*SEED, "none")
+    f = tmp_path / "policyc_plan.json"
+    f.write_bytes(plan_json_bytes(plan))
+    r = vo.extension(vw.EXTENSION, {vw.ENV_PLAN: str(f), vw.ENV_PLAN_HASH: plan.content_hash()})
+    assert r["subclasses_verl"] and r["mro"][:2] == [vw.EXTENSION, vw.VERL_EXTENSION], r["mro"]
+    assert r["clashes"] == [], r["clashes"]
+    assert r["verl_rpcs"] == ["update_weights_from_ipc", "monkey_patch_model", "_get_zmq_handle"]
+    assert r["overrides"] == ["__new__", "update_weights_from_ipc"]
+    assert r["instance"] == {"_is_qat_model": False, "_is_modelopt_qat": False}
+    assert r["plan_hash"] == plan.content_hash()

@@ -33,10 +33,17 @@ What verl reads, and where each plan value goes (verl 0.9.1 wheel):
            q = x * (1 / scale_inv), other bytes than the plan's TransformerEngine FP8-block format; its PyTorch path
            (VERL_DISABLE_TRITON_FP8=1, set in the env) computes TE's scale = 448 / amax, scale_inv = 1 / scale,
            q = x * scale, so it is the one used. rollout.quantization accepts fp8 / torchao / ascend only
-           (_apply_quantization), SGLang fp8 only: NVFP4 and MXFP8 rollouts are refused by name (supplying them would
-           take a worker extension class, engine_kwargs.vllm.worker_extension_cls, quantizing with policyc's own
-           quantizers; none is shipped), and so is an FP8 SGLang rollout, whose sender matches
-           SGLANG_FP8_IGNORED_LAYERS with its own rules (verl/utils/sglang/sglang_fp8_utils.py).
+           (_apply_quantization), SGLang fp8 only. Any other quantized vLLM rollout (NVFP4, MXFP8, FP8 blocks verl's
+           config would not serve) is supplied the way verl is meant to be extended: policyc's worker extension
+           (engine/verl_worker.py) as engine_kwargs.vllm.worker_extension_cls, which verl's own sync RPC
+           (update_weights_from_ipc) reaches; it quantizes the BF16 weights verl sends with the converter's function
+           and loads them through vLLM's layerwise reload. The server is started on the vllm backend's own args
+           (quantization, hf_overrides = the plan's quantization_config, quantization_config, ...) as engine_kwargs:
+           with rollout.quantization=null verl's own values of those keys are None / {} (_apply_quantization), so
+           spreading ours over them replaces nothing verl relies on. The plan reaches the worker as the emitted
+           policyc_plan.json (POLICYC_VERL_PLAN + its hash, in the Ray runtime env). An FP8 SGLang rollout is
+           refused by name: its sender matches SGLANG_FP8_IGNORED_LAYERS with its own rules
+           (verl/utils/sglang/sglang_fp8_utils.py), and SGLang has no worker extension hook in verl.
            nvfp4-weight-only: verl's Megatron NVFP4 W4A16 QAT (megatron.qat, ModelOpt fake quantization exported
            by verl/utils/modelopt/qat_weight_exporter.py) is a different quantizer than the plan's and serves
            through vLLM's Marlin W4A16 path, which the vllm backend already refuses by name; it is not used.
@@ -57,7 +64,7 @@ from typing import Optional
 
 from ..arch import load_architecture
 from ..backends import megatron, versions
-from ..backends.common import Problems, UnsupportedByBackend, is_quantized
+from ..backends.common import PLAN_FILE, Problems, UnsupportedByBackend, is_quantized
 from ..backends.registry import EmitOptions
 from ..errors import PolicycError
 from ..parallel import parse_parallel
@@ -104,6 +111,9 @@ VERL_SETS = {"vllm": {"quantization", "hf_overrides", "tensor_parallel_size", "d
                       "load_format", "worker_extension_cls", "enable_expert_parallel", "enable_sleep_mode", "seed"},
              "sglang": {"quantization", "json_model_override_args", "tp_size", "dp_size", "ep_size", "dtype",
                         "load_format", "model_path", "custom_weight_loader"}}
+# the keys the vllm backend's args hold that verl also passes: with rollout.quantization=null verl's values are
+# quantization=None and hf_overrides={} (vllm_async_server.py _apply_quantization), so the extension launch sets them
+EXTENSION_SETS = {"quantization", "hf_overrides"}
 # GRPO settings of the recipe (the Miles launch's RL_FLAGS): 8 samples per prompt, no KL term (so no reference model)
 RL_OVERRIDES = ["algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False",
                 "actor_rollout_ref.actor.use_kl_loss=False", f"{_ROLLOUT}.n=8",
@@ -147,6 +157,16 @@ def default_gpus(plan) -> int:
 def _hydra_str(value: str) -> str:
     """A Hydra override value that stays a string (Ray wants env values as str; a bare 1 would be an int)."""
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _hydra_value(value: str) -> str:
+    """An engine arg as a Hydra override value: JSON (hf_overrides, quantization_config) stays one string, as vLLM
+    parses it from its command line (verl's build_cli_args_from_config passes a str through as is)."""
+    if value and value[0] in "{[" or any(c in value for c in " ,'\"=:"):
+        if "'" in value or "\\" in value or "${" in value:  # pragma: no cover - the backends write plain JSON
+            raise VerlError(f"engine arg {value[:60]!r} cannot be written as one Hydra string")
+        return "'" + value + "'"
+    return value
 
 
 def _pairs(argv: list[str]) -> list[tuple[str, Optional[str]]]:
@@ -197,10 +217,15 @@ def trainer_overrides(plan, te_version: Optional[str], problems: Problems) -> tu
     if cfg.yamls and not _yaml_changes_nothing(plan, cfg):
         problems.add(UnsupportedByBackend(
             BACKEND, _first_differing_tensor(plan, cfg),
-            "a per-module TE precision recipe (the megatron backend's te_precision.yaml): verl 0.9.1's Megatron "
-            "actor passes only override_transformer_config values to the Megatron-Bridge provider "
-            "(verl/workers/engine/megatron/transformer_impl.py), and TransformerConfig.quant_recipe is a megatron-core "
-            "RecipeConfig object, not a value a Hydra override can hold; verl has no --te-precision-config-file",
+            "a per-module TE precision recipe (the megatron backend's te_precision.yaml): megatron-core 0.16.1 reads "
+            "it only as TransformerConfig.quant_recipe, a RecipeConfig object (transformer_config.py:877; matched per "
+            "module by gpt_model.py:265 get_quant_config_or_none -> recipe.match), built from a YAML only by "
+            "Megatron-LM's --te-precision-config-file (RecipeConfig.from_yaml_file, quantization/quant_config.py:172). "
+            "verl 0.9.1 has no such flag: its Megatron actor copies override_transformer_config as plain Hydra data "
+            "onto the Megatron-Bridge provider (verl/workers/engine/megatron/transformer_impl.py:354-409, "
+            "provider_overrides / apply_overrides_and_finalize), so a path or dict there is never a RecipeConfig, "
+            "and no TransformerConfig field gives one module kind another recipe than the global fp8/fp4 "
+            "(first_last_layers_bf16 covers whole layers only)",
             hint="give every quantized decoder module of the policy one format (layers[...] ranges at the start / end "
                  "are fine), or launch with --engine miles"))
     for flag, value in _pairs(cfg.flags):
@@ -230,7 +255,7 @@ def verl_fp8_config(num_layers: int) -> dict:
             "ignored_layers": [f"model.layers.{i}.mlp.gate" for i in range(num_layers)]}
 
 
-def _fp8_rollout(plan, arch, manifest: dict, problems: Problems) -> bool:
+def _fp8_rollout(plan, arch, manifest: dict) -> bool:
     """Whether verl's own FP8 rollout serves exactly the plan: vLLM's reading (the vllm backend's derive_formats)
     of the config verl injects must give every served weight the plan's format. verl's sync then quantizes exactly
     the params vLLM built as FP8 (vllm_quant_utils.py is_fp8_weight) and passes the rest as BF16."""
@@ -247,39 +272,33 @@ def _fp8_rollout(plan, arch, manifest: dict, problems: Problems) -> bool:
             continue  # not a served GEMM weight / an fp32 exception the vllm backend checks
         want = t.precision.weight.short() if is_quantized(t) else "bf16"
         if got != want:
-            problems.add(UnsupportedByBackend(
-                BACKEND, t.hf_name, f"verl's FP8 rollout config (rollout.quantization=fp8: block 128x128, "
-                f"ignored_layers = the routers only, vllm_async_server.py _apply_quantization) makes vLLM serve "
-                f"{got}, the plan says {want}; engine_kwargs.vllm.hf_overrides would replace verl's config behind "
-                "its weight sync's back, so policyc does not emit one",
-                hint="quantize every decoder linear but the routers in FP8 blocks for a verl FP8 rollout, or launch "
-                     "with --engine miles"))
-            return False
+            return False  # verl's config would serve `got`: the worker extension serves the plan
     return True
 
 
-def rollout_overrides(plan, arch, rollout: str, manifest: dict,
-                      problems: Problems) -> tuple[list[str], dict[str, str]]:
-    """The rollout's overrides and env from the rollout backend's manifest, refusals into `problems`."""
+def rollout_overrides(plan, arch, rollout: str, manifest: dict, problems: Problems,
+                      plan_file: str = PLAN_FILE) -> tuple[list[str], dict[str, str]]:
+    """The rollout's overrides and env from the rollout backend's manifest, refusals into `problems`. A quantized
+    vLLM rollout verl's own FP8 path does not serve exactly runs policyc's worker extension (verl_worker.py), which
+    reads the plan from `plan_file` (an absolute path in an emitted launch)."""
     quantized = _quantized_tensor(plan)
-    fp8 = False
+    fp8 = extension = False
     if quantized is not None:
         kind = next(t.weight.kind.value for t in plan.tensors if t.hf_name == quantized)
-        if kind == "fp8_block" and rollout == "vllm":
-            if not _fp8_rollout(plan, arch, manifest, problems):
-                return [], {}
-            fp8 = True
+        if rollout == "vllm":
+            fp8 = kind == "fp8_block" and _fp8_rollout(plan, arch, manifest)
+            extension = not fp8
         else:
-            why = (f"{kind} rollout: verl 0.9.1 accepts rollout.quantization fp8 / torchao / ascend only "
-                   "(vllm_async_server.py _apply_quantization), and its weight sync sends BF16 into whatever the "
-                   "engine built, with no quantizer of this format" if kind != "fp8_block" else
-                   "FP8 SGLang rollout: verl's sender decides per parameter name which weights to quantize "
+            why = ("FP8 SGLang rollout: verl's sender decides per parameter name which weights to quantize "
                    "(verl/utils/sglang/sglang_fp8_utils.py _matches_ignored_layer, its own matching of "
-                   "SGLANG_FP8_IGNORED_LAYERS) apart from SGLang's own exclusion matching; not verified to agree")
+                   "SGLANG_FP8_IGNORED_LAYERS) apart from SGLang's own exclusion matching; not verified to agree"
+                   if kind == "fp8_block" else
+                   f"{kind} SGLang rollout: verl 0.9.1's SGLang server accepts rollout.quantization fp8 only "
+                   "(async_sglang_server.py) and its weight sync sends BF16 into whatever SGLang built; verl has "
+                   "no worker extension hook for SGLang")
             problems.add(UnsupportedByBackend(BACKEND, quantized, why,
-                                              hint="use --rollout vllm with an FP8-block plan, keep the rollout BF16 "
-                                                   "for verl, or launch with --engine miles (policyc's own live "
-                                                   "weight update)"))
+                                              hint="use --rollout vllm (policyc's verl worker extension), keep the "
+                                                   "rollout BF16 for verl, or launch with --engine miles"))
             return [], {}
     if rollout == "vllm":
         argv, env = list(manifest["engine_args"]), dict(manifest.get("env") or {})
@@ -292,6 +311,11 @@ def rollout_overrides(plan, arch, rollout: str, manifest: dict,
         # q = x * (1 / scale_inv); its PyTorch path (this switch) computes TE's scale = 448 / amax,
         # scale_inv = 1 / scale, q = x * scale, scale 1 for an all-zero block: the plan's bytes
         env["VERL_DISABLE_TRITON_FP8"] = "1"
+    if extension:
+        from .verl_worker import ENV_PLAN, ENV_PLAN_HASH, EXTENSION
+
+        out.append(f"++{_ROLLOUT}.engine_kwargs.vllm.worker_extension_cls={EXTENSION}")
+        env[ENV_PLAN], env[ENV_PLAN_HASH] = plan_file, plan.content_hash()
     keys = ROLLOUT_KEYS[rollout]
     tp = dp = 1
     ep = False
@@ -307,24 +331,27 @@ def rollout_overrides(plan, arch, rollout: str, manifest: dict,
         name = flag[2:].replace("-", "_")
         if fp8 and name in ("quantization", "hf_overrides"):
             continue  # verl's own rollout.quantization=fp8 sets both (checked equal to the plan above)
-        if name in VERL_SETS[rollout]:  # pragma: no cover - only quantized plans carry these, refused above
+        if extension and name in EXTENSION_SETS:
+            pass  # verl's values are None / {} with rollout.quantization=null: the plan's replace nothing
+        elif name in VERL_SETS[rollout]:  # pragma: no cover - only quantized plans carry these, refused above
             problems.add(UnsupportedByBackend(BACKEND, "<rollout args>", f"{flag}: verl sets {name} itself and "
                                               "engine_kwargs would override it"))
             continue
-        out.append(f"++{_ROLLOUT}.engine_kwargs.{rollout}.{name}=" + ("true" if value is None else value))
+        out.append(f"++{_ROLLOUT}.engine_kwargs.{rollout}.{name}=" + ("true" if value is None else _hydra_value(value)))
     if ep:
         out.append(f"{_ROLLOUT}.expert_parallel_size={tp * dp}")
     return out, env
 
 
-def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: Optional[str] = None) -> VerlLaunch:
+def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: Optional[str] = None,
+                 plan_file: str = PLAN_FILE) -> VerlLaunch:
     """The verl launch of a plan the gate accepted (`manifest`: the rollout backend's JSON manifest). Raises the
     collected UnsupportedByBackend refusals. Pure: nothing is written."""
     if rollout not in ROLLOUTS:
         raise VerlError(f"verl rollout engine must be one of {', '.join(ROLLOUTS)}, got {rollout!r}")
     problems = Problems()
     t_over, t_env = trainer_overrides(plan, te_version, problems)
-    r_over, r_env = rollout_overrides(plan, arch, rollout, manifest, problems)
+    r_over, r_env = rollout_overrides(plan, arch, rollout, manifest, problems, plan_file)
     problems.raise_if_any()
     env = {**t_env, **r_env}
     clash = sorted(k for k in set(t_env) & set(r_env) if t_env[k] != r_env[k])
@@ -337,6 +364,9 @@ def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: 
     notes = ["no reference model: the recipe's KL coefficient is 0 (use_kl_loss=False, use_kl_in_reward=False)",
              f"the unset TE variables ({', '.join(megatron.UNSET_ENV)}) are unset in this shell; a Ray cluster "
              "started elsewhere must not set them either"]
+    if any(".worker_extension_cls=" in o for o in r_over):
+        notes.append(f"the rollout runs policyc's vLLM worker extension: precision_dsl must be importable in the "
+                     f"rollout's Python and {plan_file} readable at that path on every rollout node")
     return VerlLaunch(overrides=base + RL_OVERRIDES + t_over + r_over + env_over, env=env,
                       unset_env=list(megatron.UNSET_ENV), gpus_per_node=default_gpus(plan), notes=notes)
 
@@ -404,7 +434,7 @@ def emit_verl_launch(policy: Optional[str], model: str, parallel: Optional[str],
     arts = {a.path: a for a in res.artifacts}
     manifest = json.loads(arts[f"{rollout}/{'serve_args' if rollout == 'vllm' else 'server_args'}.json"].data())
     try:
-        launch = build_launch(plan, arch, manifest, rollout, te_version)
+        launch = build_launch(plan, arch, manifest, rollout, te_version, str(Path(out_dir).resolve() / PLAN_FILE))
     except UnsupportedByBackend as err:
         diags = refusal_diagnostics(err)
         raise VerlError(f"verl {VERL_VERSION} cannot carry this plan ({len(diags)} refusal(s)): "

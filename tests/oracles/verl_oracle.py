@@ -212,3 +212,61 @@ def _fp8(request: dict) -> dict:
         q, s = fn(x, block)
         out[path] = {"bytes": q.view(torch.uint8).tolist(), "scale_inv": s.float().reshape(-1).tolist()}
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a worker extension class as verl 0.9.1 + vLLM 0.33.0 see it (both engines' own modules, one process)
+# ---------------------------------------------------------------------------------------------------------------
+def extension(qualname: str, env_vars: dict[str, str], timeout: float = 900) -> dict:
+    """vLLM 0.33's `resolve_obj_by_qualname` of `qualname` with verl 0.9.1 importable beside it: the class's MRO,
+    whether it subclasses verl's vLLMColocateWorkerExtension, the attributes that clash with vLLM's Worker (vLLM's
+    injection asserts there are none, vllm/v1/worker/worker_base.py init_worker), and what its `__new__` leaves on
+    an instance of a class mixing it in (with `env_vars` in the environment). verl finds vLLM's version through
+    package metadata (verl/third_party/vllm/__init__.py), which the unpacked vLLM site lacks: a METADATA naming
+    0.33.0 is written beside it."""
+    from .vllm_oracle import fetch_site as vllm_site
+
+    site, vsite = fetch_site(), vllm_site("0.33.0")
+    with tempfile.TemporaryDirectory() as d:
+        meta = Path(d) / "meta" / "vllm-0.33.0.dist-info"
+        meta.mkdir(parents=True)
+        (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+        src, dst = Path(d) / "in.json", Path(d) / "out.json"
+        src.write_text(json.dumps({"qualname": qualname, "env": env_vars}))
+        tests = str(Path(__file__).resolve().parents[1])
+        code = (f"import sys; sys.path.insert(0, {tests!r}); from oracles.verl_oracle import _serve_extension; "
+                f"_serve_extension({str(site)!r}, {str(vsite)!r}, {str(meta.parent)!r}, {str(src)!r}, {str(dst)!r})")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        if r.returncode != 0 or not dst.exists():
+            raise OracleUnavailable(f"verl {VERL_VERSION} + vLLM 0.33.0 process failed (rc {r.returncode}): "
+                                    f"{(r.stderr or r.stdout).strip()[-1500:]}")
+        return json.loads(dst.read_text())
+
+
+def _serve_extension(site: str, vsite: str, meta: str, src: str, dst: str) -> None:
+    from oracles._sandbox import Sandbox, env
+    from oracles.vllm_oracle import ENV, STUBS as VLLM_STUBS, _cpu_platform, cache_dir as vllm_cache
+
+    request = json.loads(Path(src).read_text())
+    sys.path[:0] = [meta, site]
+    sandbox = Sandbox(vsite, ("vllm",) + PACKAGES, tuple(VLLM_STUBS["0.33.0"]) + STUBS)
+    with sandbox, env({**ENV, "VLLM_CACHE_ROOT": str(vllm_cache() / "vllm-0.33.0-cache"), **request["env"]}), \
+            _cpu_platform("0.33.0"):
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+        from vllm.v1.worker.gpu_worker import Worker
+
+        cls = resolve_obj_by_qualname(request["qualname"])
+        verl_cls = resolve_obj_by_qualname("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension")
+        mixed = type("MixedWorker", (cls,), {})  # what vLLM's injection makes of a worker class (a base appended)
+        instance = mixed.__new__(mixed, vllm_config=None)
+        out = {"mro": [f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__],
+               "subclasses_verl": issubclass(cls, verl_cls),
+               "clashes": [a for a in dir(cls) if not a.startswith("__") and hasattr(Worker, a)],
+               "verl_rpcs": [a for a in ("update_weights_from_ipc", "monkey_patch_model", "_get_zmq_handle")
+                             if callable(getattr(cls, a, None))],
+               "overrides": [a for a in ("__new__", "update_weights_from_ipc", "_update_weights")
+                             if a in vars(cls)],
+               "instance": {k: _plain(getattr(instance, k, None)) for k in ("_is_qat_model", "_is_modelopt_qat")},
+               "plan_hash": getattr(getattr(instance, "_policyc_plan", None), "content_hash", lambda: None)()}
+    Path(dst).write_text(json.dumps(out))
