@@ -28,7 +28,8 @@ from precision_dsl.resolve import parse_policy, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 POLICIES = sorted(p.stem for p in (REPO / "policies").glob("*.policy"))
-ROUND_TRIP_MODELS = ["tiny-moe", "qwen3-30b-a3b"]
+# the fast models; every bundled model: benchmarks/audit_roundtrip.py
+ROUND_TRIP_MODELS = ["tiny-moe", "qwen3-30b-a3b", "qwen3-8b", "qwen3-0.6b", "llama-3.2-1b"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,8 +64,8 @@ def test_emit_then_audit_agrees_and_recovers_the_plan(policy, model, rollout, tm
 
     try:
         plan = plan_of(policy, model)
-    except PolicyError as err:  # a dense recipe on an MoE model without dense layers: no plan, no deployment
-        assert "matches no tensor" in str(err) and policy.endswith("-dense")
+    except PolicyError as err:  # a dense recipe on an MoE model without dense layers, an MoE recipe on a dense
+        assert "matches no tensor" in str(err)  # model: no plan, no deployment
         return
     try:
         out = emitted(plan, tmp_path / "out", rollout)
