@@ -31,6 +31,30 @@ if TYPE_CHECKING:
     import torch
 
 
+
+def json_call(engine: str, base_url: str, method: str, path: str, body: Optional[dict], timeout: float,
+              not_found_hint: str = "") -> dict:
+    """One JSON request to a rollout server's HTTP API: every transport failure is a WeightUpdateError naming the
+    engine and the route; the reply is parsed with a size bound (a dict, {} for anything else)."""
+    from precision_dsl.jsonsafe import loads_bounded
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+    except urllib.error.HTTPError as err:
+        raise WeightUpdateError(f"{engine} {path} returned HTTP {err.code}: {err.read()[:300]!r}",
+                                not_found_hint if err.code == 404 else "") from None
+    except urllib.error.URLError as err:
+        raise WeightUpdateError(f"cannot reach {engine} at {base_url}: {err.reason}",
+                                "is the server running? check the URL/port") from None
+    except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
+        raise WeightUpdateError(f"{engine} {path}: connection failed ({type(err).__name__}: {err})") from None
+    out = loads_bounded(raw, f"{engine} {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
+    return out if isinstance(out, dict) else {}
+
 class InProcessTransport:
     """A queue between a sender and a receiver in the same process (or threads)."""
 
@@ -238,25 +262,10 @@ class SGLangHTTPTransport:
         self._begun = False
 
     def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            raise WeightUpdateError(f"SGLang {path} returned HTTP {err.code}: {err.read()[:300]!r}") from None
-        except urllib.error.URLError as err:
-            raise WeightUpdateError(f"cannot reach SGLang at {self.base_url}: {err.reason}",
-                                    "is the server running? check the URL/port") from None
-        except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
-            raise WeightUpdateError(f"SGLang {path}: connection failed ({type(err).__name__}: {err})") from None
-        from precision_dsl.jsonsafe import loads_bounded
-
-        out = loads_bounded(raw, f"SGLang {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
-        if isinstance(out, dict) and out.get("success") is False:
+        out = json_call("SGLang", self.base_url, method, path, body, self.timeout)
+        if out.get("success") is False:
             raise WeightUpdateError(f"SGLang {path} failed: {str(out.get('message'))[:300]}")
-        return out if isinstance(out, dict) else {}
+        return out
 
     def model_info(self) -> dict:
         """GET /model_info (SGLang 0.5.23; /get_model_info is its deprecated alias, used for older servers)."""

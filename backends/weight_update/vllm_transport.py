@@ -41,11 +41,7 @@ name; only an all-BF16 plan may be sent that way.
 from __future__ import annotations
 
 import base64
-import http.client
-import json
 import threading
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -54,6 +50,7 @@ from precision_dsl.precision import FormatKind
 
 from precision_dsl.backends.common import PLAN_FILE, PlanMismatch, Problems, UnsupportedByBackend, is_quantized
 from precision_dsl.backends.weight_update.errors import WeightUpdateError
+from precision_dsl.backends.weight_update.transports import json_call
 
 if TYPE_CHECKING:
     import torch
@@ -186,25 +183,9 @@ class VLLMHTTPTransport:
 
     # -- HTTP ------------------------------------------------------------------------------------------------------
     def _call(self, method: str, path: str, body: Optional[dict] = None) -> dict:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                raw = resp.read()
-        except urllib.error.HTTPError as err:
-            hint = ("start vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config (the RL routes)"
-                    if err.code == 404 else "")
-            raise WeightUpdateError(f"vLLM {path} returned HTTP {err.code}: {err.read()[:300]!r}", hint) from None
-        except urllib.error.URLError as err:
-            raise WeightUpdateError(f"cannot reach vLLM at {self.base_url}: {err.reason}",
-                                    "is the server running? check the URL/port") from None
-        except (OSError, http.client.HTTPException) as err:  # reset, timeout, truncated response
-            raise WeightUpdateError(f"vLLM {path}: connection failed ({type(err).__name__}: {err})") from None
-        from precision_dsl.jsonsafe import loads_bounded
-
-        out = loads_bounded(raw, f"vLLM {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
-        return out if isinstance(out, dict) else {}
+        return json_call("vLLM", self.base_url, method, path, body, self.timeout,
+                         not_found_hint="start vLLM with VLLM_SERVER_DEV_MODE=1 and --weight-transfer-config "
+                                        "(the RL routes)")
 
     def init_transfer_engine(self, init_info: dict) -> None:
         """POST /init_weight_transfer_engine (once per server; engine="nccl" needs `"packed": false`)."""
