@@ -10,9 +10,10 @@ from precision_dsl.backends.registry import Backend, EmitOptions, register_backe
 from precision_dsl.backends.weight_update.buckets import atomic_groups
 
 
-def emit(plan: Plan, bucket_bytes: int = 512 << 20):
+def emit(plan: Plan, bucket_bytes: int = 512 << 20, rollout: str = "sglang"):
     """weight_update/manifest.json: per Megatron parameter, the HF tensors it becomes and the exact rollout tensors
-    (name, dtype, shape) the update sends; the atomic groups; the bucket count at `bucket_bytes`."""
+    (name, dtype, shape) the update sends to rollout engine `rollout` (its names: quantize.output_specs); the atomic
+    groups; the bucket count at `bucket_bytes`."""
     from precision_dsl.backends.common import Artifact, dump_json, plan_stamp
     from precision_dsl.backends.quantize import check_all_supported, plan_output_specs
     from precision_dsl.backends.safetensors_io import DTYPE_SIZES
@@ -23,7 +24,7 @@ def emit(plan: Plan, bucket_bytes: int = 512 << 20):
     # output bytes by what output_specs reads (weight format object, linear?, shape): a few dozen distinct among 46k
     size_of: dict[tuple, int] = {}
     prod = math.prod
-    for t, specs in zip(plan.tensors, plan_output_specs(plan)):
+    for t, specs in zip(plan.tensors, plan_output_specs(plan, rollout)):
         layout = (id(t.precision.weight), t.is_linear, t.shape)  # the plan keeps the formats alive
         nbytes = size_of.get(layout)
         if nbytes is None:
@@ -58,7 +59,7 @@ class WeightUpdateBackend(Backend):
     description = "the live weight update: per Megatron parameter the rollout tensors it sends, atomic groups, buckets"
 
     def artifacts(self, plan: Plan, options: EmitOptions) -> list:
-        return emit(plan, bucket_bytes=options.bucket_bytes)
+        return emit(plan, bucket_bytes=options.bucket_bytes, rollout=options.rollout)
 
     def derive_formats(self, artifacts, arch) -> dict[str, str]:
         """The rollout's weight formats from the tensors weight_update/manifest.json says the update sends (read
