@@ -585,7 +585,7 @@ def _expert_index(name: str) -> int:
 # ---- the API the tests use ----------------------------------------------------------------------------------------
 # One vLLM per process: its import registers process-global torch types and ops (torch.library, e.g.
 # vllm/utils/torch_utils.py: register_opaque_type(LayerName)), which a second vLLM version cannot register again.
-# The first version asked is loaded here; any other is asked in a worker process of its own.
+# The primary version (VLLM_VERSIONS[0]) is loaded here; any other is asked in a worker process of its own.
 _LOADED: list[str] = []
 _WORKERS: dict[str, "_Worker"] = {}
 _REPLY = "@@policyc-vllm-oracle@@ "
@@ -604,7 +604,12 @@ def oracle(version: str) -> VllmOracle:
 
 
 def _local(version: str) -> bool:
-    return not _LOADED or _LOADED[0] == version
+    """Whether `version` is asked in this process: the one loaded here, or, before any is, only the primary release
+    (VLLM_VERSIONS[0]: the one tests also build models from in-process, tests/oracles/vllm_loader.py), so the order
+    in which test modules ask does not decide which vLLM the process holds."""
+    if _LOADED:
+        return _LOADED[0] == version
+    return version == VLLM_VERSIONS[0]
 
 
 def parse_engine_args(version: str, argv: list[str], target: Optional[str] = "blackwell"):
@@ -681,6 +686,8 @@ def _worker(version: str) -> _Worker:
 def _serve(version: str) -> None:
     """Worker process: answers the JSON requests on stdin, one reply line each on stdout."""
     from dataclasses import asdict
+
+    oracle(version)  # this process holds `version` (so vllm_modules / parse_engine_args answer here)
 
     out = sys.stdout
     for line in sys.stdin:
