@@ -47,6 +47,16 @@ def chosen_backends(backend: Optional[List[str]]) -> Optional[list[str]]:
     return list(backend) if backend else None
 
 
+def _output_committed() -> None:
+    """The output is complete and in place: a Ctrl-C from here on changes nothing (it would only turn a finished
+    conversion into exit 130 with nothing to resume), so it is ignored for the rest of the process."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def backend_help() -> str:
     """--backend help: the registered names."""
     return (f"{' | '.join(backend_names())} (repeatable; default: every trainer / checkpoint / update backend and "
@@ -190,7 +200,8 @@ def register(app: typer.Typer) -> None:
 
                 if not torch.cuda.is_available():
                     raise UserError("--device cuda but no CUDA device is visible", "use --device cpu")
-            rep = converter.convert(src, plan, out, force=force, progress=progress, device=device, rollout=engine)
+            rep = converter.convert(src, plan, out, force=force, progress=progress, device=device, rollout=engine,
+                                    on_committed=_output_committed)
             console().print(f"wrote {out}: {len(rep.shards_written)} shard(s) written, "
                              f"{len(rep.shards_resumed)} resumed, {rep.bytes_in / 2**20:.1f} MiB -> "
                              f"{rep.bytes_out / 2**20:.1f} MiB, plan {plan.content_hash()[:19]}...")

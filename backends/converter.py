@@ -664,10 +664,11 @@ def _recover(dst: Path, work: Path, state: dict) -> bool:
 
 def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: bool = False,
             on_shard_done: Optional[Callable[[str], None]] = None, device: str = "cpu",
-            rollout: str = DEFAULT_ROLLOUT) -> ConvertReport:
+            rollout: str = DEFAULT_ROLLOUT, on_committed: Optional[Callable[[], None]] = None) -> ConvertReport:
     """Convert `src` to `dst` under `plan` (see module docstring), the checkpoint rollout engine `rollout` loads
     (its tensor names and quantization_config; the bytes are the same). `on_shard_done(shard)` is called after each
-    finished shard (tests use it to simulate an interruption). `device="cuda"` quantizes on the GPU with the
+    finished shard (tests use it to simulate an interruption); `on_committed()` right after the commit rename (the
+    CLI stops taking Ctrl-C there: the output is complete, nothing is left to resume). `device="cuda"` quantizes on the GPU with the
     fused Triton kernels (byte-identical to the CPU references); reading and writing stay streaming on the host.
 
     Crash safety (tests/test_convert_faults.py kills it at every filesystem mutation): all work happens in
@@ -683,7 +684,8 @@ def convert(src: Path, plan: Plan, dst: Path, force: bool = False, progress: boo
         dst.parent.mkdir(parents=True, exist_ok=True)
     try:
         with OutputLock(_lock_path(dst), dst) as lock:
-            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock, rollout)
+            return _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock, rollout,
+                                   on_committed)
     except Interrupted:
         raise
     except KeyboardInterrupt as err:  # every finished shard is kept: the same command resumes
@@ -697,7 +699,7 @@ def _committed_mark(state: dict) -> str:
 
 
 def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock: OutputLock,
-                    rollout: str = DEFAULT_ROLLOUT) -> ConvertReport:
+                    rollout: str = DEFAULT_ROLLOUT, on_committed: Optional[Callable[[], None]] = None) -> ConvertReport:
     import functools
 
     from precision_dsl.backends import fp8_source
@@ -849,6 +851,8 @@ def _convert_locked(src, plan, dst, force, progress, on_shard_done, device, lock
         os.rename(dst, work / "previous")
         fsync_dir(work)
     os.rename(out_dir, dst)
+    if on_committed is not None:
+        on_committed()
     fsync_dir(dst.parent)
     lock.mark(_committed_mark(state))  # from here a kill leaves a complete DST: the next run only tidies up
     discard(work)

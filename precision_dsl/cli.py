@@ -76,17 +76,44 @@ def main() -> None:
     import gc
 
     gc.set_threshold(200_000, 50, 100)
+    interrupted: list[bool] = []
+
+    def on_sigint(signum, frame):
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
     try:
         app()
     except SystemExit as done:
-        if done.code != 130:
+        if done.code != 130 and not interrupted:
+            _ignore_sigint()  # the command is over: a Ctrl-C in the interpreter's teardown changes nothing
             raise
-        # Interrupted (console.guard printed how to resume): leave without the interpreter's teardown. A Ctrl-C
-        # that landed inside `import torch` leaves torch's C extension half-registered, and tearing that down
-        # segfaults; every `finally` of the command has already run.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(130)
+        _leave_interrupted(said=done.code == 130)
+    except BaseException:
+        # After a Ctrl-C anything can surface (a half-done import raises ImportError / SystemError on its next use,
+        # click turns the KeyboardInterrupt into Abort): the interrupt is the cause, so say that and stop.
+        if not interrupted:
+            raise
+        _leave_interrupted(said=False)
+    else:
+        _ignore_sigint()
+
+
+def _ignore_sigint() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _leave_interrupted(said: bool) -> None:
+    """Exit 130 without the interpreter's teardown. A Ctrl-C that landed inside `import torch` leaves torch's C
+    extension half-registered, and tearing that down segfaults; every `finally` of the command has already run."""
+    if not said:
+        os.write(2, b"interrupted; re-run the same command to resume\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":
