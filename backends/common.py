@@ -51,6 +51,16 @@ def unsupported_kind(backend: str, tensor: str, kind: FormatKind) -> Unsupported
     return UnsupportedByBackend(backend, tensor, f"{kind.value} is unsupported by {backend}")
 
 
+def argv_value(argv: list[str], flag: str) -> Optional[str]:
+    """The value of `flag` in an engine's argv (`--flag VALUE` or `--flag=VALUE`), None when it is absent."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a[len(flag) + 1:]
+    return None
+
+
 def kind_handler(table: Mapping[FormatKind, _T], kind: FormatKind, backend: str, tensor: str) -> _T:
     """`table[kind]`: a backend's handler for one format kind; a kind the table lacks raises `unsupported_kind`."""
     try:

@@ -47,9 +47,9 @@ from typing import Callable, Optional
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.format_specs import is_per_token
 from precision_dsl.precision import FormatKind
-from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, argv_file, dump_json,
-                                          engine_format, fused_module_sizes, is_quantized, kind_handler, module_of,
-                                          plan_stamp, read_json_artifact, unsupported_kind)
+from precision_dsl.backends.common import (Artifact, Problems, UnsupportedByBackend, argv_file, argv_value,
+                                          dump_json, engine_format, fused_module_sizes, is_quantized, kind_handler,
+                                          module_of, plan_stamp, read_json_artifact, unsupported_kind)
 from precision_dsl.backends.registry import Backend, EmitOptions, register_backend
 
 BACKEND = "sglang"
@@ -350,9 +350,9 @@ def shared_experts_fused(plan: Plan) -> bool:
 def _fuses_shared_experts(args: list[str], model_type: str, tensors, target: Optional[str]) -> bool:
     """The one reading of SGLang's shared-expert fusion (see `shared_experts_fused`) from the server args, the model
     and the target GPU (None: not known, as for a hand-written launch; only the args then decide the runner)."""
-    runner = _arg(args, "--moe-runner-backend") or "auto"
-    ep = int(_arg(args, "--ep-size") or _arg(args, "--expert-parallel-size") or 1)
-    if runner == "auto" and (target == "blackwell" or _arg(args, "--quantization") == "mxfp8"):
+    runner = argv_value(args, "--moe-runner-backend") or "auto"
+    ep = int(argv_value(args, "--ep-size") or argv_value(args, "--expert-parallel-size") or 1)
+    if runner == "auto" and (target == "blackwell" or argv_value(args, "--quantization") == "mxfp8"):
         runner = "flashinfer_trtllm"
     if "--disable-shared-experts-fusion" in args or runner in _UNFUSING_RUNNERS or ep > 1:
         return False
@@ -709,13 +709,6 @@ class RolloutTensor:
     block: Optional[tuple[int, int]] = None
 
 
-def _arg(argv: list[str], name: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(name + "="):
-            return a[len(name) + 1:]
-    return None
 
 
 def shared_experts_fusion(server_args: list[str], arch, target: Optional[str] = None) -> Optional[str]:

@@ -64,13 +64,13 @@ import json
 import re
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from precision_dsl.plan import Plan, TensorPlan, per_precision
 from precision_dsl.precision import BLACKWELL_ONLY_KINDS, PER_TOKEN, FormatKind, is_per_token
 from precision_dsl.backends.registry import Backend, register_backend
-from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, dump_json,
-                                           is_quantized, kind_handler, module_of, plan_stamp,
+from precision_dsl.backends.common import (Artifact, ArtifactError, Problems, UnsupportedByBackend, argv_value,
+                                           dump_json, is_quantized, kind_handler, module_of, plan_stamp,
                                            read_json_artifact, unsupported_kind)
 
 BACKEND = "vllm"
@@ -875,13 +875,6 @@ def _same_config(plan: Plan, cfg: ServeConfig, version: str) -> bool:
         cfg.engine_args, cfg.env, cfg.quantization_config)
 
 
-def _argv_value(argv: list[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a[len(flag) + 1:]
-    return None
 
 
 @dataclass(frozen=True)
@@ -973,9 +966,9 @@ class VllmBackend(Backend):
         try:
             argv = [str(a) for a in manifest["engine_args"]]
             env = dict(manifest.get("env") or {})
-            over = _argv_value(argv, "--hf-overrides")
+            over = argv_value(argv, "--hf-overrides")
             qcfg = json.loads(over).get("quantization_config") if over else None
-            online_raw = _argv_value(argv, "--quantization-config")
+            online_raw = argv_value(argv, "--quantization-config")
             online = json.loads(online_raw) if online_raw else None
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ArtifactError(f"artifact {MANIFEST} does not hold vLLM engine args: {err}") from None

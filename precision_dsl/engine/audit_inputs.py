@@ -21,13 +21,13 @@ Anything else is an AuditError naming the path (exit 2).
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..backends.common import argv_value
 from ..errors import PolicycError
 
 MAX_TEXT_BYTES = 4 << 20  # launch scripts, argument files and configs are small
@@ -227,12 +227,12 @@ def _set_rollout(dep: Deployment, engine: str, args: list[str], env: dict) -> No
 
 def _read_vllm_argv(dep: Deployment, argv: list[str], env: dict, where: str) -> None:
     _set_rollout(dep, "vllm", argv, env)
-    over = _value(argv, "--hf-overrides")
+    over = argv_value(argv, "--hf-overrides")
     if over:
         q = _json(over, f"{where}: --hf-overrides")
         if isinstance(q, dict) and q.get("quantization_config") is not None:
             dep.rollout.quant_config, dep.rollout.quant_from = q["quantization_config"], f"{where} --hf-overrides"
-    online = _value(argv, "--quantization-config")
+    online = argv_value(argv, "--quantization-config")
     if online:
         dep.rollout.online = _json(online, f"{where}: --quantization-config")
 
@@ -358,7 +358,7 @@ def _read_json_file(p: Path, doc, dep: Deployment) -> None:
 
 
 def _take_yaml_paths(p: Path, dep: Deployment) -> None:
-    name = _value(dep.trainer.flags, "--te-precision-config-file")
+    name = argv_value(dep.trainer.flags, "--te-precision-config-file")
     if name is None:
         return
     for cand in (Path(name), p.parent / name, p.parent / Path(name).name):
@@ -386,13 +386,6 @@ def _mapping(v, where: str) -> dict[str, str]:
     return {str(k): str(x) for k, x in v.items()}
 
 
-def _value(argv: list[str], flag: str) -> Optional[str]:
-    for i, a in enumerate(argv):
-        if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a[len(flag) + 1:]
-    return None
 
 
 def _read_miles(p: Path, lines: list[list[str]], train: list[str], dep: Deployment) -> None:
@@ -446,6 +439,6 @@ def _read_miles(p: Path, lines: list[list[str]], train: list[str], dep: Deployme
                         + (", --train-env-vars" if train_env else "") + ")" + (", rollout (--sglang-* args)" if sg
                                                                               else "")))
     _take_yaml_paths(p, dep)
-    ckpt = _value(flags, "--hf-checkpoint")
+    ckpt = argv_value(flags, "--hf-checkpoint")
     if ckpt and not ckpt.startswith("$") and (p.parent / ckpt).is_dir():
         _read_checkpoint(p.parent / ckpt, dep)
