@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import FLT_MAX, e2m1_code, f32_const, unpack_pair
+from ._common import FLT_MAX, e2m1_word, f32_const, rcp_rn, unpack_pair
 
 RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
 
@@ -42,17 +42,18 @@ def _block_scale(amax_b, s_enc, s_dec):
     mul = s_enc * f32_const(RCP6_BITS)
     sf = tl.minimum(amax_b * mul, 448.0).to(tl.float8e4nv)
     sf_f = sf.to(tl.float32)
-    prod = sf_f * s_dec
-    enc = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), FLT_MAX)
+    enc = tl.minimum(rcp_rn(sf_f * s_dec), FLT_MAX)
     return sf.to(tl.uint8, bitcast=True), enc
 
 
 @triton.jit
 def _pack_codes(lo, hi, enc):
-    """Two fp32 elements -> one byte (element 2j low nibble, 2j+1 high nibble)."""
-    c_lo = e2m1_code(lo * enc)
-    c_hi = e2m1_code(hi * enc)
-    return (c_lo | (c_hi << 4)).to(tl.uint8)
+    """Two fp32 elements -> one byte (element 2j low nibble, 2j+1 high nibble). Bits 4-22 of an e2m1_word are 0
+    (see there), so its low BYTE is the code and w_lo + (w_hi << 4) has the packed byte in its low 8 bits (one
+    IMAD, no mask); the truncation to uint8 drops the bits above."""
+    w_lo = e2m1_word(lo * enc)
+    w_hi = e2m1_word(hi * enc)
+    return (w_lo + (w_hi << 4)).to(tl.uint8)
 
 
 @triton.jit
