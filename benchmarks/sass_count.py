@@ -152,14 +152,26 @@ def compile_launch(fn, grid, args, kwargs):
     return c, 32 * warps, programs
 
 
-def sass_of(cubin: bytes) -> str:
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_of(cubin: bytes) -> str:
+    return _cuobjdump(cubin, "-sass")
+
+
+def resources_of(cubin: bytes) -> tuple:
+    """(registers per thread, spill stores + loads in bytes) from cuobjdump -res-usage."""
+    text = _cuobjdump(cubin, "-res-usage")
+    regs = re.search(r"REG:(\d+)", text)
+    spill = [int(v) for v in re.findall(r"(?:STACK|LOCAL):(\d+)", text)]
+    return (int(regs.group(1)) if regs else None), sum(spill)
 
 
 # kernel name -> call of the host wrapper (x: meta tensor, g: a given amax or None, cfg: launch-config kwargs)
@@ -202,9 +214,10 @@ def count(kind: str, m: int, k: int, cfg: dict, dtype: str = "bfloat16") -> list
     for fn, grid, args, kwargs in sink:
         c, threads, programs = compile_launch(fn, grid, args, kwargs)
         s = summarize(parse_sass(sass_of(c.asm["cubin"])))
+        regs, local = resources_of(c.asm["cubin"])
         per_thread = m * k / programs / threads
         out.append(dict(kernel=fn.__name__, kind=kind, shape=f"{m}x{k}", cfg=cfg, grid=list(grid), threads=threads,
-                        regs=getattr(c, "n_regs", None), spills=getattr(c, "n_spills", None),
+                        regs=regs, local_bytes=local,
                         elements_per_thread=per_thread, per_element=s["main"] / per_thread, **s))
     return out
 
@@ -221,18 +234,24 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     jobs = [(kd, {}) for kd in filter(None, args.kernels.split(","))] + [parse_variant(v) for v in args.variant]
     rows = []
-    print("| shape | wrapper config | kernel | grid | warps | regs | main SASS | cold | elem/thread | SASS/elem | "
-          "by class |")
+    print("| shape | wrapper config | kernel | grid | warps | regs (local B) | main SASS | cold | elem/thread | "
+          "SASS/elem | by class |")
     print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---|")
     for s in args.shapes.split(","):
         m, k = (int(v) for v in s.lower().split("x"))
         for kind, cfg in jobs:
-            for r in count(kind, m, k, cfg, args.dtype):
+            try:
+                found = count(kind, m, k, cfg, args.dtype)
+            except Exception as e:  # a config that does not compile (e.g. a non-power-of-two chunk) is reported
+                print(f"| {s} | {kind} {cfg or 'default'} | failed: {type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1][:120]} | | | | | | | | |")
+                continue
+            for r in found:
                 rows.append(r)
                 cls = " ".join(f"{c}={n}" for c, n in sorted(r["by_class"].items(), key=lambda t: -t[1]))
                 loop = " (loop: one trip)" if r["loop"] else ""
                 print(f"| {s} | {kind} {cfg or 'default'} | {r['kernel']}{loop} | {'x'.join(map(str, r['grid']))} | "
-                      f"{r['threads'] // 32} | {r['regs']} | {r['main']} | {r['cold']} | "
+                      f"{r['threads'] // 32} | {r['regs']} ({r['local_bytes']}) | {r['main']} | {r['cold']} | "
                       f"{r['elements_per_thread']:.1f} | {r['per_element']:.2f} | {cls} |", flush=True)
                 if args.opcodes:
                     print("    " + " ".join(f"{op}:{n}" for op, n in list(r["by_op"].items())[:24]))

@@ -271,6 +271,17 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 
 # ----------------------------------------------------------------------------------------------- host wrappers
 
+# Launch configs the benchmark sweeps (benchmarks/quantize.py, every one a row of its table) and the GPU tests check
+# byte for byte; {} is the wrapper's default. A config is only a different tiling of the same per-block arithmetic.
+ROW_CONFIGS = ({}, dict(block_m=2, num_warps=2), dict(block_m=4, num_warps=4), dict(block_m=1, num_warps=4),
+               dict(chunk=64, num_warps=2), dict(chunk=64, num_warps=4), dict(chunk=128, num_warps=4),
+               dict(chunk=32, num_warps=1), dict(loop_chunk=128, num_warps=4))
+TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16, block_nb=64, num_warps=8),
+                  dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=16, block_nb=16, num_warps=4),
+                  dict(block_m=8, block_nb=16, num_warps=2))
+TILE2D_CONFIGS = ({}, dict(block_nb=32, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
+                  dict(block_nb=64, num_warps=8))
+
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: one row per 2-warp program (at least 512 pair
