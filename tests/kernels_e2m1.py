@@ -64,10 +64,12 @@ def rcp_probe(x):
 
 
 def reference_codes(y):
+    import torch
+
     from precision_dsl.formats import nvfp4
 
     r, neg = nvfp4.e2m1_round(y.clone())
-    return nvfp4.e2m1_codes(r, neg).to(__import__("torch").int32)
+    return nvfp4.e2m1_codes(r, neg).to(torch.int32)
 
 
 def e2m1_edge_values(nan: bool):

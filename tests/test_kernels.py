@@ -2,7 +2,9 @@
 
 Every comparison is exact: data bytes, scale bytes and fp32 scales bit for bit. The kernel tests need a CUDA GPU with
 compute capability >= 8.9 (marked `gpu`; run them on the H200 through the device tool) and are skipped elsewhere.
-On CPU (CI) the same kernels run under Triton's interpreter: tests/test_kernels_interpret.py.
+On CPU (CI) the same kernels run under Triton's interpreter: tests/test_kernels_interpret.py, and here
+`test_nvfp4_coder_and_edge_inputs_interpreted` (the E2M1 coder, the block-scale reciprocal and edge-case rows,
+tests/kernels_e2m1.py; its GPU twins check the coder and the reciprocal on all 2^32 fp32 bit patterns).
 Golden vectors: env POLICYC_GOLDEN_DIR (default <repo>/../shared/golden/quantizers).
 """
 
