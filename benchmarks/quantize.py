@@ -5,8 +5,8 @@ run on Hopper (torchao prototype.mx_formats; plain PyTorch per-token NVFP4 under
     python benchmarks/quantize.py [--shapes 8192x2048,16384x7168,4096x4096] [--no-sweep] [--json OUT.json]
                                   [--nvfp4-sweep 'row:chunk=64;2d:block_nb=32,num_warps=4'] [--only-nvfp4]
 
-Every NVFP4 launch config (kernels/triton_nvfp4.py ROW_CONFIGS / TENSOR_CONFIGS / TILE2D_CONFIGS, or --nvfp4-sweep)
-is its own row, measured in the same run as the copy.
+Every NVFP4 launch config (kernels/triton_nvfp4.py ROW_CONFIGS / TENSOR_CONFIGS / TILE2D_CONFIGS / AMAX_CONFIGS, or
+--nvfp4-sweep) is its own row, measured in the same run as the copy.
 
 Timing (as perf_baseline.md): one CUDA graph runs the op over 2-8 distinct copies of the input (together >= 3x the
 60 MB L2, so every call starts L2-cold), replayed 12 times, median per call; no host/launch overhead in the numbers.
@@ -151,13 +151,15 @@ SWEEP = {
 
 def nvfp4_configs(spec=None) -> dict:
     """{kind: [launch config, ...]} of the NVFP4 rows: the kernel module's tables (ROW_CONFIGS, TENSOR_CONFIGS,
-    TILE2D_CONFIGS; {} = the wrapper's default), or `--nvfp4-sweep` "row:chunk=64,num_warps=2;2d:block_nb=32;..."
-    (kinds row | tensor | 2d; a kind left out keeps only its default)."""
+    TILE2D_CONFIGS, AMAX_CONFIGS; {} = the wrapper's default), or `--nvfp4-sweep`
+    "row:chunk=64,num_warps=2;2d:block_nb=32;amax:flat_block=0;..." (kinds row | tensor | 2d | amax; a kind left out
+    keeps only its default)."""
     from precision_dsl.kernels import triton_nvfp4 as knv
 
     if not spec:
-        return {"row": list(knv.ROW_CONFIGS), "tensor": list(knv.TENSOR_CONFIGS), "2d": list(knv.TILE2D_CONFIGS)}
-    out = {"row": [{}], "tensor": [{}], "2d": [{}]}
+        return {"row": list(knv.ROW_CONFIGS), "tensor": list(knv.TENSOR_CONFIGS), "2d": list(knv.TILE2D_CONFIGS),
+                "amax": list(knv.AMAX_CONFIGS)}
+    out = {"row": [{}], "tensor": [{}], "2d": [{}], "amax": [{}]}
     for item in filter(None, (i.strip() for i in spec.split(";"))):
         kind, _, rest = item.partition(":")
         cfg = {}
@@ -165,7 +167,7 @@ def nvfp4_configs(spec=None) -> dict:
             k, _, v = kv.partition("=")
             cfg[k.strip()] = int(v)
         if kind not in out:
-            raise SystemExit(f"--nvfp4-sweep: unknown kind {kind!r} (row | tensor | 2d)")
+            raise SystemExit(f"--nvfp4-sweep: unknown kind {kind!r} (row | tensor | 2d | amax)")
         if cfg not in out[kind]:
             out[kind].append(cfg)
     return out
@@ -230,7 +232,9 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     # ---- NVFP4 per tensor (amax pass + quantize), and with a given amax
     b_ten = in_b + n // 2 + n // 16 + 8
     g = knv.tensor_amax(x)
-    add("nvfp4 amax pass alone", "ours (reads x once)", lambda t: knv.tensor_amax(t), in_b + 4, "ours")
+    for cfg in nv["amax"]:
+        add("nvfp4 amax pass alone", f"ours (reads x once) {_label(cfg)}", lambda t, c=cfg: knv.tensor_amax(t, **c),
+            in_b + 4, "ours")
     for cfg in nv["tensor"]:
         add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) {_label(cfg)}",
             lambda t, c=cfg: knv.per_tensor(t, **c), b_ten, "ours")

@@ -118,7 +118,8 @@ def edge_input(m: int, k: int, dtype, seed: int):
 
 
 def kernel_checks(x, configs) -> dict:
-    """Row-scaled NVFP4 under each launch config, per-tensor and 16x16 with G given, vs the reference."""
+    """Row-scaled NVFP4 under each launch config, per-tensor (G given, and computed by each amax config) and 16x16
+    with G given, vs the reference."""
     from precision_dsl.formats import nvfp4
     from precision_dsl.kernels import triton_nvfp4 as kn
 
@@ -135,6 +136,11 @@ def kernel_checks(x, configs) -> dict:
     reft = nvfp4.quantize(x.cpu(), scope="tensor")
     d, s, sd, g = kn.per_tensor(x, reft.global_amax.to(x.device))
     out["tensor data"], out["tensor scale"] = _same(d.cpu(), reft.data), _same(s.cpu(), reft.scale)
+    for cfg in kn.AMAX_CONFIGS + (dict(flat_block=1024),):  # the amax pass: flat (even or masked tail) and tiled
+        out[f"amax {cfg}"] = _same(kn.tensor_amax(x, **cfg).cpu(), reft.global_amax)
+    d, s, sd, g = kn.per_tensor(x)
+    out["tensor incl. amax data"], out["tensor incl. amax G"] = _same(d.cpu(), reft.data), _same(g.cpu(),
+                                                                                               reft.global_amax)
     if x.shape[0] % 16 == 0:
         ref2 = nvfp4.quantize(x.cpu(), scope="tensor", tile_2d=True)
         d, s, sd, g = kn.per_tensor(x, ref2.global_amax.to(x.device), tile_2d=True)

@@ -4,7 +4,7 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
   * `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
     row amax -> S_enc/S_dec per row -> E4M3 block scales -> packed E2M1. Writes data [M, K/2], scale [M, K/16],
     S_dec [M] and G [M].
-  * `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
+  * `_amax_flat_kernel` (default) / `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
     non-negative floats) - the first of the two passes of per-tensor NVFP4 (skipped when `global_amax` is given,
     e.g. for a share-scale group).
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
@@ -136,6 +136,22 @@ def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr
     u = tl.load(xp_ptr + rows.to(tl.int64)[:, None] * stride_xp + cols[None, :], mask=mask, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     a = tl.maximum(tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1), axis=0), 0.0)
+    tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
+def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                      EVEN: tl.constexpr):
+    """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
+    then one warp + one cross-warp step) instead of a row reduction followed by a column reduction.
+    EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        u = tl.load(xp_ptr + offs)
+    else:
+        u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    a = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
     tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
 
 
@@ -285,6 +301,7 @@ TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16
                   dict(block_m=8, block_nb=16, num_warps=2))
 TILE2D_CONFIGS = ({}, dict(block_nb=32, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
                   dict(block_nb=64, num_warps=8))
+AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4))
 
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
@@ -339,22 +356,33 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     return data, scale, sdec, amax
 
 
-def tensor_amax(x2):
-    """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics."""
+AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
+
+
+def tensor_amax(x2, *, flat_block=None, num_warps=None):
+    """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics.
+    flat_block: pair words per program of `_amax_flat_kernel` (default AMAX_FLAT_BLOCK; 0 = `_amax_kernel`)."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
     bits = torch.zeros((1,), dtype=torch.int32, device=x2.device)
-    if m and k:
+    flat_block = AMAX_FLAT_BLOCK if flat_block is None else flat_block
+    if m and k and flat_block:  # contiguous x2: one flat run of pair words
+        xp = pair_view(x2).reshape(-1)
+        n = xp.numel()
+        _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
+                                                          BLOCK=flat_block, EVEN=n % flat_block == 0,
+                                                          num_warps=num_warps or 8, **LAUNCH_OPTS)
+    elif m and k:
         xp = pair_view(x2)
         np_ = xp.shape[1]
         bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
         bm = max(1, 8192 // bp)
         grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
         _amax_kernel[grid](xp, bits, m, np_, xp.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=bm,
-                           BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+                           BLOCK_P=bp, num_warps=num_warps or 8, **LAUNCH_OPTS)
     return bits.view(torch.float32)
 
 
