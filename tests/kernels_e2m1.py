@@ -149,8 +149,10 @@ def kernel_checks(x, configs) -> dict:
 
 
 # (shape, launch configs of row_scaled): K = 7168 (448 blocks: padded whole row, 7 chunks of 64) and short rows
-ROW_CASES = [((16, 7168), [{}, dict(chunk=64), dict(chunk=128)]),
-             ((32, 2048), [{}, dict(block_m=2), dict(block_m=4, num_warps=4), dict(chunk=64)]),
+# (default = 7 chunks of 64 at K = 7168, 2-row tiles at K = 2048; chunk=0 / block_m=1 the whole-row alternatives)
+ROW_CASES = [((16, 7168), [{}, dict(chunk=0), dict(chunk=128)]),
+             ((32, 2048), [{}, dict(block_m=1), dict(block_m=4, num_warps=4), dict(chunk=64)]),
+             ((30, 5120), [{}, dict(chunk=0)]),
              ((16, 96), [{}, dict(chunk=2)])]
 
 

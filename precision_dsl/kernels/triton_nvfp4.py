@@ -101,8 +101,10 @@ def _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
-                             stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program)."""
+                             stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr,
+                             EVEN: tl.constexpr = False):
+    """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program).
+    EVEN: NB == BLOCK_NB and M % BLOCK_M == 0 - no masks."""
     pid = tl.program_id(0)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
@@ -111,17 +113,26 @@ def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M,
     rmask = rows < M
     mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
     r64 = rows.to(tl.int64)
-    u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=mask3, other=0)
+    if EVEN:
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb))
+    else:
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=mask3, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = _block_amax(lo, hi)  # [BM, BNB]
     g = tl.max(amax_b, axis=1)  # [BM]
     s_enc, s_dec = _global_scales(g)
     sf, packed = _encode_blocks(lo, hi, amax_b, s_enc[:, None], s_dec[:, None])
-    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=mask3)
-    mask2 = rmask[:, None] & (nb < NB)[None, :]
-    tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
-    tl.store(sdec_ptr + rows, s_dec, mask=rmask)
-    tl.store(amax_ptr + rows, g, mask=rmask)
+    if EVEN:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed)
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf)
+        tl.store(sdec_ptr + rows, s_dec)
+        tl.store(amax_ptr + rows, g)
+    else:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=mask3)
+        mask2 = rmask[:, None] & (nb < NB)[None, :]
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
+        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        tl.store(amax_ptr + rows, g, mask=rmask)
 
 
 @triton.jit
@@ -158,14 +169,22 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
 @triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_NB: tl.constexpr):
+                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
-    TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16])."""
+    TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16]).
+    EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates)."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
-    lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M, BLOCK_NB)
+    if EVEN:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+        r64 = rows.to(tl.int64)
+        lo, hi = unpack_pair(tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb)), IN_DTYPE)
+    else:
+        lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M,
+                                                               BLOCK_NB)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
@@ -174,11 +193,21 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     if TILE_2D:
         # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
         sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
-        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+        if EVEN:
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
+        else:
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
     else:
         sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
-        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=rmask[:, None, None] & bmask[None, :, None])
+        if EVEN:
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf)
+        else:
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+    if EVEN:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed)
+    else:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed,
+                 mask=rmask[:, None, None] & bmask[None, :, None])
 
 
 @triton.jit
@@ -213,78 +242,88 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
 
 
 @triton.jit
-def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH])."""
+def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr,
+                EVEN: tl.constexpr = False):
+    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH]). EVEN: NB % CH == 0."""
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
-    u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
+    if EVEN:
+        u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :])
+    else:
+        u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     return lo, hi, _block_amax(lo, hi)
 
 
 @triton.jit
 def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s_dec, C: tl.constexpr,
-                 CH: tl.constexpr):
+                 CH: tl.constexpr, EVEN: tl.constexpr = False):
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
     sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
-    bm = nb < NB
-    tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
-    tl.store(scale_ptr + s_off + nb, sf, mask=bm)
+    if EVEN:
+        tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed)
+        tl.store(scale_ptr + s_off + nb, sf)
+    else:
+        bm = nb < NB
+        tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
+        tl.store(scale_ptr + s_off + nb, sf, mask=bm)
 
 
 @triton.jit
 def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
-                                     stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr):
+                                     stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
+                                     EVEN: tl.constexpr = False):
     """Per-row NVFP4, one row per program, the row held in registers as NCH (<= 8) chunks of CH blocks.
 
     For rows whose block count is not a power of two (K = 7168 -> 448 blocks = 7 x 64) the whole-row kernel pads
     to 512 blocks and wastes 1/8 of its instructions on masked lanes; here only ceil(NB/CH)*CH blocks are touched.
-    Chunks are separate register tensors (unrolled with constexpr ifs), so nothing is re-read."""
+    Chunks are separate register tensors (unrolled with constexpr ifs), so nothing is re-read. EVEN: NB % CH == 0
+    (no masks)."""
     row = tl.program_id(0).to(tl.int64)
     x_off = tl.multiple_of(row * stride_xp, 8)
-    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE)
+    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE, EVEN)
     acc = a0  # elementwise max over the chunks first: one cross-thread reduction per row, not one per chunk
     if NCH > 1:
-        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE)
+        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a1)
     if NCH > 2:
-        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE)
+        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a2)
     if NCH > 3:
-        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE)
+        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a3)
     if NCH > 4:
-        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE)
+        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a4)
     if NCH > 5:
-        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE)
+        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a5)
     if NCH > 6:
-        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE)
+        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a6)
     if NCH > 7:
-        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE)
+        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE, EVEN)
         acc = tl.maximum(acc, a7)
     g = tl.max(acc, axis=0)
     s_enc, s_dec = _global_scales(g)
     d_off = tl.multiple_of(row * stride_d, 8)
     s_off = row * stride_s
-    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH)
+    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH, EVEN)
     if NCH > 1:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH, EVEN)
     if NCH > 2:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH, EVEN)
     if NCH > 3:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH, EVEN)
     if NCH > 4:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH, EVEN)
     if NCH > 5:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH, EVEN)
     if NCH > 6:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH, EVEN)
     if NCH > 7:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH, EVEN)
     tl.store(sdec_ptr + row, s_dec)
     tl.store(amax_ptr + row, g)
 
@@ -293,7 +332,8 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 
 # Launch configs the benchmark sweeps (benchmarks/quantize.py, every one a row of its table) and the GPU tests check
 # byte for byte; {} is the wrapper's default. A config is only a different tiling of the same per-block arithmetic.
-ROW_CONFIGS = ({}, dict(block_m=2, num_warps=2), dict(block_m=4, num_warps=4), dict(block_m=1, num_warps=4),
+ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=1, num_warps=2), dict(block_m=2, num_warps=2),
+               dict(block_m=4, num_warps=4), dict(block_m=1, num_warps=4),
                dict(chunk=64, num_warps=2), dict(chunk=64, num_warps=4), dict(chunk=128, num_warps=4),
                dict(chunk=32, num_warps=1), dict(loop_chunk=128, num_warps=4))
 TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16, block_nb=64, num_warps=8),
@@ -305,14 +345,23 @@ AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=
 
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: one row per 2-warp program (at least 512 pair
-    words per program for short rows). The H200 sweep (benchmarks/RESULTS.md) found 1 row / 2 warps fastest or tied
-    at K = 2048, 4096 and 7168; larger tiles spill or lose occupancy."""
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: 2-warp programs of at least 2048 pair words (2
+    rows at K = 2048, 1 row from K = 4096). Two 1024-word rows per program need ~94 registers and 14.6 SASS
+    instructions per element against 16.3 for one (benchmarks/sass_count.py: the per-program scale work is shared
+    by twice the elements); more rows spill. The earlier H200 sweep (benchmarks/RESULTS.md) had 1 row / 2 warps
+    fastest or tied at K = 2048, 4096 and 7168 with the previous element coder; ROW_CONFIGS keeps that config
+    (block_m=1, num_warps=2) next to this default in the benchmark."""
     from ._common import next_pow2
 
     bnb = next_pow2(nb)
-    bm = max(1, min(16, 512 // (bnb * 8)))
+    bm = max(1, min(16, 2048 // (bnb * 8)))
     return bm, bnb, 2
+
+
+# Default for rows whose block count is not a power of two: the register-chunked kernel with chunks of 64 blocks
+# when they divide the row in <= 8 chunks (K = 7168: 7 x 64, no padded lanes: 13.8 SASS instructions per element
+# and 156 registers against 16.5 and 172 for the whole row padded to 512 blocks). chunk=0 forces the whole row.
+DEFAULT_CHUNK = 64
 
 
 def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None):
@@ -336,10 +385,13 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     xp = pair_view(x2)
     code = in_dtype_code(x2.dtype)
     bm, bnb, warps = _launch_cfg_rows(nb)
+    if chunk is None and block_m is None and loop_chunk is None and bnb != nb and nb % DEFAULT_CHUNK == 0 \
+            and nb // DEFAULT_CHUNK <= 8:
+        chunk = DEFAULT_CHUNK
     if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
         _nvfp4_row_scaled_chunked_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
                                                scale.stride(0), IN_DTYPE=code, NCH=-(-nb // chunk), CH=chunk,
-                                               num_warps=num_warps or 2, **LAUNCH_OPTS)
+                                               EVEN=nb % chunk == 0, num_warps=num_warps or 2, **LAUNCH_OPTS)
         return data, scale, sdec, amax
     if loop_chunk is None and bnb * 8 > 16384:
         loop_chunk = 256
@@ -352,7 +404,8 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     warps = num_warps or warps
     _nvfp4_row_scaled_kernel[(triton.cdiv(m, bm),)](xp, data, scale, sdec, amax, m, nb, xp.stride(0),
                                                      data.stride(0), scale.stride(0), IN_DTYPE=code, BLOCK_M=bm,
-                                                     BLOCK_NB=bnb, num_warps=warps, **LAUNCH_OPTS)
+                                                     BLOCK_NB=bnb, EVEN=nb == bnb and m % bm == 0, num_warps=warps,
+                                                     **LAUNCH_OPTS)
     return data, scale, sdec, amax
 
 
@@ -410,7 +463,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   num_warps=warps, **LAUNCH_OPTS)
+                                   EVEN=m % bm == 0 and nb % bnb == 0, num_warps=warps, **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
