@@ -339,7 +339,7 @@ ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=1, num_warps=2), dict(block_m=2, 
 TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16, block_nb=64, num_warps=8),
                   dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=16, block_nb=16, num_warps=4),
                   dict(block_m=8, block_nb=16, num_warps=2))
-TILE2D_CONFIGS = ({}, dict(block_nb=32, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
+TILE2D_CONFIGS = ({}, dict(block_nb=16, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
                   dict(block_nb=64, num_warps=8))
 AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4))
 
@@ -455,10 +455,11 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        # defaults from the H200 sweep at 16384x7168 (benchmarks/RESULTS.md): 1x16 4x64 blocks / 2 warps,
-        # 16x16 one 16-row stripe x 16 tiles / 4 warps
+        # defaults: 1x16 4x64 blocks / 2 warps (the H200 sweep at 16384x7168, benchmarks/RESULTS.md); 16x16 one
+        # 16-row stripe x 32 tiles / 4 warps (14.6 SASS instructions per element, 96 registers, against 16.1 and 56
+        # for the earlier sweep's 16 tiles, which TILE2D_CONFIGS keeps for the benchmark)
         bm = 16 if tile_2d else (block_m or 4)
-        bnb = block_nb or min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
+        bnb = block_nb or min(32 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
         warps = num_warps or (4 if tile_2d else 2)
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
