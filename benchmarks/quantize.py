@@ -3,6 +3,10 @@
 run on Hopper (torchao prototype.mx_formats; plain PyTorch per-token NVFP4 under torch.compile).
 
     python benchmarks/quantize.py [--shapes 8192x2048,16384x7168,4096x4096] [--no-sweep] [--json OUT.json]
+                                  [--nvfp4-sweep 'row:chunk=64;2d:block_nb=32,num_warps=4'] [--only-nvfp4]
+
+Every NVFP4 launch config (kernels/triton_nvfp4.py ROW_CONFIGS / TENSOR_CONFIGS / TILE2D_CONFIGS / AMAX_CONFIGS, or
+--nvfp4-sweep) is its own row, measured in the same run as the copy.
 
 Timing (as perf_baseline.md): one CUDA graph runs the op over 2-8 distinct copies of the input (together >= 3x the
 60 MB L2, so every call starts L2-cold), replayed 12 times, median per call; no host/launch overhead in the numbers.
@@ -137,19 +141,40 @@ def _torchao():
 # -------------------------------------------------------------------------------------------------- our configs
 
 SWEEP = {
-    "nvfp4_row": [dict(block_m=1, num_warps=4), dict(block_m=1, num_warps=8), dict(block_m=2, num_warps=4),
-                  dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2), dict(loop_chunk=128, num_warps=4),
-                  dict(chunk=64, num_warps=2), dict(chunk=128, num_warps=4), dict(chunk=32, num_warps=1)],
-    "nvfp4_tensor": [dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=16, block_nb=32, num_warps=4),
-                     dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=8, block_nb=64, num_warps=4),
-                     dict(block_m=4, block_nb=64, num_warps=2), dict(block_m=8, block_nb=16, num_warps=2)],
     "mxfp8_rowcol": [dict(split_ro=8, nkb=8, num_warps=4), dict(split_ro=8, nkb=4, num_warps=2),
                      dict(split_ro=8, nkb=16, num_warps=8), dict(split_ro=4, nkb=8, num_warps=4),
                      dict(split_ro=16, nkb=8, num_warps=4), dict(split_ro=None, group=1, nkb=8, num_warps=4)],
-    "nvfp4_2d": [dict(block_nb=16, num_warps=4), dict(block_nb=32, num_warps=4), dict(block_nb=64, num_warps=8)],
     "fp8_block_1x128": [dict(block_r=8, block_c=512, num_warps=4), dict(block_r=4, block_c=1024, num_warps=4),
                         dict(block_r=16, block_c=256, num_warps=8), dict(block_r=8, block_c=1024, num_warps=8)],
 }
+
+
+def nvfp4_configs(spec=None) -> dict:
+    """{kind: [launch config, ...]} of the NVFP4 rows: the kernel module's tables (ROW_CONFIGS, TENSOR_CONFIGS,
+    TILE2D_CONFIGS, AMAX_CONFIGS; {} = the wrapper's default), or `--nvfp4-sweep`
+    "row:chunk=64,num_warps=2;2d:block_nb=32;amax:flat_block=0;..." (kinds row | tensor | 2d | amax; a kind left out
+    keeps only its default)."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    if not spec:
+        return {"row": list(knv.ROW_CONFIGS), "tensor": list(knv.TENSOR_CONFIGS), "2d": list(knv.TILE2D_CONFIGS),
+                "amax": list(knv.AMAX_CONFIGS)}
+    out = {"row": [{}], "tensor": [{}], "2d": [{}], "amax": [{}]}
+    for item in filter(None, (i.strip() for i in spec.split(";"))):
+        kind, _, rest = item.partition(":")
+        cfg = {}
+        for kv in filter(None, rest.split(",")):
+            k, _, v = kv.partition("=")
+            cfg[k.strip()] = int(v)
+        if kind not in out:
+            raise SystemExit(f"--nvfp4-sweep: unknown kind {kind!r} (row | tensor | 2d | amax)")
+        if cfg not in out[kind]:
+            out[kind].append(cfg)
+    return out
+
+
+def _label(cfg) -> str:
+    return "default" if not cfg else ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
 def _best(name, make_fn, configs, log, xs):
@@ -166,7 +191,7 @@ def _best(name, make_fn, configs, log, xs):
     return best
 
 
-def run_shape(m, k, sweep, log):
+def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     import torch
 
     from precision_dsl.formats import fp8_block, mxfp8, nvfp4
@@ -193,45 +218,43 @@ def run_shape(m, k, sweep, log):
     dst = torch.empty_like(x)
     add("copy", "device-to-device copy (x.copy_)", lambda t: dst.copy_(t), 2 * in_b, "copy")
 
-    # ---- NVFP4 per token
+    # ---- NVFP4: every launch config of the tables (or --nvfp4-sweep) is its own row, all in this run with the copy
+    nv = nvfp4_cfgs or nvfp4_configs()
     b_tok = in_b + n // 2 + n // 16 + 8 * m
-    cfg = {}
-    if sweep:
-        best = _best("nvfp4_row", lambda c: (lambda t: knv.row_scaled(t, **c)), SWEEP["nvfp4_row"], log, xs)
-        cfg = best[1] if best else {}
-    add("nvfp4 per-token", f"ours (Triton, one pass) {cfg}", lambda t: knv.row_scaled(t, **cfg), b_tok, "ours")
-    add("nvfp4 per-token", "ours, default config (precision_dsl.kernels.nvfp4_quantize)",
-        lambda t: knv.row_scaled(t), b_tok, "ours")
-    add("nvfp4 per-token", "our eager reference", lambda t: nvfp4.quantize(t, scope="row"), b_tok, "ref")
-    add("nvfp4 per-token", "plain PyTorch, eager", lambda t: torch_per_token_nvfp4(t), b_tok, "peer")
-    tok_c = torch.compile(torch_per_token_nvfp4, dynamic=False)
-    add("nvfp4 per-token", "plain PyTorch, torch.compile", lambda t: tok_c(t), b_tok, "peer")
+    for cfg in nv["row"]:
+        add("nvfp4 per-token", f"ours (one pass) {_label(cfg)}", lambda t, c=cfg: knv.row_scaled(t, **c), b_tok, "ours")
+    if not only_nvfp4:
+        add("nvfp4 per-token", "our eager reference", lambda t: nvfp4.quantize(t, scope="row"), b_tok, "ref")
+        add("nvfp4 per-token", "plain PyTorch, eager", lambda t: torch_per_token_nvfp4(t), b_tok, "peer")
+        tok_c = torch.compile(torch_per_token_nvfp4, dynamic=False)
+        add("nvfp4 per-token", "plain PyTorch, torch.compile", lambda t: tok_c(t), b_tok, "peer")
 
     # ---- NVFP4 per tensor (amax pass + quantize), and with a given amax
     b_ten = in_b + n // 2 + n // 16 + 8
     g = knv.tensor_amax(x)
-    cfg_t = {}
-    if sweep:  # tuned on the quantize kernel alone (amax given)
-        best = _best("nvfp4_tensor", lambda c: (lambda t: knv.per_tensor(t, g, **c)), SWEEP["nvfp4_tensor"], log,
-                     xs)
-        cfg_t = best[1] if best else {}
-    add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) {cfg_t}",
-        lambda t: knv.per_tensor(t, **cfg_t), b_ten, "ours")
-    add("nvfp4 per-tensor incl. amax", "our eager reference", lambda t: nvfp4.quantize(t, scope="tensor"), b_ten,
-        "ref")
-    add("nvfp4 per-tensor, amax given", f"ours (one pass) {cfg_t}", lambda t: knv.per_tensor(t, g, **cfg_t), b_ten,
-        "ours")
-    cfg_2 = {}
-    if sweep:
-        best = _best("nvfp4_2d", lambda c: (lambda t: knv.per_tensor(t, g, tile_2d=True, **c)), SWEEP["nvfp4_2d"],
-                     log, xs)
-        cfg_2 = best[1] if best else {}
-    add("nvfp4 16x16 weight tiles incl. amax", f"ours {cfg_2}", lambda t: knv.per_tensor(t, tile_2d=True, **cfg_2),
-        in_b + n // 2 + n // 256 + 8, "ours")
-    add("nvfp4 16x16 weight tiles, amax given", f"ours {cfg_2}",
-        lambda t: knv.per_tensor(t, g, tile_2d=True, **cfg_2), in_b + n // 2 + n // 256 + 8, "ours")
+    for cfg in nv["amax"]:
+        add("nvfp4 amax pass alone", f"ours (reads x once) {_label(cfg)}", lambda t, c=cfg: knv.tensor_amax(t, **c),
+            in_b + 4, "ours")
+    for cfg in nv["tensor"]:
+        add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) {_label(cfg)}",
+            lambda t, c=cfg: knv.per_tensor(t, **c), b_ten, "ours")
+    if not only_nvfp4:
+        add("nvfp4 per-tensor incl. amax", "our eager reference", lambda t: nvfp4.quantize(t, scope="tensor"),
+            b_ten, "ref")
+    for cfg in nv["tensor"]:
+        add("nvfp4 per-tensor, amax given", f"ours (one pass) {_label(cfg)}",
+            lambda t, c=cfg: knv.per_tensor(t, g, **c), b_ten, "ours")
+    b_2d = in_b + n // 2 + n // 256 + 8
+    for cfg in nv["2d"]:
+        add("nvfp4 16x16 weight tiles incl. amax", f"ours {_label(cfg)}",
+            lambda t, c=cfg: knv.per_tensor(t, tile_2d=True, **c), b_2d, "ours")
+    for cfg in nv["2d"]:
+        add("nvfp4 16x16 weight tiles, amax given", f"ours {_label(cfg)}",
+            lambda t, c=cfg: knv.per_tensor(t, g, tile_2d=True, **c), b_2d, "ours")
+    if only_nvfp4:
+        return rows
     add("nvfp4 16x16 weight tiles incl. amax", "our eager reference",
-        lambda t: nvfp4.quantize(t, scope="tensor", tile_2d=True), in_b + n // 2 + n // 256 + 8, "ref")
+        lambda t: nvfp4.quantize(t, scope="tensor", tile_2d=True), b_2d, "ref")
     try:
         to_mx, SCM, nvfp4_quantize, per_tensor_amax_to_scale = _torchao()
         have_ao = True
@@ -358,7 +381,12 @@ def probe(m, k):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="16384x7168,8192x2048,4096x4096")
-    ap.add_argument("--no-sweep", action="store_true", help="use default kernel configs, no tuning sweep")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="no best-of sweep for MXFP8 / FP8 block (NVFP4 rows: every config of --nvfp4-sweep anyway)")
+    ap.add_argument("--nvfp4-sweep", default=None, metavar="SPEC",
+                    help="NVFP4 launch configs, one row each: 'row:chunk=64,num_warps=2;tensor:block_m=8,block_nb=64,"
+                         "num_warps=4;2d:block_nb=32,num_warps=4' (default: the tables in kernels/triton_nvfp4.py)")
+    ap.add_argument("--only-nvfp4", action="store_true", help="copy + our NVFP4 rows only (no peers, no MXFP8/FP8)")
     ap.add_argument("--json", default=None, help="write raw rows (and the sweep log) to this file")
     ap.add_argument("--log", default=None, help="write the sweep / failure log to this file")
     ap.add_argument("--probe", action="store_true",
@@ -385,7 +413,7 @@ def main(argv=None):
     for s in args.shapes.split(","):
         m, k = (int(v) for v in s.lower().split("x"))
         t0 = time.time()
-        rows = run_shape(m, k, not args.no_sweep, log)
+        rows = run_shape(m, k, not args.no_sweep, log, nvfp4_configs(args.nvfp4_sweep), args.only_nvfp4)
         out[s] = rows
         print(render((m, k), rows))
         print(f"({time.time() - t0:.0f} s for this shape)\n", flush=True)

@@ -2,7 +2,9 @@
 
 Every comparison is exact: data bytes, scale bytes and fp32 scales bit for bit. The kernel tests need a CUDA GPU with
 compute capability >= 8.9 (marked `gpu`; run them on the H200 through the device tool) and are skipped elsewhere.
-On CPU (CI) the same kernels run under Triton's interpreter: tests/test_kernels_interpret.py.
+On CPU (CI) the same kernels run under Triton's interpreter: tests/test_kernels_interpret.py, and here
+`test_nvfp4_coder_and_edge_inputs_interpreted` (the E2M1 coder, the block-scale reciprocal and edge-case rows,
+tests/kernels_e2m1.py; its GPU twins check the coder and the reciprocal on all 2^32 fp32 bit patterns).
 Golden vectors: env POLICYC_GOLDEN_DIR (default <repo>/../shared/golden/quantizers).
 """
 
@@ -262,19 +264,21 @@ def test_every_tuning_config_gives_the_same_bytes(dtype):
     ref_row = nvfp4.quantize(x, scope="row")
     for cfg in (dict(block_m=1, num_warps=4), dict(block_m=2, num_warps=8), dict(block_m=1, num_warps=2),
                 dict(loop_chunk=64, num_warps=2), dict(loop_chunk=128, num_warps=4), dict(chunk=64, num_warps=2),
-                dict(chunk=128, num_warps=4), dict(chunk=32, num_warps=1), dict(chunk=16, num_warps=1)):
+                dict(chunk=128, num_warps=4), dict(chunk=32, num_warps=1), dict(chunk=16, num_warps=1),
+                *knv.ROW_CONFIGS):
         d, s, sd, g = knv.row_scaled(x, **cfg)
         _assert_bytes(f"row_scaled {cfg} data", d, ref_row.data)
         _assert_bytes(f"row_scaled {cfg} scale", s, ref_row.scale)
         _assert_bytes(f"row_scaled {cfg} S_dec", sd, ref_row.global_scale)
     ref_t = nvfp4.quantize(x, scope="tensor")
     for cfg in (dict(block_m=16, block_nb=16, num_warps=4), dict(block_m=8, block_nb=64, num_warps=4),
-                dict(block_m=4, block_nb=64, num_warps=2), dict(block_m=8, block_nb=16, num_warps=2)):
+                dict(block_m=4, block_nb=64, num_warps=2), dict(block_m=8, block_nb=16, num_warps=2),
+                *knv.TENSOR_CONFIGS):
         d, s, sd, g = knv.per_tensor(x, **cfg)
         _assert_bytes(f"per_tensor {cfg} data", d, ref_t.data)
         _assert_bytes(f"per_tensor {cfg} scale", s, ref_t.scale)
     ref_2 = nvfp4.quantize(x, scope="tensor", tile_2d=True)
-    for cfg in (dict(block_nb=16, num_warps=4), dict(block_nb=64, num_warps=8)):
+    for cfg in (dict(block_nb=16, num_warps=4), dict(block_nb=64, num_warps=8), *knv.TILE2D_CONFIGS):
         d, s, sd, g = knv.per_tensor(x, tile_2d=True, **cfg)
         _assert_bytes(f"2d {cfg} data", d, ref_2.data)
         _assert_bytes(f"2d {cfg} scale", s, ref_2.scale)
@@ -319,3 +323,76 @@ def test_format_generic_entry_point_matches_reference(fmt, axis):
     a, b = kernels.quantize(x, fmt, axis=axis), formats.quantize(x.cpu(), fmt, axis=axis)
     for name, t in b.tensors().items():
         assert torch.equal(a.tensors()[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+
+
+# ------------------------------------------------------------------ the element coder and the block-scale reciprocal
+
+def test_nvfp4_coder_and_edge_inputs_interpreted():
+    """Under Triton's interpreter (CPU): e2m1_word / e2m1_code on every E2M1 tie and grid point with its fp32
+    neighbours, zeros, subnormals, saturation and inf == the reference coder; rcp_rn == div_rn; row-scaled NVFP4
+    (whole row, register chunks incl. K = 7168's 7 x 64 blocks, multi-row tiles), per-tensor and 16x16 NVFP4 on
+    edge-case rows (every tie at amax 6, subnormals, signed zeros, saturation), bf16 and fp32, byte for byte
+    (tests/kernels_e2m1.py)."""
+    import subprocess
+    import sys
+
+    import kernels_e2m1 as ke
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([sys.executable, ke.__file__], env=env, capture_output=True, text=True, timeout=1200,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {r["case"]: r["checks"] for r in map(json.loads, out.stdout.splitlines())}
+    assert len(results) == 2 + 2 * len(ke.ROW_CASES), sorted(results)
+    assert results["e2m1_word"] and all(len(c) >= 1 for c in results.values())
+    bad = {case: [k for k, ok in c.items() if not ok] for case, c in results.items() if not all(c.values())}
+    assert not bad, f"interpreted NVFP4 coder / kernels differ from the reference: {bad}"
+
+
+@needs_gpu
+def test_e2m1_word_and_code_match_the_reference_on_every_fp32():
+    """Every one of the 2^32 fp32 bit patterns (NaN, inf, subnormals, both zeros included) through the compiled
+    e2m1_word and e2m1_code gives the reference coder's code."""
+    import kernels_e2m1 as ke
+
+    step = 1 << 28
+    for start in range(-(1 << 31), 1 << 31, step):
+        y = torch.arange(start, start + step, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)
+        word, code = ke.e2m1_probe(y)
+        want = ke.reference_codes(y)
+        for name, got in (("e2m1_word", word), ("e2m1_code", code)):
+            bad = (got != want).nonzero()
+            assert bad.numel() == 0, (f"{name} differs from the reference at {bad.numel()} patterns, e.g. "
+                                      f"{hex(int(y[bad[0]].view(torch.int32)) & 0xFFFFFFFF)}")
+
+
+@needs_gpu
+def test_rcp_rn_equals_the_ieee_division_on_every_fp32():
+    """rcp.rn.f32 (the block-scale reciprocal) == div.rn.f32 1/x bit for bit on all 2^32 inputs (subnormal
+    operands and results, zeros, inf; NaN in, NaN out)."""
+    import kernels_e2m1 as ke
+
+    step = 1 << 28
+    for start in range(-(1 << 31), 1 << 31, step):
+        x = torch.arange(start, start + step, dtype=torch.int64, device="cuda").to(torch.int32).view(torch.float32)
+        r, d = ke.rcp_probe(x)
+        same = (r.view(torch.int32) == d.view(torch.int32)) | (torch.isnan(r) & torch.isnan(d))
+        bad = (~same).nonzero()
+        assert bad.numel() == 0, f"rcp_rn != div_rn at {bad.numel()} inputs, e.g. {float(x[bad[0]])}"
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_nvfp4_edge_inputs_every_launch_config(dtype):
+    """The interpreted edge-case check, compiled: ties, subnormals, signed zeros, saturation, K = 7168, every
+    per-row launch config of the benchmark's sweep."""
+    import kernels_e2m1 as ke
+
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    for (m, k), cfgs in ke.ROW_CASES + [((64, 7168), knv.ROW_CONFIGS), ((64, 2048), knv.ROW_CONFIGS)]:
+        x = ke.edge_input(m, k, dtype, seed=m * 7 + k).cuda()
+        checks = ke.kernel_checks(x, cfgs)
+        bad = [c for c, ok in checks.items() if not ok]
+        assert checks and not bad, f"{m}x{k}: {bad}"

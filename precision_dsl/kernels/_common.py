@@ -18,8 +18,11 @@ docstrings cite the TransformerEngine kernels each one matches):
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 # Keyword options added to every kernel launch (see module docstring). The interpreter (TRITON_INTERPRET=1)
 # silently drops them; there numpy's division is IEEE anyway.
@@ -84,6 +87,47 @@ def e2m1_code(y):
     s = a + cp_bits.to(tl.float32, bitcast=True)
     code = s.to(tl.int32, bitcast=True) - c_bits
     return code + tl.where(y < 0, 8, 0)
+
+
+# E2M1_WORD_K = bits(2^22) - 2 * 127: cp = t * (2^23 + 2) + E2M1_WORD_K is bits(2^(t - 105)) + 2 * (t - 127)
+E2M1_WORD_K = tl.constexpr((149 << 23) - 127 * (1 << 23) - 254)
+
+
+@triton.jit
+def e2m1_word(y):
+    """int32 word whose low 8 bits are `e2m1_code(y)` (sign included: 0..15); bits 23-30 are C's exponent.
+
+    The same single rounding add as e2m1_code, with the code read from the sum's low bits instead of subtracted
+    out: with t = biased exponent of max(a, 1) (127..129, a = min(|y|, 6)) the addend C = 2^(t - 105) + 2(t - 127)
+    ulps + 8 ulps if y < 0 lies in C's binade, so RN(a + C) = C + k ulps with k the RNE multiple (C is even, so
+    ties go to even k) and bits(RN(a + C)) = bits(2^(t - 105)) + 8 * (y < 0) + 2(t - 127) + k: the low 23 bits
+    of a power of two are 0 and 8 * sign + 2e + k <= 15 (no carry), so bits & 255 is the code. cp comes from t in one IMAD
+    and the sign is folded into its addend, so no subtraction, no separate sign OR, and the mask merges into the
+    nibble packing. -0.0 -> 0, NaN -> 7 and a negative y that rounds to 0 -> 8, exactly as e2m1_code."""
+    a = tl.minimum(tl.abs(y), 6.0)
+    t = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23
+    cp = t * 0x800002 + tl.where(y < 0, E2M1_WORD_K + 8, E2M1_WORD_K)
+    return (a + cp.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+
+
+# rcp.rn.f32 on the GPU; the interpreter has no libdevice and runs the division (same value: both IEEE RN).
+# Decided once at import, as triton decides compiled vs interpreted when a kernel is decorated.
+USE_RCP = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+
+
+@triton.jit
+def rcp_rn(x):
+    """RN(1 / x) in fp32: `rcp.rn.f32` (libdevice __nv_frcp_rn) when compiled, `div.rn.f32` 1/x (tl.math.div_rn)
+    under the interpreter.
+
+    Both are IEEE 754 correctly rounded (PTX ISA: rcp.rn.f32 and div.rn.f32 are IEEE compliant, subnormals
+    supported; with enable_reflect_ftz=False libdevice picks the non-.ftz forms), so they agree on every input
+    including 0 -> inf, inf -> 0, subnormal operands and results, and NaN; rcp.rn compiles to fewer instructions.
+    tests/test_kernels.py compares the two on every positive fp32 on the GPU."""
+    if USE_RCP:
+        return libdevice.rcp_rn(x)
+    else:
+        return tl.math.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
 
 
 @triton.jit

@@ -4,7 +4,7 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
   * `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
     row amax -> S_enc/S_dec per row -> E4M3 block scales -> packed E2M1. Writes data [M, K/2], scale [M, K/16],
     S_dec [M] and G [M].
-  * `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
+  * `_amax_flat_kernel` (default) / `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
     non-negative floats) - the first of the two passes of per-tensor NVFP4 (skipped when `global_amax` is given,
     e.g. for a share-scale group).
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
@@ -14,6 +14,9 @@ Numerics (see the reference's module docstring for the formulas and _common for 
     S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
     sf = e4m3_rn(min(RN(a_b * RN(S_enc * RN(1/6))), 448));  enc = min(RN(1/RN(f32(sf) * S_dec)), FLT_MAX)
     code = E2M1_rne(clamp(RN(x * enc), -6, 6)) | 8 * (y < 0)
+RN(1/v) is `rcp.rn.f32` (_common.rcp_rn: IEEE RN like div.rn.f32, fewer instructions); the E2M1 code is the low
+byte of one rounding add (_common.e2m1_word). The kernels are issue-bound: `python benchmarks/sass_count.py` counts
+their SASS instructions per element offline (sm_90, no GPU needed).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import FLT_MAX, e2m1_code, f32_const, unpack_pair
+from ._common import FLT_MAX, e2m1_word, f32_const, rcp_rn, unpack_pair
 
 RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
 
@@ -32,7 +35,7 @@ def _global_scales(g):
     g = tl.maximum(g, 0.0)
     s_enc = tl.minimum(tl.math.div_rn(tl.full(g.shape, 2688.0, tl.float32), g), FLT_MAX)
     s_enc = tl.where((g == 0.0) | (s_enc == 0.0), 1.0, s_enc)
-    s_dec = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), s_enc)
+    s_dec = rcp_rn(s_enc)  # RN(1/S_enc); S_enc = RN(2688/G) itself stays a division (not a reciprocal)
     return s_enc, s_dec
 
 
@@ -42,17 +45,18 @@ def _block_scale(amax_b, s_enc, s_dec):
     mul = s_enc * f32_const(RCP6_BITS)
     sf = tl.minimum(amax_b * mul, 448.0).to(tl.float8e4nv)
     sf_f = sf.to(tl.float32)
-    prod = sf_f * s_dec
-    enc = tl.minimum(tl.math.div_rn(tl.full(prod.shape, 1.0, tl.float32), prod), FLT_MAX)
+    enc = tl.minimum(rcp_rn(sf_f * s_dec), FLT_MAX)
     return sf.to(tl.uint8, bitcast=True), enc
 
 
 @triton.jit
 def _pack_codes(lo, hi, enc):
-    """Two fp32 elements -> one byte (element 2j low nibble, 2j+1 high nibble)."""
-    c_lo = e2m1_code(lo * enc)
-    c_hi = e2m1_code(hi * enc)
-    return (c_lo | (c_hi << 4)).to(tl.uint8)
+    """Two fp32 elements -> one byte (element 2j low nibble, 2j+1 high nibble). Bits 4-22 of an e2m1_word are 0
+    (see there), so its low BYTE is the code and w_lo + (w_hi << 4) has the packed byte in its low 8 bits (one
+    IMAD, no mask); the truncation to uint8 drops the bits above."""
+    w_lo = e2m1_word(lo * enc)
+    w_hi = e2m1_word(hi * enc)
+    return (w_lo + (w_hi << 4)).to(tl.uint8)
 
 
 @triton.jit
@@ -97,8 +101,10 @@ def _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE: tl.constexpr, BLOCK_M: 
 
 @triton.jit
 def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
-                             stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr):
-    """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program)."""
+                             stride_s, IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr,
+                             EVEN: tl.constexpr = False):
+    """Per-row NVFP4. xp: [M, K/2] pair words; NB = K/16 blocks per row; BLOCK_NB >= NB (whole row per program).
+    EVEN: NB == BLOCK_NB and M % BLOCK_M == 0 - no masks."""
     pid = tl.program_id(0)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
@@ -107,17 +113,26 @@ def _nvfp4_row_scaled_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M,
     rmask = rows < M
     mask3 = rmask[:, None, None] & (nb < NB)[None, :, None]
     r64 = rows.to(tl.int64)
-    u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=mask3, other=0)
+    if EVEN:
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb))
+    else:
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=mask3, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = _block_amax(lo, hi)  # [BM, BNB]
     g = tl.max(amax_b, axis=1)  # [BM]
     s_enc, s_dec = _global_scales(g)
     sf, packed = _encode_blocks(lo, hi, amax_b, s_enc[:, None], s_dec[:, None])
-    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=mask3)
-    mask2 = rmask[:, None] & (nb < NB)[None, :]
-    tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
-    tl.store(sdec_ptr + rows, s_dec, mask=rmask)
-    tl.store(amax_ptr + rows, g, mask=rmask)
+    if EVEN:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed)
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf)
+        tl.store(sdec_ptr + rows, s_dec)
+        tl.store(amax_ptr + rows, g)
+    else:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=mask3)
+        mask2 = rmask[:, None] & (nb < NB)[None, :]
+        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=mask2)
+        tl.store(sdec_ptr + rows, s_dec, mask=rmask)
+        tl.store(amax_ptr + rows, g, mask=rmask)
 
 
 @triton.jit
@@ -136,16 +151,40 @@ def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr
 
 
 @triton.jit
+def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                      EVEN: tl.constexpr):
+    """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
+    then one warp + one cross-warp step) instead of a row reduction followed by a column reduction.
+    EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if EVEN:
+        u = tl.load(xp_ptr + offs)
+    else:
+        u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    a = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
+    tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
+
+
+@triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_NB: tl.constexpr):
+                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
-    TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16])."""
+    TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16]).
+    EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates)."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
-    lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M, BLOCK_NB)
+    if EVEN:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+        r64 = rows.to(tl.int64)
+        lo, hi = unpack_pair(tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb)), IN_DTYPE)
+    else:
+        lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M,
+                                                               BLOCK_NB)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
@@ -154,11 +193,21 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     if TILE_2D:
         # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
         sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
-        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+        if EVEN:
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
+        else:
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
     else:
         sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
-        tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-    tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, mask=rmask[:, None, None] & bmask[None, :, None])
+        if EVEN:
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf)
+        else:
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+    if EVEN:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed)
+    else:
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed,
+                 mask=rmask[:, None, None] & bmask[None, :, None])
 
 
 @triton.jit
@@ -193,93 +242,126 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
 
 
 @triton.jit
-def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr):
-    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH])."""
+def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr,
+                EVEN: tl.constexpr = False):
+    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH]). EVEN: NB % CH == 0."""
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
-    u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
+    if EVEN:
+        u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :])
+    else:
+        u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     return lo, hi, _block_amax(lo, hi)
 
 
 @triton.jit
 def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s_dec, C: tl.constexpr,
-                 CH: tl.constexpr):
+                 CH: tl.constexpr, EVEN: tl.constexpr = False):
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
     sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
-    bm = nb < NB
-    tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
-    tl.store(scale_ptr + s_off + nb, sf, mask=bm)
+    if EVEN:
+        tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed)
+        tl.store(scale_ptr + s_off + nb, sf)
+    else:
+        bm = nb < NB
+        tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed, mask=bm[:, None])
+        tl.store(scale_ptr + s_off + nb, sf, mask=bm)
 
 
 @triton.jit
 def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
-                                     stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr):
+                                     stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
+                                     EVEN: tl.constexpr = False):
     """Per-row NVFP4, one row per program, the row held in registers as NCH (<= 8) chunks of CH blocks.
 
     For rows whose block count is not a power of two (K = 7168 -> 448 blocks = 7 x 64) the whole-row kernel pads
     to 512 blocks and wastes 1/8 of its instructions on masked lanes; here only ceil(NB/CH)*CH blocks are touched.
-    Chunks are separate register tensors (unrolled with constexpr ifs), so nothing is re-read."""
+    Chunks are separate register tensors (unrolled with constexpr ifs), so nothing is re-read. EVEN: NB % CH == 0
+    (no masks)."""
     row = tl.program_id(0).to(tl.int64)
     x_off = tl.multiple_of(row * stride_xp, 8)
-    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE)
-    g = tl.max(a0, axis=0)
+    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE, EVEN)
+    acc = a0  # elementwise max over the chunks first: one cross-thread reduction per row, not one per chunk
     if NCH > 1:
-        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a1, axis=0))
+        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a1)
     if NCH > 2:
-        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a2, axis=0))
+        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a2)
     if NCH > 3:
-        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a3, axis=0))
+        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a3)
     if NCH > 4:
-        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a4, axis=0))
+        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a4)
     if NCH > 5:
-        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a5, axis=0))
+        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a5)
     if NCH > 6:
-        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a6, axis=0))
+        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a6)
     if NCH > 7:
-        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE)
-        g = tl.maximum(g, tl.max(a7, axis=0))
+        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE, EVEN)
+        acc = tl.maximum(acc, a7)
+    g = tl.max(acc, axis=0)
     s_enc, s_dec = _global_scales(g)
     d_off = tl.multiple_of(row * stride_d, 8)
     s_off = row * stride_s
-    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH)
+    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH, EVEN)
     if NCH > 1:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH, EVEN)
     if NCH > 2:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH, EVEN)
     if NCH > 3:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH, EVEN)
     if NCH > 4:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH, EVEN)
     if NCH > 5:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH, EVEN)
     if NCH > 6:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH, EVEN)
     if NCH > 7:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH, EVEN)
     tl.store(sdec_ptr + row, s_dec)
     tl.store(amax_ptr + row, g)
 
 
 # ----------------------------------------------------------------------------------------------- host wrappers
 
+# Launch configs the benchmark sweeps (benchmarks/quantize.py, every one a row of its table) and the GPU tests check
+# byte for byte; {} is the wrapper's default. A config is only a different tiling of the same per-block arithmetic.
+ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=1, num_warps=2), dict(block_m=2, num_warps=2),
+               dict(block_m=4, num_warps=4), dict(block_m=1, num_warps=4),
+               dict(chunk=64, num_warps=2), dict(chunk=64, num_warps=4), dict(chunk=128, num_warps=4),
+               dict(chunk=32, num_warps=1), dict(loop_chunk=128, num_warps=4))
+TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16, block_nb=64, num_warps=8),
+                  dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=16, block_nb=16, num_warps=4),
+                  dict(block_m=8, block_nb=16, num_warps=2))
+TILE2D_CONFIGS = ({}, dict(block_nb=16, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
+                  dict(block_nb=64, num_warps=8))
+AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4))
+
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: one row per 2-warp program (at least 512 pair
-    words per program for short rows). The H200 sweep (benchmarks/RESULTS.md) found 1 row / 2 warps fastest or tied
-    at K = 2048, 4096 and 7168; larger tiles spill or lose occupancy."""
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: 2-warp programs of at least 2048 pair words (2
+    rows at K = 2048, 1 row from K = 4096). Two 1024-word rows per program need ~94 registers and 14.6 SASS
+    instructions per element against 16.3 for one (benchmarks/sass_count.py: the per-program scale work is shared
+    by twice the elements); more rows spill. The earlier H200 sweep (benchmarks/RESULTS.md) had 1 row / 2 warps
+    fastest or tied at K = 2048, 4096 and 7168 with the previous element coder; ROW_CONFIGS keeps that config
+    (block_m=1, num_warps=2) next to this default in the benchmark."""
     from ._common import next_pow2
 
     bnb = next_pow2(nb)
-    bm = max(1, min(16, 512 // (bnb * 8)))
+    bm = max(1, min(16, 2048 // (bnb * 8)))
     return bm, bnb, 2
+
+
+# Default for rows whose block count is not a power of two: the register-chunked kernel with chunks of 64 blocks
+# when they divide the row in <= 8 chunks (K = 7168: 7 x 64, no padded lanes: 13.8 SASS instructions per element
+# and 156 registers against 16.5 and 172 for the whole row padded to 512 blocks). chunk=0 forces the whole row.
+DEFAULT_CHUNK = 64
 
 
 def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None):
@@ -303,10 +385,13 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     xp = pair_view(x2)
     code = in_dtype_code(x2.dtype)
     bm, bnb, warps = _launch_cfg_rows(nb)
+    if chunk is None and block_m is None and loop_chunk is None and bnb != nb and nb % DEFAULT_CHUNK == 0 \
+            and nb // DEFAULT_CHUNK <= 8:
+        chunk = DEFAULT_CHUNK
     if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
         _nvfp4_row_scaled_chunked_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
                                                scale.stride(0), IN_DTYPE=code, NCH=-(-nb // chunk), CH=chunk,
-                                               num_warps=num_warps or 2, **LAUNCH_OPTS)
+                                               EVEN=nb % chunk == 0, num_warps=num_warps or 2, **LAUNCH_OPTS)
         return data, scale, sdec, amax
     if loop_chunk is None and bnb * 8 > 16384:
         loop_chunk = 256
@@ -319,26 +404,38 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     warps = num_warps or warps
     _nvfp4_row_scaled_kernel[(triton.cdiv(m, bm),)](xp, data, scale, sdec, amax, m, nb, xp.stride(0),
                                                      data.stride(0), scale.stride(0), IN_DTYPE=code, BLOCK_M=bm,
-                                                     BLOCK_NB=bnb, num_warps=warps, **LAUNCH_OPTS)
+                                                     BLOCK_NB=bnb, EVEN=nb == bnb and m % bm == 0, num_warps=warps,
+                                                     **LAUNCH_OPTS)
     return data, scale, sdec, amax
 
 
-def tensor_amax(x2):
-    """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics."""
+AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
+
+
+def tensor_amax(x2, *, flat_block=None, num_warps=None):
+    """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics.
+    flat_block: pair words per program of `_amax_flat_kernel` (default AMAX_FLAT_BLOCK; 0 = `_amax_kernel`)."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
 
     m, k = x2.shape
     bits = torch.zeros((1,), dtype=torch.int32, device=x2.device)
-    if m and k:
+    flat_block = AMAX_FLAT_BLOCK if flat_block is None else flat_block
+    if m and k and flat_block:  # contiguous x2: one flat run of pair words
+        xp = pair_view(x2).reshape(-1)
+        n = xp.numel()
+        _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
+                                                          BLOCK=flat_block, EVEN=n % flat_block == 0,
+                                                          num_warps=num_warps or 8, **LAUNCH_OPTS)
+    elif m and k:
         xp = pair_view(x2)
         np_ = xp.shape[1]
         bp = min(1024, max(16, 1 << (np_ - 1).bit_length()))
         bm = max(1, 8192 // bp)
         grid = (triton.cdiv(m, bm), triton.cdiv(np_, bp))
         _amax_kernel[grid](xp, bits, m, np_, xp.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=bm,
-                           BLOCK_P=bp, num_warps=8, **LAUNCH_OPTS)
+                           BLOCK_P=bp, num_warps=num_warps or 8, **LAUNCH_OPTS)
     return bits.view(torch.float32)
 
 
@@ -358,15 +455,16 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        # defaults from the H200 sweep at 16384x7168 (benchmarks/RESULTS.md): 1x16 4x64 blocks / 2 warps,
-        # 16x16 one 16-row stripe x 16 tiles / 4 warps
+        # defaults: 1x16 4x64 blocks / 2 warps (the H200 sweep at 16384x7168, benchmarks/RESULTS.md); 16x16 one
+        # 16-row stripe x 32 tiles / 4 warps (14.6 SASS instructions per element, 96 registers, against 16.1 and 56
+        # for the earlier sweep's 16 tiles, which TILE2D_CONFIGS keeps for the benchmark)
         bm = 16 if tile_2d else (block_m or 4)
-        bnb = block_nb or min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
+        bnb = block_nb or min(32 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
         warps = num_warps or (4 if tile_2d else 2)
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   num_warps=warps, **LAUNCH_OPTS)
+                                   EVEN=m % bm == 0 and nb % bnb == 0, num_warps=warps, **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
