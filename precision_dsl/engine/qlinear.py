@@ -226,18 +226,39 @@ def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Op
 # ---------------------------------------------------------------------------------------------------------------
 # the autograd function
 # ---------------------------------------------------------------------------------------------------------------
+def _cached(cache: Optional[dict], key, make):
+    if cache is None:
+        return make()
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = make()
+    return v
+
+
+def _ref_input(x2: torch.Tensor, spec: LinearSpec, cache: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_hp, x_q) of the reference path: BF16(x) in fp32 and its fake quantization in the activation format.
+    `cache`: what was derived from this input for the linears before (q/k/v, an expert's gate and up read one
+    tensor: quantized once for all of them, as Megatron's fused linear_qkv / linear_fc1 quantize their input once)."""
+    act, parts = spec.activation, spec.act_partitions
+    x16 = _cached(cache, "x16", lambda: x2.to(torch.bfloat16))  # the BF16 operand (activations are BF16) ...
+    x_hp = _cached(cache, "hp", lambda: x16.float())  # ... its fp32 values for the GEMMs; quantizers take BF16
+    if not act.is_quantized:
+        return x_hp, x_hp
+    return x_hp, _cached(cache, ("q", act, parts),
+                         lambda: numerics.fake_quantize_partitioned(x16, act, parts, what=spec.hf_name))
+
+
 class QLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec):
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec,
+                cache: Optional[dict] = None):
         """x2 [M, K] fp32, w [N, K] master (fp32), w_fwd [N, K] = the dequantized forward weight (no grad)."""
-        x16 = x2.to(torch.bfloat16)  # the original BF16 operand (activations are BF16 in the trainer) ...
-        x_hp = x16.float()  # ... and its values in fp32 for the fp32 GEMMs; the quantizers take the BF16 tensor
-        x_q = numerics.fake_quantize_partitioned(x16, spec.activation, spec.act_partitions, what=spec.hf_name) \
-            if spec.activation.is_quantized else x_hp
+        x_hp, x_q = _ref_input(x2, spec, cache)
         y = x_q @ w_fwd.t()
         ctx.spec = spec
-        if spec.backward == BackwardMode.DEQUANTIZED:
-            ctx.save_for_backward(_bf16(x_q), _bf16(w_fwd))  # TE's dequantize(dtype=bf16), see the docstring
+        if spec.backward == BackwardMode.DEQUANTIZED:  # TE's dequantize(dtype=bf16), see the docstring
+            ctx.save_for_backward(_cached(cache, ("bf16", spec.activation, spec.act_partitions), lambda: _bf16(x_q)),
+                                  _bf16(w_fwd))
         else:  # high_precision and quantized both start from the BF16 operands
             ctx.save_for_backward(x_hp, _bf16(w.detach()))
         return y
@@ -262,12 +283,19 @@ class QLinearFunction(torch.autograd.Function):
         else:
             dx = g @ b
             dw = g.t() @ a
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec,
+            cache: Optional[dict] = None) -> torch.Tensor:
+    """The reference quantized linear; without a backward to come (no_grad, or nothing that needs a gradient: the
+    BF16 reference model) just its forward, without the operands only the backward reads."""
     shape = x.shape
-    y = QLinearFunction.apply(x.reshape(-1, shape[-1]), w, w_fwd, spec)
+    x2 = x.reshape(-1, shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        y = QLinearFunction.apply(x2, w, w_fwd, spec, cache)
+    else:
+        y = _ref_input(x2, spec, cache)[1] @ w_fwd.t()
     return y.reshape(*shape[:-1], w.shape[0])
 
 
@@ -545,6 +573,7 @@ class TrainerExecutor:
         # the last GEMM input seen and its SharedInput: consecutive linears reading the same tensor (q/k/v, an
         # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
         self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
+        self._ref_inputs = fastgemm.LastInput(dict)  # the reference path's: the input's casts and quantizations
         self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
         self._grouped: dict = {}  # first expert's gate name -> its layer's runner (or None: the loop), per step
         missing = [n for n in model.linear_names() if n not in self.specs]
@@ -579,6 +608,7 @@ class TrainerExecutor:
         self.quantized.clear()
         self._fwd.clear()
         self._inputs.clear()
+        self._ref_inputs.clear()
         self._grouped.clear()
 
     def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
@@ -667,7 +697,7 @@ class TrainerExecutor:
         self.stats.flops += 2 * x.numel() * w.shape[0] * (3 if torch.is_grad_enabled() and w.requires_grad else 1)
         if not isinstance(fw, FastWeight):
             self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() and w.requires_grad else 1)
-            return qlinear(x, w, fw, spec)
+            return qlinear(x, w, fw, spec, self._ref_inputs.get(x))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xs = self._shared_input(x, x2)
