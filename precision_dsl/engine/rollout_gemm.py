@@ -231,10 +231,12 @@ def row_local(fmt: TensorFormat) -> bool:
     return rule is not None and rule(fmt)
 
 
-def operand_rows(op: Operand, s: int, r: int) -> Operand:
-    """Rows s .. s + r of a row-local activation operand (values, per-row epilogue scales and 1xN fp8 scales)."""
-    per_row = (lambda t: t[s:s + r] if t is not None and t.numel() > 1 else t)
-    return Operand(op.kind, op.values[s:s + r], per_row(op.gscale), per_row(op.scale_inv), op.block)
+def operand_rows(op: Operand, rows) -> Operand:
+    """The rows `rows` (a slice or an index tensor) of a row-local activation operand: its values, per-row
+    epilogue scales and 1xN fp8 scales (a one-row operand's per-tensor scale is its row's: taken as a row too)."""
+    m = op.values.shape[0]
+    per_row = (lambda t: t[rows] if t is not None and t.dim() >= 1 and t.shape[0] == m else t)
+    return Operand(op.kind, op.values[rows], per_row(op.gscale), per_row(op.scale_inv), op.block)
 
 
 # The grouped expert runner's activation layout: 1x128 FP8 blocks (DeepSeek-V3 / TE Float8BlockScaling).
@@ -491,18 +493,29 @@ class RolloutExperts:
         if q is None:
             return Operand("bf16", x16[s:s + r])
         if isinstance(q, Operand):
-            return operand_rows(q, s, r)
+            return operand_rows(q, slice(s, s + r))
         data, scale = q
         return Operand("fp8", data[s:s + r].view(rq.F8[fmt.element]), scale_inv=grouped_experts.seg_scale(scale, s, r),
                        block=(1, 128))
 
-    def __call__(self, x_pad: torch.Tensor, d: "grouped_experts.Dispatch") -> torch.Tensor:
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether the MoE block hands this runner its tokens [T, H] and the top-k (rows: the gate/up input is
+        quantized once per TOKEN and its operand rows gathered per (token, slot) pair) instead of the gathered
+        buffer [P, H] (each token top-k times)."""
+        return self.kind == "rows"
+
+    def __call__(self, x_pad: torch.Tensor, d: "grouped_experts.Dispatch", top_k: Optional[int] = None
+                 ) -> torch.Tensor:
         ex = self.ex
         x16 = x_pad.to(torch.bfloat16)
-        qx = self._quantized(x16, self.acts[0])
+        if top_k is not None:  # x_pad: the tokens; their row-local operand, gathered into the dispatch's rows
+            qx = operand_rows(self._quantized(x16, self.acts[0]), d.order // top_k)
+        else:
+            qx = self._quantized(x16, self.acts[0])
         segs = d.segments()
         used = d.used_rows
-        g = x16.new_empty(used, self.ops[0][0].values.shape[0], dtype=torch.float32)
+        g = x16.new_empty(used, self.ops[0][0].values.shape[0], dtype=torch.float32)  # rows < used are written
         u = torch.empty_like(g)
         for e, (s, n, r) in enumerate(segs):
             if n:
@@ -511,7 +524,7 @@ class RolloutExperts:
                 gemm(a, self.ops[e][1], ex.paths, ex.fp8, out=u[s:s + r])
         h16 = F.silu(g.to(torch.bfloat16)) * u.to(torch.bfloat16)
         qh = self._quantized(h16, self.acts[1])
-        y = x16.new_empty(used, x16.shape[1], dtype=torch.float32)
+        y = h16.new_empty(used, x16.shape[1], dtype=torch.float32)
         for e, (s, n, r) in enumerate(segs):
             if n:
                 gemm(self._segment(qh, h16, self.acts[1], s, r), self.ops[e][2], ex.paths, ex.fp8, out=y[s:s + r])
