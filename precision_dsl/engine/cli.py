@@ -149,7 +149,7 @@ def register(app: typer.Typer) -> None:
                                                "nvfp4-pertoken-dequant-backward; nvfp4-dense on a dense model)"),
         model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3 / Qwen3-MoE directory"),
         task: str = typer.Option("arithmetic", "--task", help="arithmetic | PATH.jsonl (dapo-math style)"),
-        steps: int = typer.Option(150, "--steps", min=1),
+        steps: int = typer.Option(120, "--steps", min=1),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
         rollout_device: Optional[str] = typer.Option(

@@ -25,8 +25,10 @@ per-expert GEMMs over one grouped buffer:
 
 Kinds: "fp8" (fp8-blockwise-hopper's native FP8: 1x128 activations/gradients x 128x128 weights, quantized backward)
 and "bf16" (unquantized linears). Any other mix of formats keeps the per-expert loop (the executor returns no
-runner). Only on CUDA: the loop is the CPU path and the reference. This module holds the dispatch, the combine and
-the trainer's op; the independent rollout's runner (no autograd) is rollout_gemm.RolloutExperts, over its `gemm`.
+runner). Only on CUDA: the loop is the CPU path and the reference - except the independent rollout's "rows" kind
+(CPU, activations that quantize each row on its own: one quantization per operand for all experts, the loop's GEMMs
+over the same rows). This module holds the dispatch, the combine and the trainer's op; the independent rollout's
+runner (no autograd) is rollout_gemm.RolloutExperts, over its `gemm`.
 """
 
 from __future__ import annotations

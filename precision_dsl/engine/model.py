@@ -275,7 +275,10 @@ class SparseMoeBlock(nn.Module):
         run = grouped(self.trios, flat) if grouped is not None and flat.shape[0] else None
         if run is not None:
             d = grouped_experts.dispatch(topi, len(self.experts), run.align)
-            y = run(grouped_experts.gather(flat, self.top_k, d), d)
+            if getattr(run, "takes_tokens", False):  # it gathers its per-token operand itself (rollout_gemm)
+                y = run(flat, d, self.top_k)
+            else:
+                y = run(grouped_experts.gather(flat, self.top_k, d), d)
             return grouped_experts.combine(y, topw, d).to(x.dtype).view(b, t, h)
         out = torch.zeros_like(flat, dtype=torch.float32)  # combine in fp32 (a bf16 rollout casts back below)
         # token-dropless dispatch, one GEMM group per expert. The (token, slot) pairs are sorted by expert once and

@@ -31,7 +31,7 @@ import torch
 from .. import kernels
 from ..formats import fp8_block, fp8_block_pow2
 from ..plan import Plan
-from ..precision import BF16, BackwardMode, FormatKind, TensorFormat, is_per_token
+from ..precision import BF16, BackwardMode, FormatKind, Scope, TensorFormat, is_per_token
 from . import fastgemm, grouped_experts, numerics
 from ..formats.base import QuantizedTensor
 
@@ -100,14 +100,17 @@ def group_amaxes(plan: Plan, weights: dict[str, torch.Tensor]) -> dict[str, torc
 
 @torch.no_grad()
 def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
-                     bf16_out: Optional[dict] = None) -> dict[str, object]:
+                     bf16_out: Optional[dict] = None, dequant_out: Optional[dict] = None) -> dict[str, object]:
     """hf_name -> QuantizedTensor (quantized linears) or a BF16 tensor (everything else), from BF16(master).
     This is the trainer's forward weight; the weight-update sender must produce the same bytes. `bf16_out`, if
-    given, receives each quantized weight's BF16(master) (the trainer's backward operand), made here once."""
+    given, receives each quantized weight's BF16(master) (the trainer's backward operand), made here once;
+    `dequant_out`, if given, receives the fp32 dequantization of the weights quantized in a stack (one decode of
+    the stack; the caller dequantizes the others)."""
     by_name = plan.by_name()
     amax = group_amaxes(plan, weights)
     out: dict[str, object] = {}
     done = _quantize_tiled_groups(by_name, weights, out, bf16_out)
+    done |= _quantize_row_scaled_groups(by_name, weights, amax, out, bf16_out, dequant_out)
     for name, w in weights.items():
         if name in done:
             continue
@@ -124,6 +127,66 @@ def quantize_weights(plan: Plan, weights: dict[str, torch.Tensor],
         else:  # .to() made a new tensor unless the master is BF16 already: then a copy, not an alias of it
             out[name] = w16.clone() if w16.data_ptr() == w.data_ptr() else w16
     return out
+
+
+def _row_scaled(fmt: TensorFormat) -> Optional[TensorFormat]:
+    """For a weight format with ONE second-level scale per tensor over 1-row blocks (NVFP4 1x16, per tensor or per
+    share-scale group), the same format with that scale per row: given each row its tensor's amax, it computes
+    every row exactly as the per-tensor quantization does (the scales are elementwise in the amax). None: other
+    formats."""
+    if not (fmt.is_quantized and fmt.spec.takes_global_amax) or is_per_token(fmt) \
+            or fmt.spec.block_rows(fmt, "row") != 1:
+        return None
+    return fmt.model_copy(update={"global_scale": Scope.PER_TOKEN})
+
+
+def _quantize_row_scaled_groups(by_name: dict, weights: dict, amax: dict, out: dict, bf16_out: Optional[dict],
+                                dequant_out: Optional[dict]) -> set:
+    """CPU linears of one per-tensor-scaled NVFP4 format and K (every expert's gate, up and down of all layers)
+    quantized as ONE row-scaled stack: their BF16 casts written into one buffer by one multi-tensor copy, each row
+    given its tensor's global amax (its share-scale group's, else its own max |BF16(w)|), one quantization and one
+    decode instead of one each per tensor (~30 eager ops apiece, every step). Each tensor's bytes, block scales,
+    S_dec and G are its rows of the stack's, exactly its own quantization (tests/test_engine_runfast.py; the loop's
+    byte check compares them with the sender's per-tensor quantization every step). Non-finite weights keep the
+    per-tensor path (its errors). Returns the names done."""
+    groups: dict = {}
+    for name, w in weights.items():
+        tp = by_name.get(name)
+        if tp is None or not tp.is_linear or w.dim() != 2 or w.is_cuda:
+            continue
+        row_fmt = _row_scaled(tp.precision.weight)
+        if row_fmt is not None:
+            groups.setdefault((w.shape[1], tp.precision.weight, w.device), []).append(name)
+    done: set = set()
+    for (k, fmt, device), names in groups.items():
+        if len(names) < 2:
+            continue
+        rows = [weights[nm].shape[0] for nm in names]
+        stack = torch.empty((sum(rows), k), dtype=torch.bfloat16, device=device)
+        w16s = list(stack.split(rows))
+        torch._foreach_copy_(w16s, [weights[nm].detach() for nm in names])  # fp32 -> bf16 RN, as .to(bfloat16)
+        g = [amax.get(by_name[nm].share_scale_group) for nm in names]
+        if fmt.global_scale == Scope.GROUP and None in g:
+            continue  # the per-tensor path refuses a group scope without its group's amax
+        g = torch.cat([(gi if gi is not None else w16.abs().amax().float()).reshape(1).expand(n)
+                       for gi, w16, n in zip(g, w16s, rows)])
+        if not bool(torch.isfinite(g).all()):
+            continue
+        what = f"{names[0]} (+{len(names) - 1} of its K)"
+        q = numerics.quantize(stack, _row_scaled(fmt), global_amax=g, what=what)
+        deq = numerics.dequantize(q, torch.float32) if dequant_out is not None else None
+        r0 = 0
+        for nm, n, w16 in zip(names, rows, w16s):
+            out[nm] = QuantizedTensor(fmt=fmt, shape=(n, k), data=q.data[r0:r0 + n], scale=q.scale[r0:r0 + n],
+                                      global_scale=q.global_scale[r0:r0 + 1], global_amax=q.global_amax[r0:r0 + 1],
+                                      axis="row", orig_dtype=torch.bfloat16, kernel=q.kernel)
+            if bf16_out is not None:
+                bf16_out[nm] = w16
+            if deq is not None:
+                dequant_out[nm] = deq[r0:r0 + n]
+            r0 += n
+        done.update(names)
+    return done
 
 
 def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Optional[dict]) -> set:
@@ -163,18 +226,39 @@ def _quantize_tiled_groups(by_name: dict, weights: dict, out: dict, bf16_out: Op
 # ---------------------------------------------------------------------------------------------------------------
 # the autograd function
 # ---------------------------------------------------------------------------------------------------------------
+def _cached(cache: Optional[dict], key, make):
+    if cache is None:
+        return make()
+    v = cache.get(key)
+    if v is None:
+        v = cache[key] = make()
+    return v
+
+
+def _ref_input(x2: torch.Tensor, spec: LinearSpec, cache: Optional[dict] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_hp, x_q) of the reference path: BF16(x) in fp32 and its fake quantization in the activation format.
+    `cache`: what was derived from this input for the linears before (q/k/v, an expert's gate and up read one
+    tensor: quantized once for all of them, as Megatron's fused linear_qkv / linear_fc1 quantize their input once)."""
+    act, parts = spec.activation, spec.act_partitions
+    x16 = _cached(cache, "x16", lambda: x2.to(torch.bfloat16))  # the BF16 operand (activations are BF16) ...
+    x_hp = _cached(cache, "hp", lambda: x16.float())  # ... its fp32 values for the GEMMs; quantizers take BF16
+    if not act.is_quantized:
+        return x_hp, x_hp
+    return x_hp, _cached(cache, ("q", act, parts),
+                         lambda: numerics.fake_quantize_partitioned(x16, act, parts, what=spec.hf_name))
+
+
 class QLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec):
+    def forward(ctx, x2: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec,
+                cache: Optional[dict] = None):
         """x2 [M, K] fp32, w [N, K] master (fp32), w_fwd [N, K] = the dequantized forward weight (no grad)."""
-        x16 = x2.to(torch.bfloat16)  # the original BF16 operand (activations are BF16 in the trainer) ...
-        x_hp = x16.float()  # ... and its values in fp32 for the fp32 GEMMs; the quantizers take the BF16 tensor
-        x_q = numerics.fake_quantize_partitioned(x16, spec.activation, spec.act_partitions, what=spec.hf_name) \
-            if spec.activation.is_quantized else x_hp
+        x_hp, x_q = _ref_input(x2, spec, cache)
         y = x_q @ w_fwd.t()
         ctx.spec = spec
-        if spec.backward == BackwardMode.DEQUANTIZED:
-            ctx.save_for_backward(_bf16(x_q), _bf16(w_fwd))  # TE's dequantize(dtype=bf16), see the docstring
+        if spec.backward == BackwardMode.DEQUANTIZED:  # TE's dequantize(dtype=bf16), see the docstring
+            ctx.save_for_backward(_cached(cache, ("bf16", spec.activation, spec.act_partitions), lambda: _bf16(x_q)),
+                                  _bf16(w_fwd))
         else:  # high_precision and quantized both start from the BF16 operands
             ctx.save_for_backward(x_hp, _bf16(w.detach()))
         return y
@@ -199,12 +283,19 @@ class QLinearFunction(torch.autograd.Function):
         else:
             dx = g @ b
             dw = g.t() @ a
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
-def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec) -> torch.Tensor:
+def qlinear(x: torch.Tensor, w: torch.Tensor, w_fwd: torch.Tensor, spec: LinearSpec,
+            cache: Optional[dict] = None) -> torch.Tensor:
+    """The reference quantized linear; without a backward to come (no_grad, or nothing that needs a gradient: the
+    BF16 reference model) just its forward, without the operands only the backward reads."""
     shape = x.shape
-    y = QLinearFunction.apply(x.reshape(-1, shape[-1]), w, w_fwd, spec)
+    x2 = x.reshape(-1, shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        y = QLinearFunction.apply(x2, w, w_fwd, spec, cache)
+    else:
+        y = _ref_input(x2, spec, cache)[1] @ w_fwd.t()
     return y.reshape(*shape[:-1], w.shape[0])
 
 
@@ -482,6 +573,7 @@ class TrainerExecutor:
         # the last GEMM input seen and its SharedInput: consecutive linears reading the same tensor (q/k/v, an
         # expert's gate/up) share its casts and quantizations; a replaced one keeps only its backward operands
         self._inputs = fastgemm.LastInput(SharedInput, SharedInput.forward_done)
+        self._ref_inputs = fastgemm.LastInput(dict)  # the reference path's: the input's casts and quantizations
         self.grouped_mode = grouped_experts.mode_from_env()  # routed experts as one grouped op (grouped_experts.py)
         self._grouped: dict = {}  # first expert's gate name -> its layer's runner (or None: the loop), per step
         missing = [n for n in model.linear_names() if n not in self.specs]
@@ -516,6 +608,7 @@ class TrainerExecutor:
         self.quantized.clear()
         self._fwd.clear()
         self._inputs.clear()
+        self._ref_inputs.clear()
         self._grouped.clear()
 
     def _shared_input(self, x: torch.Tensor, x2: torch.Tensor) -> SharedInput:
@@ -525,8 +618,9 @@ class TrainerExecutor:
     def _refresh(self) -> None:
         linear = {n: self._params[n] for n in self.specs}
         w16s: dict = {}
-        q = quantize_weights(self.plan, linear, w16s)
         fast = self.fast
+        deq: Optional[dict] = None if fast else {}
+        q = quantize_weights(self.plan, linear, w16s, deq)
         for n, v in q.items():
             if isinstance(v, torch.Tensor):
                 self._fwd[n] = FastWeight(v, fastgemm.Op(v)) if fast else v.to(torch.float32)
@@ -535,7 +629,7 @@ class TrainerExecutor:
                 if fast:
                     self._fwd[n] = FastWeight(w16s[n], q=v)
                 else:
-                    self._fwd[n] = numerics.dequantize(v, torch.float32)
+                    self._fwd[n] = deq[n] if n in deq else numerics.dequantize(v, torch.float32)
 
     def _grouped_kind(self, spec: LinearSpec, fw) -> Optional[str]:
         if not isinstance(fw, FastWeight) or spec.act_partitions != 1:
@@ -603,7 +697,7 @@ class TrainerExecutor:
         self.stats.flops += 2 * x.numel() * w.shape[0] * (3 if torch.is_grad_enabled() and w.requires_grad else 1)
         if not isinstance(fw, FastWeight):
             self.stats.add(fastgemm.FP32, 3 if torch.is_grad_enabled() and w.requires_grad else 1)
-            return qlinear(x, w, fw, spec)
+            return qlinear(x, w, fw, spec, self._ref_inputs.get(x))
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         xs = self._shared_input(x, x2)

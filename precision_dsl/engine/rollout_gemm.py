@@ -215,6 +215,30 @@ def _fp8_tensor_act(x16: torch.Tensor, fmt: TensorFormat) -> Optional[Operand]:
     return Operand("fp8", data.view(rq.F8[fmt.element]), scale_inv=s_inv.reshape(1), block=(m, k))
 
 
+# Activation formats whose quantization treats each row of [M, K] on its own (blocks along K only, no scale shared
+# across rows), by kind: quantizing many experts' rows at once gives each row the bytes it gets alone.
+_ROW_LOCAL = {FormatKind.MXFP8: lambda fmt: tuple(fmt.block or (1, 32))[0] == 1,
+              FormatKind.NVFP4: lambda fmt: is_per_token(fmt) and tuple(fmt.block or (1, 16))[0] == 1,
+              FormatKind.FP8_BLOCK: lambda fmt: tuple(fmt.block or (1, 128))[0] == 1}
+
+
+def row_local(fmt: TensorFormat) -> bool:
+    """Whether `activation_operand` quantizes each row of its input independently of the other rows (unquantized
+    formats trivially do): then the operand of a row subset is the same rows of the whole input's operand."""
+    if not fmt.is_quantized:
+        return True
+    rule = _ROW_LOCAL.get(fmt.kind)
+    return rule is not None and rule(fmt)
+
+
+def operand_rows(op: Operand, rows) -> Operand:
+    """The rows `rows` (a slice or an index tensor) of a row-local activation operand: its values, per-row
+    epilogue scales and 1xN fp8 scales (a one-row operand's per-tensor scale is its row's: taken as a row too)."""
+    m = op.values.shape[0]
+    per_row = (lambda t: t[rows] if t is not None and t.dim() >= 1 and t.shape[0] == m else t)
+    return Operand(op.kind, op.values[rows], per_row(op.gscale), per_row(op.scale_inv), op.block)
+
+
 # The grouped expert runner's activation layout: 1x128 FP8 blocks (DeepSeek-V3 / TE Float8BlockScaling).
 _FP8_ROW = (FormatKind.FP8_BLOCK, (1, 128))
 # Activation -> operand with this engine's own quantizers (rollout_quant), by kind (None: a layout it does not take).
@@ -368,13 +392,30 @@ class IndependentRolloutExecutor:
     def grouped_experts(self, trios: list, x: torch.Tensor) -> Optional["RolloutExperts"]:
         """One MoE layer's routed experts as one grouped op when all run 1x128 x 128x128 FP8 or all run BF16 GEMMs
         (unquantized activations x bf16 weight operands: BF16 weights, or MXFP8 ones decoded to bf16 without an
-        epilogue scale), one activation format per role (grouped_experts.py); None: the loop (expert-TP, others)."""
-        if not grouped_experts.wanted(self.grouped_mode, x):
+        epilogue scale), one activation format per role (grouped_experts.py); on the CPU (or with mode "on") also
+        when every activation format quantizes each row on its own ("rows": one quantization of all experts' rows
+        per operand instead of one per expert, each expert's GEMM over exactly its rows, so the loop's results bit
+        for bit); None: the loop (expert-TP, others)."""
+        if self.grouped_mode == "off":
             return None
-        key = trios[0][0]
+        fused = grouped_experts.wanted(self.grouped_mode, x)
+        key = (trios[0][0], fused)
         if key not in self._grouped:
-            self._grouped[key] = self._grouped_runner(trios)
+            runner = self._grouped_runner(trios) if fused else None
+            if runner is None and (not x.is_cuda or self.grouped_mode == "on"):
+                runner = self._rows_runner(trios)
+            self._grouped[key] = runner
         return self._grouped[key]
+
+    def _rows_runner(self, trios: list) -> Optional["RolloutExperts"]:
+        acts = [{self.act[t[i]] for t in trios} for i in (0, 1, 2)]
+        if any(len(a) != 1 for a in acts) or acts[0] != acts[1] or any(self.parts[n] != 1 for t in trios for n in t):
+            return None
+        a_up, a_down = next(iter(acts[0])), next(iter(acts[2]))
+        if not (row_local(a_up) and row_local(a_down)):
+            return None
+        ops = [tuple(self.weights[n] for n in t) for t in trios]
+        return RolloutExperts(self, "rows", ops, (a_up, a_down))
 
     def _grouped_runner(self, trios: list) -> Optional["RolloutExperts"]:
         acts = [{self.act[t[i]] for t in trios} for i in (0, 1, 2)]
@@ -434,10 +475,13 @@ class RolloutExperts:
 
     def __init__(self, ex: IndependentRolloutExecutor, kind: str, ops: list, acts: tuple):
         self.ex, self.kind, self.ops, self.acts = ex, kind, ops, acts
-        self.align = 16 if kind == "fp8" else 1  # cuBLASLt's FP8 row count; bf16 needs none
+        self.align = 16 if kind == "fp8" else 1  # cuBLASLt's FP8 row count; bf16 and rows need none
 
     def _quantized(self, x16: torch.Tensor, fmt: TensorFormat):
-        """The grouped buffer's 1x128 rows (data, scale) from one launch (fp8), or None (bf16)."""
+        """The grouped buffer's 1x128 rows (data, scale) from one launch (fp8), its whole operand (rows: the
+        activation quantized once for every expert's rows), or None (bf16)."""
+        if self.kind == "rows":
+            return activation_operand(x16, fmt, "routed experts")
         if self.kind != "fp8":
             return None
         from .fastgemm import fp8_rows16
@@ -448,17 +492,30 @@ class RolloutExperts:
     def _segment(self, q, x16: torch.Tensor, fmt: TensorFormat, s: int, r: int) -> Operand:
         if q is None:
             return Operand("bf16", x16[s:s + r])
+        if isinstance(q, Operand):
+            return operand_rows(q, slice(s, s + r))
         data, scale = q
         return Operand("fp8", data[s:s + r].view(rq.F8[fmt.element]), scale_inv=grouped_experts.seg_scale(scale, s, r),
                        block=(1, 128))
 
-    def __call__(self, x_pad: torch.Tensor, d: "grouped_experts.Dispatch") -> torch.Tensor:
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether the MoE block hands this runner its tokens [T, H] and the top-k (rows: the gate/up input is
+        quantized once per TOKEN and its operand rows gathered per (token, slot) pair) instead of the gathered
+        buffer [P, H] (each token top-k times)."""
+        return self.kind == "rows"
+
+    def __call__(self, x_pad: torch.Tensor, d: "grouped_experts.Dispatch", top_k: Optional[int] = None
+                 ) -> torch.Tensor:
         ex = self.ex
         x16 = x_pad.to(torch.bfloat16)
-        qx = self._quantized(x16, self.acts[0])
+        if top_k is not None:  # x_pad: the tokens; their row-local operand, gathered into the dispatch's rows
+            qx = operand_rows(self._quantized(x16, self.acts[0]), d.order // top_k)
+        else:
+            qx = self._quantized(x16, self.acts[0])
         segs = d.segments()
         used = d.used_rows
-        g = x16.new_empty(used, self.ops[0][0].values.shape[0], dtype=torch.float32)
+        g = x16.new_empty(used, self.ops[0][0].values.shape[0], dtype=torch.float32)  # rows < used are written
         u = torch.empty_like(g)
         for e, (s, n, r) in enumerate(segs):
             if n:
@@ -467,7 +524,7 @@ class RolloutExperts:
                 gemm(a, self.ops[e][1], ex.paths, ex.fp8, out=u[s:s + r])
         h16 = F.silu(g.to(torch.bfloat16)) * u.to(torch.bfloat16)
         qh = self._quantized(h16, self.acts[1])
-        y = x16.new_empty(used, x16.shape[1], dtype=torch.float32)
+        y = h16.new_empty(used, x16.shape[1], dtype=torch.float32)
         for e, (s, n, r) in enumerate(segs):
             if n:
                 gemm(self._segment(qh, h16, self.acts[1], s, r), self.ops[e][2], ex.paths, ex.fp8, out=y[s:s + r])

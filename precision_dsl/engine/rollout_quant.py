@@ -89,30 +89,38 @@ def nvfp4_global(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s_enc, _f32(1.0, g.device) / s_enc
 
 
+# E2M1 decision points in ascending order; True: crossed when |y| > t (a tie rounds down to the even code),
+# False: when |y| >= t (a tie rounds up to the even code)
+_E2M1_DECISIONS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+
+
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """E2M1 round-to-nearest-even by counting crossed decision points (ties to the even code); sign = y < 0."""
+    """E2M1 round-to-nearest-even by counting crossed decision points (ties to the even code); sign = y < 0.
+    Counted in uint8 (the count is at most 7): a quarter of the memory traffic of int32 counts."""
     a = y.abs()
-    idx = ((a > 0.25).int() + (a >= 0.75).int() + (a > 1.25).int() + (a >= 1.75).int()
-           + (a > 2.5).int() + (a >= 3.5).int() + (a > 5.0).int())
-    return (idx + 8 * (y < 0).int()).to(torch.uint8)
+    idx = torch.zeros(a.shape, dtype=torch.uint8, device=a.device)
+    for t, strict in _E2M1_DECISIONS:
+        idx += (a > t) if strict else (a >= t)
+    return idx | ((y < 0).to(torch.uint8) << 3)
 
 
 def nvfp4(x: torch.Tensor, per_token: bool, global_amax: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data uint8 [M, K/2], scale uint8 E4M3 [M, K/16], G fp32 ([M] or [1]), S_dec fp32 (same shape))."""
     xf = x.float()
+    xb = _blocks(xf, 16)
+    amax_b = xb.abs().amax(-1)  # [M, K/16]; the max of a row's (the tensor's) block maxima is its max |x|
     if global_amax is not None:
         g = global_amax.float().reshape(-1)
     elif per_token:  # one second-level scale per row = per token
-        g = xf.abs().amax(-1)
+        g = amax_b.amax(-1) if amax_b.shape[1] else xf.abs().amax(-1)
     else:
-        g = xf.abs().amax().reshape(1)
+        g = amax_b.amax().reshape(1) if amax_b.numel() else xf.abs().amax().reshape(1)
     s_enc, s_dec = nvfp4_global(g)
-    xb = _blocks(xf, 16)
     col = (lambda t: t[:, None]) if g.numel() > 1 else (lambda t: t.reshape(1, 1))
     sixth = _f32(1.0, x.device) / _f32(6.0, x.device)
     block_mul = col(s_enc * sixth)  # RN(S_enc * RN(1/6))
-    sf = torch.minimum(xb.abs().amax(-1) * block_mul, _f32(448.0, x.device)).to(torch.float8_e4m3fn)
+    sf = torch.minimum(amax_b * block_mul, _f32(448.0, x.device)).to(torch.float8_e4m3fn)
     enc = torch.minimum(_f32(1.0, x.device) / (sf.float() * col(s_dec)), _f32(FLT_MAX, x.device))
     y = (xb * enc[..., None]).clamp(-6.0, 6.0)
     codes = e2m1_codes(y).reshape(x.shape[0], -1)
@@ -121,10 +129,12 @@ def nvfp4(x: torch.Tensor, per_token: bool, global_amax: torch.Tensor | None = N
 
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack [M, K/2] bytes to fp32 E2M1 values [M, K] (low nibble = even element)."""
+    """Unpack [M, K/2] bytes to fp32 E2M1 values [M, K] (low nibble = even element): one lookup per byte in a
+    256 x 2 table of (low, high) value pairs."""
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=packed.device)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-    return table[codes.long()]
+    byte = torch.arange(256, device=packed.device)
+    pairs = torch.stack([table[byte & 0xF], table[byte >> 4]], dim=-1)  # [256, 2]
+    return torch.nn.functional.embedding(packed.long(), pairs).reshape(packed.shape[0], -1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
