@@ -1,6 +1,8 @@
 """`policyc run --engine verl` judged by verl 0.9.1's own configuration code (tests/oracles/verl_oracle.py: Hydra
 compose of ppo_megatron_trainer, its config dataclasses, validate_config) and by megatron-core's (the Megatron actor's
-override_transformer_config read as TransformerConfig, tests/megatron_oracle.py).
+override_transformer_config read as TransformerConfig, tests/megatron_oracle.py; a per-module TE recipe read after
+verl's own import_external_libs of policyc's verl plugin, by megatron-core 0.16.1 and 0.19.2 on both of verl's
+TransformerConfig paths, tests/oracles/verl_oracle.py `megatron`).
 
 Every shipped policy x {qwen3-30b-a3b, deepseek-v3} x layouts x {vllm, sglang} rollout is either accepted by verl
 with every value the plan's (trainer recipe per module, rollout layout, the env in the Ray runtime env as strings;
