@@ -333,3 +333,58 @@ def judge_in_process(jobs: list[Job], version: str, timeout: float = 900) -> dic
             raise OracleUnavailable(f"megatron-core {version} judge process failed (rc {r.returncode}): "
                                     f"{(r.stderr or r.stdout).strip()[-1500:]}")
         return json.loads(dst.read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a TransformerConfig built from field values (verl's Megatron actor: override_transformer_config + parallel sizes)
+# ---------------------------------------------------------------------------------------------------------------
+CONFIG_PATHS = ("mbridge", "bridge")
+
+
+def config_from_fields(arch, fields: dict, path: str = "mbridge"):
+    """TransformerConfig (MLATransformerConfig for DeepSeek-V3) of the architecture's shape with `fields` set the
+    way verl 0.9.1 sets them (verl/workers/engine/megatron/transformer_impl.py):
+
+      * "mbridge": one constructor call with every field, as mbridge's `set_extra_args(**override_transformer_config)`
+        builds `TransformerConfig(**kwargs)` (its __post_init__ runs once, on all of them);
+      * "bridge": Megatron-Bridge's provider order: constructed with megatron-core's __post_init__ deferred (the
+        provider's own __post_init__ is a no-op), every field set with setattr, then megatron-core's
+        `TransformerConfig.__post_init__(self)` / `MLATransformerConfig.__post_init__(self)` called explicitly, as
+        megatron-bridge's `finalize()` does (megatron-bridge 0.5.1 megatron/bridge/models/transformer_config.py).
+
+    No YAML is loaded here: a `quant_recipe` in `fields` reaches megatron-core exactly as given."""
+    import torch
+    from megatron.core.transformer import transformer_config as tc
+
+    c = arch.config
+    base = dict(num_layers=arch.num_layers, hidden_size=c["hidden_size"],
+                num_attention_heads=c["num_attention_heads"],
+                ffn_hidden_size=c.get("intermediate_size", 4 * c["hidden_size"]),
+                num_moe_experts=c.get("num_experts") or c.get("n_routed_experts"),
+                moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_router_topk=c.get("num_experts_per_tok", 2),
+                add_bias_linear=False, gated_linear_unit=True)
+    if c.get("num_nextn_predict_layers"):
+        base["mtp_num_layers"] = int(c["num_nextn_predict_layers"])
+    if c.get("model_type") == "deepseek_v3":
+        cls = tc.MLATransformerConfig
+        base.update(q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_nope_head_dim"],
+                    qk_pos_emb_head_dim=c["qk_rope_head_dim"], v_head_dim=c["v_head_dim"])
+    else:
+        cls = tc.TransformerConfig
+        base.update(num_query_groups=c.get("num_key_value_heads"), kv_channels=c.get("head_dim"))
+    fields = dict(fields)
+    if (fields.get("pipeline_model_parallel_size") or 1) > 1:
+        fields.setdefault("pipeline_dtype", torch.bfloat16)
+    with _without_te():
+        if path == "mbridge":
+            return cls(**{**base, **fields})
+        if path != "bridge":
+            raise ValueError(f"unknown config path {path!r}")
+        deferred = type(f"Deferred{cls.__name__}", (cls,), {"__post_init__": lambda self: None})
+        config = deferred(**base)
+        for name, value in fields.items():
+            if not hasattr(config, name):  # apply_overrides_and_finalize refuses an unknown attribute
+                raise AttributeError(f"{cls.__name__} has no attribute {name!r}")
+            setattr(config, name, value)
+        cls.__post_init__(config)
+        return config

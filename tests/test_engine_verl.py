@@ -1,6 +1,8 @@
 """`policyc run --engine verl` judged by verl 0.9.1's own configuration code (tests/oracles/verl_oracle.py: Hydra
 compose of ppo_megatron_trainer, its config dataclasses, validate_config) and by megatron-core's (the Megatron actor's
-override_transformer_config read as TransformerConfig, tests/megatron_oracle.py).
+override_transformer_config read as TransformerConfig, tests/megatron_oracle.py; a per-module TE recipe read after
+verl's own import_external_libs of policyc's verl plugin, by megatron-core 0.16.1 and 0.19.2 on both of verl's
+TransformerConfig paths, tests/oracles/verl_oracle.py `megatron`).
 
 Every shipped policy x {qwen3-30b-a3b, deepseek-v3} x layouts x {vllm, sglang} rollout is either accepted by verl
 with every value the plan's (trainer recipe per module, rollout layout, the env in the Ray runtime env as strings;
@@ -124,7 +126,52 @@ def _extension_launch_is_the_plans(plan, key: str, reading: dict, manifest: dict
     assert env[vw.ENV_PLAN_HASH] == plan.content_hash() and env[vw.ENV_PLAN].endswith("policyc_plan.json"), key
 
 
-def test_every_cell_is_accepted_by_verl_or_refused_by_name():
+def _megatron_dir(res, root) -> str:
+    """The megatron backend's files of a gate result written under `root` (the launch names its YAML there)."""
+    d = root / "megatron"
+    d.mkdir(parents=True, exist_ok=True)
+    for a in res.artifacts:
+        if a.path.startswith("megatron/"):
+            (root / a.path).write_bytes(a.data())
+    return str(d.resolve())
+
+
+def _decoder_modules(plan) -> dict:
+    """{Megatron module path: its first linear tensor} of the decoder and MTP linears megatron-core quantizes."""
+    from precision_dsl.backends.megatron import megatron_module
+
+    mods = {}
+    for t in plan.tensors:
+        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
+                and t.role != "mtp.eh_proj":
+            mods.setdefault(megatron_module(t.megatron_name), t)
+    return mods
+
+
+def _plugin_reads_the_plan(cells: dict, versions=mo.VERSIONS) -> None:
+    """{key: (plan, model, overrides)}: after verl's own import_external_libs of the launch's external_lib, each
+    megatron-core release builds verl's TransformerConfig both ways verl does (mbridge, Megatron-Bridge) with a
+    RecipeConfig loaded from the launch's YAML, and runs every decoder module with the plan's recipe."""
+    launches = {k: ov for k, (_, _, ov) in cells.items()}
+    jobs = {k: {"model": model, "modules": sorted(_decoder_modules(plan))} for k, (plan, model, _) in cells.items()}
+    for version in versions:
+        got = vo.megatron(launches, jobs, version)
+        for key, (plan, model, overrides) in cells.items():
+            r = got[key]
+            assert "error" not in r, f"{key} (megatron-core {version}): {r['error']}"
+            recipe = next(o.split("=", 1)[1].strip('"') for o in overrides if f".{ve.RECIPE_KEY}=" in o)
+            assert r["external_lib"] == ve.PLUGIN and r["ref_quant_recipe"] == recipe, (key, r)
+            for path in mo.CONFIG_PATHS:
+                side = r["paths"][path]
+                assert "error" not in side, f"{key} ({path}, megatron-core {version}): {side['error']}"
+                assert side["recipe_type"] == "RecipeConfig", (key, path, version)
+                wrong = {m: (side["modules"][m][1:], _plan_reading(t)) for m, t in _decoder_modules(plan).items()
+                         if mo.Reading(*side["modules"][m][1:]) != _plan_reading(t)}
+                assert not wrong, f"{key} ({path}, megatron-core {version}) runs (got, plan) " \
+                                  f"{dict(list(wrong.items())[:4])}"
+
+
+def test_every_cell_is_accepted_by_verl_or_refused_by_name(tmp_path):
     accepted, refused, names = {}, {}, {}
     for model in MODELS:
         arch = arch_of(model)
@@ -138,8 +185,11 @@ def test_every_cell_is_accepted_by_verl_or_refused_by_name():
                         assert all(d.tensor and d.message for d in res.errors()), key
                         refused[key] = [d.message for d in res.errors()]
                         continue
+                    root = tmp_path / f"cell{len(accepted) + len(refused)}"
                     try:
-                        launch = ve.build_launch(plan, arch, _manifest(res, rollout), rollout)
+                        launch = ve.build_launch(plan, arch, _manifest(res, rollout), rollout,
+                                                 plan_file=str(root / "policyc_plan.json"),
+                                                 megatron_dir=_megatron_dir(res, root))
                     except UnsupportedByBackend as err:
                         diags = refusal_diagnostics(err)
                         assert diags and all(d.tensor and d.code == "unsupported-by-verl" and d.hint
@@ -148,12 +198,11 @@ def test_every_cell_is_accepted_by_verl_or_refused_by_name():
                         continue
                     accepted[key] = (plan, model, rollout, launch)
                     names[key] = _overrides(launch)
-    # the seed recipe: refused by name for the trainer's per-module TE recipe only (its NVFP4 rollout is carried by
-    # policyc's worker extension), citing the engines' code that lacks the hook
-    seed = refused[f"{SEED[0]} x {SEED[1]} x none x vllm"]
-    assert seed and all("per-module TE precision recipe" in m for m in seed), seed
-    assert all(s in seed[0] for s in ("transformer_config.py:877", "transformer_impl.py:354-409",
-                                      "RecipeConfig.from_yaml_file")), seed
+    # the seed recipe: accepted (its per-module TE recipe through policyc's verl plugin, its NVFP4 rollout through
+    # policyc's worker extension), on every layout
+    for lay in LAYOUTS:
+        assert f"{SEED[0]} x {SEED[1]} x {lay} x vllm" in accepted, refused.get(f"{SEED[0]} x {SEED[1]} x {lay} x vllm")
+    assert not [k for k, m in refused.items() if any("per-module TE precision recipe" in x for x in m)]
     # FP8 blocks with the last layers BF16 (verl's own FP8 config would quantize them): the worker extension
     assert "fp8-blockwise-hopper x qwen3-30b-a3b x none x vllm" in accepted
     assert len(accepted) >= 12, sorted(accepted)
@@ -179,7 +228,15 @@ def test_every_cell_is_accepted_by_verl_or_refused_by_name():
                                                                             EmitOptions(rollout=rollout)), rollout))
         assert r["need_reference_policy"] is False and r["qat"]["enable"] is False, key
         assert r["env_vars"] == launch.env and all(isinstance(v, str) for v in r["env_vars"].values()), key
-        _megatron_runs_the_plan(plan, model, r)
+        recipe = ve.RECIPE_KEY in r["megatron"]["override_transformer_config"]
+        assert recipe == any(o.startswith(f"{ve._MODEL}.external_lib=") for o in launch.overrides), key
+        if not recipe:
+            _megatron_runs_the_plan(plan, model, r)
+    with_recipe = {k: (plan, model, names[k]) for k, (plan, model, _, _) in accepted.items()
+                   if ve.RECIPE_KEY in readings[k]["megatron"]["override_transformer_config"]}
+    assert any(k.startswith(f"{SEED[0]} x {SEED[1]} ") for k in with_recipe), sorted(with_recipe)
+    assert any(" x deepseek-v3 x " in k for k in with_recipe), sorted(with_recipe)
+    _plugin_reads_the_plan(with_recipe)
 
 
 def test_trainer_overrides_carry_a_global_recipe():
@@ -203,10 +260,14 @@ def test_trainer_overrides_carry_a_global_recipe():
     assert "error" not in r, r["error"]
     assert r["env_vars"] == env
     _megatron_runs_the_plan(plan, "qwen3-30b-a3b", r)
-    # DeepSeek-V3 keeps its shared experts / kv_b_proj BF16 inside FP8 layers: only a per-module recipe says that
+    assert not any(ve.RECIPE_KEY in o or "external_lib" in o for o in over)  # no per-module recipe: no plugin
+    # DeepSeek-V3 keeps its shared experts / kv_b_proj BF16 inside FP8 layers: only a per-module recipe says that,
+    # so that launch names the YAML and the plugin
     problems = Problems()
-    ve.trainer_overrides(plan_of("fp8-blockwise-hopper", "deepseek-v3", "none"), None, problems)
-    assert [p.capability for p in problems.items if "per-module TE precision recipe" in p.capability]
+    over, _ = ve.trainer_overrides(plan_of("fp8-blockwise-hopper", "deepseek-v3", "none"), None, problems, "/o/megatron")
+    assert not problems.items, [str(p) for p in problems.items]
+    assert f'++{ve._MEGATRON}.override_transformer_config.{ve.RECIPE_KEY}="/o/megatron/te_precision.yaml"' in over
+    assert f"{ve._MODEL}.external_lib={ve.PLUGIN}" in over
 
 
 def test_verl_fp8_sync_quantizer_path_is_the_plans():
@@ -287,7 +348,6 @@ def test_cli_writes_the_verl_launch(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle,code", [
-    (["run", "--engine", "verl", "miles-nvfp4", "--model", "qwen3-30b-a3b"], "per-module TE precision recipe", 1),
     (["run", "--engine", "verl", "bf16", "--model", "tiny-moe", "--rollout", "trtllm"], "--rollout must be", 2),
     (["run", "--engine", "verl", "nvfp4-weight-only", "--model", "qwen3-30b-a3b"], "does not pass `policyc check`", 1),
 ])
@@ -298,44 +358,117 @@ def test_cli_refusals_are_messages(tmp_path, args, needle, code):
     assert not (tmp_path / "o" / ve.SCRIPT).exists()
 
 
-def _seed_rollout_launch():
-    """The seed recipe's rollout overrides (policyc's worker extension) on the BF16 plan's trainer overrides: the
-    seed's trainer half is refused by name (per-module TE recipe), its rollout half is judged here."""
-    from precision_dsl.backends.common import Problems
+def _emitted(tmp_path, policy: str, model: str) -> tuple:
+    """`policyc run --engine verl` into tmp_path: (plan, the overrides of verl_overrides.txt with the placeholders
+    filled, the emitted directory)."""
+    from precision_dsl.plan import Plan
 
-    plan, arch = plan_of(*SEED, "none"), arch_of(SEED[1])
-    manifest = _manifest(run_gate(plan, arch, ["megatron", "vllm"], EmitOptions(rollout="vllm")), "vllm")
-    problems = Problems()
-    r_over, r_env = ve.rollout_overrides(plan, arch, "vllm", manifest, problems, "/out/policyc_plan.json")
-    assert not problems.items, [str(p) for p in problems.items]
-    bf16 = plan_of("bf16", SEED[1], "none")
-    base = ve.build_launch(bf16, arch, _manifest(run_gate(bf16, arch, ["megatron", "vllm"],
-                                                          EmitOptions(rollout="vllm")), "vllm"), "vllm")
-    ours = {o.split("=")[0].lstrip("+") for o in r_over}
-    keep = [o for o in base.overrides if o.split("=")[0].lstrip("+") not in ours
-            and f"{ve._ROLLOUT}.engine_kwargs." not in o and not o.startswith(f"++{ve._ENV}.")]
-    env = {**base.env, **r_env}
-    env_over = [f"++{ve._ENV}.{k}={ve._hydra_str(v)}" for k, v in sorted(env.items())]
-    return plan, manifest, r_over, env, ve.read_overrides("\n".join(keep + r_over + env_over), VALUES)
+    out = tmp_path / "verl"
+    r = runner.invoke(app, ["run", "--engine", "verl", policy, "--model", model, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    plan = Plan.from_json((out / "policyc_plan.json").read_text())
+    return plan, ve.read_overrides((out / ve.OVERRIDES).read_text(), VALUES), out.resolve()
 
 
-def test_seed_nvfp4_rollout_runs_policycs_worker_extension_in_verl():
-    """The seed's NVFP4 per-token rollout: verl's config code accepts the launch with policyc's worker extension in
-    engine_kwargs.vllm (replacing verl's vLLMColocateWorkerExtension, which verl passes first and engine_kwargs
-    override), no verl rollout quantization, and the vllm backend's own serving args (ModelOpt NVFP4 config as
-    hf_overrides, the per-token MoE activation as quantization_config) as one string each."""
-    plan, manifest, r_over, env, overrides = _seed_rollout_launch()
-    assert f"++{ve._ROLLOUT}.engine_kwargs.vllm.worker_extension_cls={vw.EXTENSION}" in r_over
+def test_seed_recipe_is_one_verl_launch(tmp_path):
+    """The seed recipe (Qwen3-30B-A3B, per-token NVFP4 routed experts, last 15% BF16, shared experts BF16) as the
+    launch `policyc run --engine verl` writes: verl's config code accepts it; the Megatron actor holds the TE
+    precision YAML the Miles launch passes as --te-precision-config-file (by absolute path, as quant_recipe) with
+    policyc's verl plugin as external_lib and the trainer's NVTE_* env in the Ray runtime env; the rollout runs
+    policyc's worker extension on the vllm backend's own serving args (ModelOpt NVFP4 config as hf_overrides, the
+    per-token MoE activation as quantization_config, one string each)."""
+    from precision_dsl.backends.megatron import trainer_config
+
+    plan, overrides, out = _emitted(tmp_path, *SEED)
+    yaml = out / "megatron" / "te_precision.yaml"
+    assert yaml.is_file() and "--te-precision-config-file" in (out / "megatron" / "args.txt").read_text()
     r = vo.check({"seed": overrides})["seed"]
     assert "error" not in r, r["error"]
+    assert r["megatron"]["override_transformer_config"][ve.RECIPE_KEY] == str(yaml)
+    te_env = trainer_config(plan).env
+    assert te_env["NVTE_NVFP4_ROW_SCALED_ACTIVATION"] == "1"  # the per-token activation switch
+    assert {k: r["env_vars"][k] for k in te_env} == te_env
     ro = r["rollout"]
     assert ro["quantization"] is None and ro["quantization_config_file"] is None and ro["load_format"] == "dummy"
     kwargs = ro["engine_kwargs"]["vllm"]
     assert kwargs["worker_extension_cls"] == vw.EXTENSION and kwargs["quantization"] == "modelopt_fp4"
     assert json.loads(kwargs["quantization_config"]) == {"moe": {"activation": "nvfp4_per_token"}}
     assert json.loads(kwargs["hf_overrides"])["quantization_config"]["quant_algo"] == "NVFP4"
+    manifest = json.loads((out / "vllm" / "serve_args.json").read_text())
     _extension_launch_is_the_plans(plan, "seed", r, manifest)
-    assert r["env_vars"] == env
+    assert r["env_vars"][vw.ENV_PLAN] == str(out / "policyc_plan.json")
+    script = (out / ve.SCRIPT).read_text()
+    assert "policyc's verl plugin" in script and str(out / "megatron") in script
+
+
+def test_seed_trainer_recipe_reaches_megatron_core_through_the_plugin(tmp_path):
+    """The seed launch's Megatron actor, as verl builds it: verl's import_external_libs imports the plugin the
+    launch names, then megatron-core 0.16.1 and 0.19.2 (each its own code: TransformerConfig on the mbridge path,
+    setattr + deferred __post_init__ on the Megatron-Bridge path) hold a RecipeConfig loaded from the YAML and run
+    every linear of every decoder layer with the plan's recipe: the Miles launch's reading."""
+    plan, overrides, _ = _emitted(tmp_path, *SEED)
+    mods = _decoder_modules(plan)
+    kinds = {_plan_reading(t).kind for t in mods.values()}
+    assert kinds == {"nvfp4", "bf16"}, kinds  # routed experts NVFP4, shared experts / attention / last layers BF16
+    _plugin_reads_the_plan({"seed": (plan, SEED[1], overrides)})
+
+
+def test_without_the_plugin_megatron_core_fails_loudly_and_the_plugin_names_the_key(tmp_path):
+    """The plain str verl holds is never silently ignored: without the plugin megatron-core keeps it and its
+    per-module lookup (get_quant_config_or_none, what GPTModel runs for every TE module) raises. With the plugin a
+    missing, relative or invalid YAML is an error naming the launch key."""
+    plan, overrides, out = _emitted(tmp_path, *SEED)
+    modules = sorted(_decoder_modules(plan))[:4]
+    job = {"model": SEED[1], "modules": modules}
+    r = vo.megatron({"seed": overrides}, {"seed": job}, "0.16.1", plugin=False)["seed"]
+    for path in mo.CONFIG_PATHS:
+        assert "'str' object has no attribute 'match'" in r["paths"][path]["error"], (path, r)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("configs: [1, 2]\nmatchers: 7\n")
+    key = f"{ve._MEGATRON}.override_transformer_config.{ve.RECIPE_KEY}="
+    cases = {"missing": str(tmp_path / "none.yaml"), "relative": "megatron/te_precision.yaml", "invalid": str(bad)}
+    launches = {name: [o if not o.startswith("++" + key) else f'++{key}"{v}"' for o in overrides]
+                for name, v in cases.items()}
+    got = vo.megatron(launches, {name: job for name in cases}, "0.16.1")
+    for name, needle in (("missing", "cannot read"), ("relative", "not an absolute path"),
+                         ("invalid", "cannot read")):
+        for path in mo.CONFIG_PATHS:
+            err = got[name]["paths"][path]["error"]
+            assert err.startswith("VerlPluginError") and key.rstrip("=") in err and needle in err, (name, path, err)
+
+
+def test_plugin_is_lazy_idempotent_and_leaves_recipe_objects_alone():
+    """policyc names the plugin without importing it (importing it patches megatron-core); imported (twice), it
+    wraps TransformerConfig.__post_init__ once, converts a PathLike, passes a RecipeConfig / None untouched, and a
+    second __post_init__ (Megatron-Bridge's finalize may run again) changes nothing."""
+    code = """
+import sys, pathlib, importlib
+import precision_dsl.engine.verl as ve
+assert 'megatron.core' not in sys.modules and ve.PLUGIN not in sys.modules
+p = importlib.import_module(ve.PLUGIN)
+assert p.MODULE == ve.PLUGIN and p.KEY == ve.RECIPE_KEY and p.INSTALLED
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.quantization.quant_config import RecipeConfig
+wrapped = TransformerConfig.__post_init__
+assert p.install() and TransformerConfig.__post_init__ is wrapped
+yaml = pathlib.Path(sys.argv[1]) / 'r.yaml'
+yaml.write_text('configs:\\n  bf16: {transformer_engine_config_type: TEQuantizationParams}\\n'
+                'matchers:\\n  all: {type: glob, pattern: "*", config: bf16, enabled: true}\\n')
+kw = dict(num_layers=2, hidden_size=64, num_attention_heads=4)
+c = TransformerConfig(**kw, quant_recipe=yaml)
+assert isinstance(c.quant_recipe, RecipeConfig), type(c.quant_recipe)
+same = c.quant_recipe
+c.__post_init__()
+assert c.quant_recipe is same
+assert TransformerConfig(**kw).quant_recipe is None
+assert TransformerConfig(**kw, quant_recipe=same).quant_recipe is same
+"""
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_worker_extension_module_imports_nothing_heavy():

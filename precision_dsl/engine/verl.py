@@ -9,9 +9,16 @@ What verl reads, and where each plan value goes (verl 0.9.1 wheel):
            The megatron backend's flags map onto those fields by megatron-core's own names (fp8, fp8_recipe, fp4,
            fp4_recipe, first_last_layers_bf16, num_layers_at_start/end_in_bf16, moe_router_dtype, fp8_param,
            num_layers_in_first/last_pipeline_stage, moe_grouped_gemm, transformer_impl). The per-module TE precision
-           YAML has no way in: TransformerConfig.quant_recipe is a megatron-core RecipeConfig object (Megatron-LM
-           builds it from --te-precision-config-file; a Hydra value is plain data), so a plan whose YAML changes any
-           module against the global recipe is refused by name; a YAML that changes nothing is left out.
+           YAML (the file a Miles launch passes as --te-precision-config-file) goes in as
+           override_transformer_config.quant_recipe = its absolute path, a str: megatron-core reads the field only as
+           a RecipeConfig object (transformer_config.py:877), which Hydra data cannot be, so the launch also sets
+           actor_rollout_ref.model.external_lib = policyc's verl plugin (engine/verl_plugin.py). verl imports that
+           module in every worker before it builds the model (verl/workers/config/model.py:149, HFModelConfig
+           __post_init__ -> import_external_libs; the key verl's config documents, trainer/config/model/
+           hf_model.yaml `external_lib`), and the plugin makes TransformerConfig.__post_init__ load the path with
+           RecipeConfig.from_yaml_file. A reference model (none in this recipe) would read the same dict: verl's
+           ref.megatron.override_transformer_config interpolates the actor's (trainer/config/ref/megatron_ref.yaml).
+           A YAML that changes nothing against the global flags is left out (the launch stays plugin-free).
   env      the TE variables (megatron backend) and the rollout's (rollout backend) reach every Ray worker through
            ray_kwargs.ray_init.runtime_env.env_vars (verl/trainer/main_ppo.py run_ppo merges it into ray.init), as
            strings; the unset ones are unset in the driver shell, which starts the local Ray cluster.
@@ -84,6 +91,11 @@ PLACEHOLDERS = {"HF_CKPT": "the BF16 HF checkpoint directory", "TRAIN_FILES": "t
 
 _MEGATRON = "actor_rollout_ref.actor.megatron"
 _ROLLOUT = "actor_rollout_ref.rollout"
+_MODEL = "actor_rollout_ref.model"
+# the verl plugin (engine/verl_plugin.py; named, not imported: importing it patches megatron-core) and the
+# TransformerConfig field it loads
+PLUGIN = "precision_dsl.engine.verl_plugin"
+RECIPE_KEY = "quant_recipe"
 _ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
 # megatron backend flag -> McoreEngineConfig key (verl/trainer/config/engine/megatron.yaml)
 PARALLEL_KEYS = {"--tensor-model-parallel-size": "tensor_model_parallel_size",
@@ -192,22 +204,10 @@ def _yaml_changes_nothing(plan, cfg) -> bool:
     return all(got[m] == megatron.RECIPE_KIND.get(r.name, "bf16") for m, r in cfg.module_recipes.items())
 
 
-def _first_differing_tensor(plan, cfg) -> str:
-    pp = plan.parallel.trainer.pp if plan.parallel else 1
-    flags = [f for i, f in enumerate(cfg.flags) if f != "--te-precision-config-file"
-             and (i == 0 or cfg.flags[i - 1] != "--te-precision-config-file")]
-    got = megatron.resolve_modules(flags, {}, list(cfg.module_recipes), plan.num_layers, pp, use_megatron=False)
-    for t in plan.tensors:
-        if t.is_linear and t.megatron_name:
-            mod = megatron.megatron_module(t.megatron_name)
-            rec = cfg.module_recipes.get(mod)
-            if rec is not None and got.get(mod) != megatron.RECIPE_KIND.get(rec.name, "bf16"):
-                return t.hf_name
-    return "*"
-
-
-def trainer_overrides(plan, te_version: Optional[str], problems: Problems) -> tuple[list[str], dict[str, str]]:
-    """The Megatron actor's overrides and TE env, refusals into `problems`."""
+def trainer_overrides(plan, te_version: Optional[str], problems: Problems,
+                      megatron_dir: str = "megatron") -> tuple[list[str], dict[str, str]]:
+    """The Megatron actor's overrides and TE env, refusals into `problems`. `megatron_dir`: where the megatron
+    backend's files are (absolute in an emitted launch); a per-module recipe is named there by path."""
     try:
         cfg = megatron.trainer_config(plan, te_version)
     except UnsupportedByBackend as err:
@@ -215,19 +215,10 @@ def trainer_overrides(plan, te_version: Optional[str], problems: Problems) -> tu
         return [], {}
     out: list[str] = []
     if cfg.yamls and not _yaml_changes_nothing(plan, cfg):
-        problems.add(UnsupportedByBackend(
-            BACKEND, _first_differing_tensor(plan, cfg),
-            "a per-module TE precision recipe (the megatron backend's te_precision.yaml): megatron-core 0.16.1 reads "
-            "it only as TransformerConfig.quant_recipe, a RecipeConfig object (transformer_config.py:877; matched per "
-            "module by gpt_model.py:265 get_quant_config_or_none -> recipe.match), built from a YAML only by "
-            "Megatron-LM's --te-precision-config-file (RecipeConfig.from_yaml_file, quantization/quant_config.py:172). "
-            "verl 0.9.1 has no such flag: its Megatron actor copies override_transformer_config as plain Hydra data "
-            "onto the Megatron-Bridge provider (verl/workers/engine/megatron/transformer_impl.py:354-409, "
-            "provider_overrides / apply_overrides_and_finalize), so a path or dict there is never a RecipeConfig, "
-            "and no TransformerConfig field gives one module kind another recipe than the global fp8/fp4 "
-            "(first_last_layers_bf16 covers whole layers only)",
-            hint="give every quantized decoder module of the policy one format (layers[...] ranges at the start / end "
-                 "are fine), or launch with --engine miles"))
+        (name,) = cfg.yamls
+        # a plain str in verl's config; the plugin verl imports through external_lib loads it as a RecipeConfig
+        out.append(f"++{_MEGATRON}.override_transformer_config.{RECIPE_KEY}={_hydra_str(f'{megatron_dir}/{name}')}")
+        out.append(f"{_MODEL}.external_lib={PLUGIN}")
     for flag, value in _pairs(cfg.flags):
         if flag in PARALLEL_KEYS:
             out.append(f"{_MEGATRON}.{PARALLEL_KEYS[flag]}={value}")
@@ -238,7 +229,7 @@ def trainer_overrides(plan, te_version: Optional[str], problems: Problems) -> tu
         elif flag == "--bf16":
             out.append(f"{_MEGATRON}.dtype=bfloat16")
         elif flag == "--te-precision-config-file":
-            continue  # changes nothing (checked above) or refused
+            continue  # quant_recipe above, or a YAML that changes nothing
         else:  # pragma: no cover - a megatron backend flag this emitter does not know is a generator bug
             problems.add(UnsupportedByBackend(BACKEND, "*", f"Megatron flag {flag} has no verl 0.9.1 setting here"))
     return out, dict(cfg.env)
@@ -344,13 +335,14 @@ def rollout_overrides(plan, arch, rollout: str, manifest: dict, problems: Proble
 
 
 def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: Optional[str] = None,
-                 plan_file: str = PLAN_FILE) -> VerlLaunch:
-    """The verl launch of a plan the gate accepted (`manifest`: the rollout backend's JSON manifest). Raises the
+                 plan_file: str = PLAN_FILE, megatron_dir: str = "megatron") -> VerlLaunch:
+    """The verl launch of a plan the gate accepted (`manifest`: the rollout backend's JSON manifest; `plan_file`,
+    `megatron_dir`: where the emitted plan and megatron files are, absolute in an emitted launch). Raises the
     collected UnsupportedByBackend refusals. Pure: nothing is written."""
     if rollout not in ROLLOUTS:
         raise VerlError(f"verl rollout engine must be one of {', '.join(ROLLOUTS)}, got {rollout!r}")
     problems = Problems()
-    t_over, t_env = trainer_overrides(plan, te_version, problems)
+    t_over, t_env = trainer_overrides(plan, te_version, problems, megatron_dir)
     r_over, r_env = rollout_overrides(plan, arch, rollout, manifest, problems, plan_file)
     problems.raise_if_any()
     env = {**t_env, **r_env}
@@ -364,6 +356,9 @@ def build_launch(plan, arch, manifest: dict, rollout: str = "vllm", te_version: 
     notes = ["no reference model: the recipe's KL coefficient is 0 (use_kl_loss=False, use_kl_in_reward=False)",
              f"the unset TE variables ({', '.join(megatron.UNSET_ENV)}) are unset in this shell; a Ray cluster "
              "started elsewhere must not set them either"]
+    if any(o.startswith(f"{_MODEL}.external_lib=") for o in t_over):
+        notes.append(f"the trainer runs policyc's verl plugin (external_lib): precision_dsl must be importable in "
+                     f"the trainer's Python and {megatron_dir} readable at that path on every trainer node")
     if any(".worker_extension_cls=" in o for o in r_over):
         notes.append(f"the rollout runs policyc's vLLM worker extension: precision_dsl must be importable in the "
                      f"rollout's Python and {plan_file} readable at that path on every rollout node")
@@ -434,7 +429,8 @@ def emit_verl_launch(policy: Optional[str], model: str, parallel: Optional[str],
     arts = {a.path: a for a in res.artifacts}
     manifest = json.loads(arts[f"{rollout}/{'serve_args' if rollout == 'vllm' else 'server_args'}.json"].data())
     try:
-        launch = build_launch(plan, arch, manifest, rollout, te_version, str(Path(out_dir).resolve() / PLAN_FILE))
+        launch = build_launch(plan, arch, manifest, rollout, te_version, str(Path(out_dir).resolve() / PLAN_FILE),
+                              str(Path(out_dir).resolve() / "megatron"))
     except UnsupportedByBackend as err:
         diags = refusal_diagnostics(err)
         raise VerlError(f"verl {VERL_VERSION} cannot carry this plan ({len(diags)} refusal(s)): "

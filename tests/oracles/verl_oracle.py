@@ -105,11 +105,12 @@ def fetch_site() -> Path:
 
 def _ask(request: dict, timeout: float = 900) -> dict:
     site = fetch_site()
+    repo = str(Path(__file__).resolve().parents[2])  # precision_dsl (the verl plugin, the architectures)
     with tempfile.TemporaryDirectory() as d:
         src, dst = Path(d) / "in.json", Path(d) / "out.json"
         src.write_text(json.dumps(request))
         tests = str(Path(__file__).resolve().parents[1])
-        code = (f"import sys; sys.path.insert(0, {tests!r}); from oracles.verl_oracle import _serve; "
+        code = (f"import sys; sys.path[:0] = [{tests!r}, {repo!r}]; from oracles.verl_oracle import _serve; "
                 f"_serve({str(site)!r}, {str(src)!r}, {str(dst)!r})")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -122,6 +123,26 @@ def _ask(request: dict, timeout: float = 900) -> dict:
 def check(launches: dict[str, list[str]]) -> dict[str, dict]:
     """{key: verl's reading of the launch} or {key: {"error": verl's own error text}} for every override list."""
     return _ask({"op": "check", "launches": launches})
+
+
+def megatron(launches: dict[str, list[str]], jobs: dict[str, dict], version: str = "0.16.1",
+             plugin: bool = True) -> dict[str, dict]:
+    """verl's Megatron actor config of each launch, read by megatron-core `version` (the installed 0.16.1, or the
+    release's wheel from tests/megatron_oracle.py fetch_site, first on the verl process's sys.path).
+
+    Per launch: Hydra compose; `import_external_libs(actor_rollout_ref.model.external_lib)`, verl's own call, as
+    HFModelConfig.__post_init__ makes it in every worker (verl/workers/config/model.py:149; skipped with
+    plugin=False: what megatron-core does with the plain value); the override_transformer_config verl's
+    McoreEngineConfig holds + its parallel sizes and dtype as a TransformerConfig, built both ways verl builds one
+    (megatron_oracle.config_from_fields: "mbridge", "bridge"); megatron-core's per-module reading of `jobs[key]`
+    {"model", "modules"} (megatron_oracle.read_modules). Answer: {key: {"external_lib", "ref_quant_recipe",
+    "paths": {path: {"recipe_type", "modules": {module: [rank, kind, fp8_format]}} or {"error"}}}} or
+    {key: {"error"}}."""
+    from megatron_oracle import fetch_site as megatron_site
+
+    msite = None if version == "0.16.1" else str(megatron_site(version))
+    return _ask({"op": "megatron", "launches": launches, "jobs": jobs, "version": version, "plugin": plugin,
+                 "megatron_site": msite})
 
 
 def fp8_blockwise(values: list[list[float]], block: int = 128) -> dict:
@@ -139,10 +160,17 @@ def _serve(site: str, src: str, dst: str) -> None:
     from oracles._sandbox import Sandbox
 
     request = json.loads(Path(src).read_text())
+    if request.get("megatron_site"):
+        sys.path.insert(0, request["megatron_site"])  # that release shadows the installed megatron-core here only
     with Sandbox(site, PACKAGES, stubs=STUBS):
         import verl
 
-        out = _check(verl, request["launches"]) if request["op"] == "check" else _fp8(request)
+        if request["op"] == "check":
+            out = _check(verl, request["launches"])
+        elif request["op"] == "megatron":
+            out = _megatron(verl, request)
+        else:
+            out = _fp8(request)
     Path(dst).write_text(json.dumps(out))
 
 
@@ -194,6 +222,60 @@ def _check(verl, launches: dict[str, list[str]]) -> dict[str, dict]:
                 }
             except BaseException as err:  # verl's own refusal is the answer
                 out[key] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+# verl's own defaults in override_transformer_config (trainer/config/engine/megatron.yaml), not the plan's
+VERL_TC_DEFAULTS = ("recompute_granularity", "recompute_modules", "recompute_method", "recompute_num_layers",
+                    "attention_backend")
+
+
+def _megatron(verl, request: dict) -> dict[str, dict]:
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import megatron_oracle as mo
+    from precision_dsl.arch import load_architecture
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs
+
+    mo.load(request["version"])
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    out: dict[str, dict] = {}
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        for key, overrides in request["launches"].items():
+            job = request["jobs"][key]
+            try:
+                cfg = compose(CONFIG_NAME, overrides=list(overrides))
+                lib = cfg.actor_rollout_ref.model.external_lib
+                if request["plugin"]:
+                    import_external_libs(lib)
+                engine = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
+                ref = OmegaConf.to_container(cfg.actor_rollout_ref.ref.megatron.override_transformer_config,
+                                             resolve=True)
+            except BaseException as err:
+                out[key] = {"error": f"{type(err).__name__}: {err}"}
+                continue
+            fields = {k: v for k, v in dict(engine.override_transformer_config).items() if k not in VERL_TC_DEFAULTS}
+            for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                      "expert_tensor_parallel_size"):
+                if getattr(engine, k) is not None:  # verl's provider_overrides carry the engine's parallel sizes
+                    fields[k] = getattr(engine, k)
+            fields["bf16"] = engine.dtype == "bfloat16"
+            fields["params_dtype"] = torch.bfloat16 if fields["bf16"] else torch.float32
+            entry = {"external_lib": lib, "ref_quant_recipe": ref.get("quant_recipe"), "paths": {}}
+            arch = load_architecture(job["model"])
+            for path in mo.CONFIG_PATHS:
+                try:
+                    config = mo.config_from_fields(arch, fields, path)
+                    mods = mo.read_modules(config, list(job["modules"]))
+                    entry["paths"][path] = {"recipe_type": type(config.quant_recipe).__name__,
+                                            "modules": {m: [rank, r.kind, r.fp8_format]
+                                                        for m, (rank, r) in mods.items()}}
+                except BaseException as err:  # megatron-core's (or the plugin's) refusal is the answer
+                    entry["paths"][path] = {"error": f"{type(err).__name__}: {err}"}
+            out[key] = entry
     return out
 
 
