@@ -15,6 +15,9 @@ that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on 
   * `_nvfp4_seg_fused_kernel`: both of the above in ONE launch and (mostly) one HBM read of the weights: a
     persistent work queue whose amax tiles of an L2-sized chunk of groups are dequeued before that chunk's quantize
     tiles, so the quantize tiles re-read the chunk from L2 (see `nvfp4_segment_fused`).
+  * `_multi_check_copy_kernel`: `_check_copy_kernel` over MANY small tensors in one launch (the norms, routers and
+    small attention weights of a bucket), driven by a per-block table built once: a bucket's small pieces no
+    longer cost a launch each.
   * `_check_copy_kernel`: copy raw 16/32-bit words into the wire buffer and count non-finite elements in the same
     pass (high-precision segments), or count only (MXFP8 / FP8-block segments, whose kernels do not report it).
 """
@@ -196,6 +199,36 @@ def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, B
         tl.atomic_add(bad_ptr, nf, sem="relaxed")
 
 
+@triton.jit
+def _multi_check_copy_kernel(base_ptr, out_ptr, table_ptr, bad_ptr, KIND: tl.constexpr, ALIGNED: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    """Program p copies table row p = (source offset from base_ptr, destination offset in out_ptr, count), all in
+    elements, and counts the non-finite ones (KIND 0 bf16, 1 fp16, 2 fp32 words). The sources are separate
+    tensors addressed from one base pointer (one address space). ALIGNED: every offset and count is a multiple of
+    8 elements (the hint lets the copy use 16-byte accesses)."""
+    pid = tl.program_id(0)
+    src = tl.load(table_ptr + pid * 3)
+    dst = tl.load(table_ptr + pid * 3 + 1)
+    n = tl.load(table_ptr + pid * 3 + 2)
+    if ALIGNED:
+        src = tl.multiple_of(src, 8)
+        dst = tl.multiple_of(dst, 8)
+        n = tl.multiple_of(n, 8)
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    u = tl.load(base_ptr + src + offs, mask=m, other=0)
+    tl.store(out_ptr + dst + offs, u, mask=m)
+    if KIND == 2:
+        bad = ((u.to(tl.int32, bitcast=True) >> 23) & 0xFF) == 0xFF
+    elif KIND == 1:
+        bad = ((u.to(tl.int16, bitcast=True).to(tl.int32) >> 10) & 0x1F) == 0x1F
+    else:
+        bad = ((u.to(tl.int32) >> 7) & 0xFF) == 0xFF
+    nf = tl.sum(bad.to(tl.int32), axis=0)
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
 # ----------------------------------------------------------------------------------------------- host wrappers
 def seg_amax(x2, rows_per_group: int, amax_bits, bad, *, elems=8192, num_warps=4):
     """amax_bits (int32 [M / rows_per_group], zeroed by the caller) = per-group max|x| bits; bad (int32 [1])
@@ -302,6 +335,42 @@ def check_copy(x, out, bad):
     o = out.view(w.dtype) if out is not None else w
     _check_copy_kernel[(triton.cdiv(n, block),)](w, o, bad, n, IS_F32=x.dtype == torch.float32,
                                                  DO_COPY=out is not None, BLOCK=block, num_warps=8, **LAUNCH_OPTS)
+
+
+MULTI_COPY_BLOCK = 4096  # elements per program of multi_check_copy (one table row)
+
+
+def multi_copy_table(pieces: list, base, device):
+    """The per-block table of multi_check_copy for pieces [(source tensor, destination element offset)], all of
+    base's dtype and contiguous: (int64 [blocks, 3] tensor on device, aligned flag). Built once (at bind time)."""
+    import torch
+
+    es = base.element_size()
+    rows = []
+    for x, dst in pieces:
+        d = x.data_ptr() - base.data_ptr()
+        if d % es:
+            raise ValueError("source not element-aligned with the base tensor")
+        src, n = d // es, x.numel()
+        rows += [(src + o, dst + o, min(MULTI_COPY_BLOCK, n - o)) for o in range(0, n, MULTI_COPY_BLOCK)]
+    aligned = all(v % 8 == 0 for r in rows for v in r) and base.data_ptr() % 16 == 0
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device), aligned
+
+
+def multi_check_copy(base, out, table, aligned: bool, bad):
+    """Copy every table row's elements from the address space of `base` (a tensor of the pieces' dtype) into the
+    uint8 buffer `out` and count non-finite elements into bad (int32 [1]), in one launch."""
+    import torch
+
+    from ._common import LAUNCH_OPTS
+
+    n = table.shape[0]
+    if n == 0:
+        return
+    kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[base.dtype]
+    word = torch.int32 if kind == 2 else torch.int16
+    _multi_check_copy_kernel[(n,)](base.view(word), out.view(word), table, bad, KIND=kind, ALIGNED=aligned,
+                                   BLOCK=MULTI_COPY_BLOCK, num_warps=4, **LAUNCH_OPTS)
 
 
 @triton.jit
