@@ -12,6 +12,14 @@
   without a segment kernel (NVFP4 per-row weight scales, 2-D tiles), unequal member shapes under NVFP4, dtype
   conversions of high-precision tensors.
 
+Direct mode (trainer and rollout on one GPU, `InProcessTransport(persistent=True)`): the transport hands out the
+receiver's own buffer of every bucket (`gpu_destination`) and the program quantizes / packs straight into it - no
+pool buffer and no second copy (for BF16 the pack copy is the only copy); the receiver's weights are overwritten in
+place, so an update aborted part-way leaves them torn and the receiver refuses them until a complete update lands
+(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take the fused one-read kernel
+(`triton_segments.nvfp4_segment_fused`); a bucket's small high-precision pieces (norms, routers, small attention
+weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
+
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
 (`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
 expert weights; otherwise one gather per segment), no host synchronisation until the single check of the on-GPU
