@@ -228,6 +228,55 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     return row
 
 
+FUSED_SWEEP = [dict(), dict(block_m=2, block_nb=128, num_warps=2, programs_per_sm=8),
+               dict(block_m=8, block_nb=64, num_warps=4), dict(programs_per_sm=2), dict(programs_per_sm=8),
+               dict(chunk_bytes=8 << 20), dict(chunk_bytes=24 << 20), dict(block_m=8, block_nb=128, num_warps=8)]
+
+
+def kernel_sweep(results, reps=5) -> None:
+    """NVFP4 segment kernels alone on the 30B-shaped model's expert segments (one layer: gate/up 128 x [1536, 2048]
+    with gate+up share-scale groups, down 128 x [2048, 768]): the fused one-read kernel at several launch shapes
+    against seg_amax + nvfp4_segment and a copy of the input, same run; also checks the bytes are the same."""
+    import torch
+
+    from precision_dsl.kernels import triton_segments as ks
+
+    for name, rpm, rpg, k, members in (("gate_up", 768, 1536, 2048, 256), ("down", 2048, 2048, 768, 128)):
+        m = rpm * members
+        x = (torch.randn(m, k, device="cuda") * 0.02).to(torch.bfloat16)
+        outs = lambda: (torch.empty(m, k // 2, dtype=torch.uint8, device="cuda"),  # noqa: E731
+                        torch.empty(m, k // 16, dtype=torch.uint8, device="cuda"),
+                        torch.empty(m // rpm, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"))
+        d0, s0, g0, b0 = outs()
+
+        def two():
+            bits = torch.zeros(m // rpg, dtype=torch.int32, device="cuda")
+            ks.seg_amax(x, rpg, bits, b0)
+            ks.nvfp4_segment(x, bits.view(torch.float32), rpg, rpm, d0, s0, g0)
+
+        two()
+        t_two, _ = _timed(two, reps)
+        y = torch.empty_like(x)
+        y.copy_(x)
+        t_copy, _ = _timed(lambda: y.copy_(x), reps)
+        del y
+        nbytes = x.numel() * 2
+        print(f"[sweep {name}] {nbytes / 1e6:.0f} MB bf16: copy {t_copy * 1e3:.3f} ms, seg_amax + nvfp4_segment "
+              f"{t_two * 1e3:.3f} ms ({t_copy / t_two:.0%} of copy)", flush=True)
+        for cfg in FUSED_SWEEP:
+            d1, s1, g1, b1 = outs()
+            run = lambda: ks.nvfp4_segment_fused(x, rpg, rpm, d1, s1, g1, b1, **cfg)  # noqa: E731
+            run()
+            t, _ = _timed(run, reps)
+            same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0, g1)
+            print(f"[sweep {name}] fused {cfg or 'default'}: {t * 1e3:.3f} ms ({t_copy / t:.0%} of copy, "
+                  f"{t_two / t:.2f}x the two-kernel path), bytes {'same' if same else 'DIFFER'}", flush=True)
+            results.append({"sweep": name, "config": {k_: v for k_, v in cfg.items()}, "fused_s": t,
+                            "two_kernel_s": t_two, "copy_s": t_copy, "same_bytes": same})
+        del x
+        torch.cuda.empty_cache()
+
+
 def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy")):
     import torch
 
@@ -279,12 +328,16 @@ def main():
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct, copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
+    ap.add_argument("--kernel-sweep", action="store_true",
+                    help="first: the fused NVFP4 segment kernel's launch shapes vs the two-kernel path")
     args = ap.parse_args()
     import torch
 
     clock = _Clock(args.time_limit)
     modes = tuple(m for m in args.modes.split(",") if m)
     results: list = []
+    if args.kernel_sweep:
+        kernel_sweep(results)
     bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes)
     args.out.write_text(json.dumps(results, indent=1))
     if not args.skip_30b:
