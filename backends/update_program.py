@@ -12,6 +12,14 @@
   without a segment kernel (NVFP4 per-row weight scales, 2-D tiles), unequal member shapes under NVFP4, dtype
   conversions of high-precision tensors.
 
+Direct mode (trainer and rollout on one GPU, `InProcessTransport(persistent=True)`): the transport hands out the
+receiver's own buffer of every bucket (`gpu_destination`) and the program quantizes / packs straight into it - no
+pool buffer and no second copy (for BF16 the pack copy is the only copy); the receiver's weights are overwritten in
+place, so an update aborted part-way leaves them torn and the receiver refuses them until a complete update lands
+(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take the fused one-read kernel
+(`triton_segments.nvfp4_segment_fused`); a bucket's small high-precision pieces (norms, routers, small attention
+weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
+
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
 (`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
 expert weights; otherwise one gather per segment), no host synchronisation until the single check of the on-GPU
@@ -228,42 +236,61 @@ class UpdateProgram:
         return off
 
     # -- binding ---------------------------------------------------------------------------------------------------
-    def bind(self, tensors: dict) -> "Bound":
+    def bind(self, tensors: dict, group_small: bool = True, nvfp4_fused: bool = True) -> "Bound":
         """tensors: {hf_name: CUDA tensor}. Per segment, a 2-D [rows, K] (quantized) or flat (hp) view of the
-        stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run."""
-        return Bound(self, tensors)
+        stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run.
+        group_small: a bucket's small high-precision pieces share one launch; nvfp4_fused: NVFP4 segments take the
+        fused one-read kernel (False: seg_amax + nvfp4_segment, for the side-by-side benchmark)."""
+        return Bound(self, tensors, group_small, nvfp4_fused)
 
     # -- one update ------------------------------------------------------------------------------------------------
-    def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1):
+    def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1, dest=None):
         """Fill and hand every bucket to `send(k, meta, buf) -> handle` (handle: None, or an object whose
         .wait() makes the current stream wait until the buffer may be reused). Returns (bad count tensor,
         fingerprints tensor or None) - both still on the GPU.
 
+        dest (direct mode, trainer and rollout on one GPU): `dest(k, nbytes, device)` -> the receiver-owned buffer
+        of bucket k, or None; when every bucket has one, each bucket is quantized / packed straight into it (no
+        pool buffer, no second copy: for BF16 the pack copy is the only copy) and `send` only passes the message.
+        Otherwise buckets are filled into two pool buffers that `send` copies out.
+
         From the second run on, each bucket's launches (a few hundred for a large MoE: per layer the expert
         segments plus the small norms/router/attention pieces) are replayed from one CUDA graph per bucket: the
-        inputs, the double buffers and the counters have fixed addresses, so the graph is the whole program and
-        the host cost no longer scales with the number of segments. Buckets with a per-unit (`ref`) segment, whose
-        reference code may synchronise with the host, stay eager."""
+        inputs, the bucket buffers and the counters have fixed addresses, so the graph is the whole program and
+        the host cost no longer scales with the number of segments (a change of the bucket buffers - new
+        receiver buffers - captures again). Buckets with a per-unit (`ref`) segment, whose reference code may
+        synchronise with the host, stay eager."""
         import torch
 
         from precision_dsl.kernels import triton_segments as ks
 
         dev = bound.device
-        if bound.pool is None or bound.pool[0].numel() < self.max_bucket:
-            bound.pool = [torch.empty(self.max_bucket, dtype=torch.uint8, device=dev) for _ in range(2)]
+        if bound.bad is None:
             bound.bad = torch.zeros(1, dtype=torch.int32, device=dev)
+        targets = [dest(k, b.nbytes, dev) for k, b in enumerate(self.buckets)] if dest is not None else None
+        if targets is not None and any(t is None for t in targets):
+            targets = None
+        if targets is None:
+            if bound.pool is None or bound.pool[0].numel() < self.max_bucket:
+                bound.pool = [torch.empty(self.max_bucket, dtype=torch.uint8, device=dev) for _ in range(2)]
+            targets = [bound.pool[k % 2][:b.nbytes] for k, b in enumerate(self.buckets)]
+        else:
+            bound.pool = None  # direct: the receiver's buffers are the only bucket memory
+        key = tuple(t.data_ptr() for t in targets)
+        if bound.graph_key != key:
             bound.graphs = None
         bad = bound.bad
         bad.zero_()
         fps = torch.zeros(len(self.buckets), dtype=torch.int64, device=dev) if check_equal else None
         handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
         if bound.graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
-            bound.graphs = self._capture(bound)
+            bound.graphs = self._capture(bound, targets)
+            bound.graph_key = key
         for k, b in enumerate(self.buckets):
             slot = k % 2
             if handles[slot] is not None:
                 handles[slot].wait()
-            buf = bound.pool[slot][:b.nbytes]
+            buf = targets[k]
             g = bound.graphs[k] if bound.graphs else None
             if g is not None:
                 g.replay()
@@ -278,14 +305,19 @@ class UpdateProgram:
     def _fill_bucket(self, k, b, bound, buf, bad, dev) -> None:
         import torch
 
+        group = bound.hp_groups[k]
+        if group is not None:  # the bucket's high-precision pieces: one copy + check launch per dtype
+            group.launch(buf, bad)
         for si, seg in enumerate(b.segments):
+            if group is not None and si in group.segments:
+                continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
-            self._fill(seg, x, buf, bad, dev)
+            self._fill(seg, x, buf, bad, dev, bound.nvfp4_fused)
 
-    def _capture(self, bound: "Bound") -> list:
+    def _capture(self, bound: "Bound", targets: list) -> list:
         import torch
 
         torch.cuda.synchronize(bound.device)
@@ -295,14 +327,13 @@ class UpdateProgram:
                 graphs.append(None)
                 continue
             g = torch.cuda.CUDAGraph()
-            buf = bound.pool[k % 2][:b.nbytes]
             with torch.cuda.graph(g):
-                self._fill_bucket(k, b, bound, buf, bound.bad, bound.device)
+                self._fill_bucket(k, b, bound, targets[k], bound.bad, bound.device)
             graphs.append(g)
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    def _fill(self, seg: Segment, x, buf, bad, dev) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_fused: bool = True) -> None:
         import torch
 
         from precision_dsl.formats import fp8_block_pow2
@@ -351,12 +382,16 @@ class UpdateProgram:
         k = seg.k
         rows = x.shape[0]
         if seg.kind == "nvfp4":
-            n_groups = rows // seg.rows_per_group
-            bits = torch.zeros(n_groups, dtype=torch.int32, device=dev)
-            ks.seg_amax(x, seg.rows_per_group, bits, bad)
             data = stacked(0, k // 2)
             scale = stacked(1, k // 16)
             sdec = stacked(2, 0).view(torch.float32)
+            if nvfp4_fused:  # one launch, one HBM read of the weights (amax and quantize tiles share L2)
+                ks.nvfp4_segment_fused(x, seg.rows_per_group, seg.rows_per_member, data, scale, sdec, bad,
+                                       stacked(3, 0).view(torch.float32))
+                return
+            n_groups = rows // seg.rows_per_group
+            bits = torch.zeros(n_groups, dtype=torch.int32, device=dev)
+            ks.seg_amax(x, seg.rows_per_group, bits, bad)
             ks.nvfp4_segment(x, bits.view(torch.float32), seg.rows_per_group, seg.rows_per_member, data, scale, sdec)
             stacked(3, 0).view(torch.float32).fill_(1.0)  # ModelOpt input_scale (unused with per-token acts)
             return
@@ -374,16 +409,79 @@ class UpdateProgram:
         raise AssertionError(seg.kind)
 
 
+# High-precision pieces of at most this many elements are copied by the bucket's one grouped launch (norms, routers,
+# small attention weights: each alone is a launch far too short to fill the GPU); larger ones keep their own
+# vectorised copy.
+SMALL_HP_ELEMS = 1 << 20
+
+
+class HpGroup:
+    """A bucket's small high-precision pieces, copied + checked by one launch per dtype (triton_segments.
+    multi_check_copy) over tables built once at bind time."""
+
+    def __init__(self, launches: list, segments: set):
+        self.launches = launches  # [(base tensor, table, aligned)]
+        self.segments = segments  # indices of the bucket's segments it fills
+
+    def launch(self, buf, bad) -> None:
+        from precision_dsl.kernels import triton_segments as ks
+
+        for base, table, aligned in self.launches:
+            ks.multi_check_copy(base, buf, table, aligned, bad)
+
+
+def _hp_group(seg_list: list, inputs: list, small: int):
+    """The HpGroup of one bucket (segments + their bound inputs), or None when it would not remove launches."""
+    import torch
+
+    from precision_dsl.kernels import triton_segments as ks
+
+    by_dtype: dict = {}
+    replaced: dict = {}
+    for si, (seg, x) in enumerate(zip(seg_list, inputs)):
+        if seg.kind != "hp":
+            continue
+        want = getattr(torch, _TORCH_DT[seg.regions[(0, 0)].dtype])
+        if want not in (torch.bfloat16, torch.float16, torch.float32):
+            continue
+        es = torch.empty((), dtype=want).element_size()
+        if not isinstance(x, list):  # one zero-copy flat view: one piece at the segment's start
+            pieces = [(x, seg.regions[(0, 0)].offset)] if x.numel() <= small else None
+        elif all(xi.dtype == want and xi.is_contiguous() and xi.numel() <= small for xi in x):
+            pieces = [(xi.reshape(-1), seg.regions[(i, 0)].offset) for i, xi in enumerate(x)]
+        else:
+            pieces = None  # a dtype conversion or a large member: the segment keeps its own launches
+        if not pieces or any(off % es for _, off in pieces):
+            continue
+        by_dtype.setdefault(want, []).extend((p, off // es) for p, off in pieces)
+        replaced.setdefault(want, {})[si] = len(pieces)
+    launches, segments = [], set()
+    for dt, pieces in by_dtype.items():
+        if sum(replaced[dt].values()) < 2:
+            continue  # a single launch either way
+        base = pieces[0][0]
+        try:
+            table, aligned = ks.multi_copy_table(pieces, base, base.device)
+        except ValueError:
+            continue
+        launches.append((base, table, aligned))
+        segments.update(replaced[dt])
+    return HpGroup(launches, segments) if launches else None
+
+
 class Bound:
     """The trainer's tensors arranged per bucket and segment (see UpdateProgram.bind)."""
 
-    def __init__(self, prog: UpdateProgram, tensors: dict):
+    def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True, nvfp4_fused: bool = True):
         import torch
 
         self.pool = None
         self.bad = None
         self.graphs = None  # per-bucket CUDA graphs, captured on the second run (the first compiles the kernels)
+        self.graph_key = None  # the bucket buffers' addresses the graphs were captured with
         self.use_graphs = True
+        # the NVFP4 segments' kernel: fused amax + quantize (one read of the weights), or the two-kernel path
+        self.nvfp4_fused = nvfp4_fused
         self.runs = 0
         self.handles: list = [None, None]
         self.inputs: list[list] = []
@@ -416,6 +514,9 @@ class Bound:
                 self.gathers += members is not None
             self.inputs.append(per_seg)
         self.device = dev
+        # per bucket: its small high-precision pieces in one launch, or None (group_small=False: a launch each)
+        self.hp_groups = [_hp_group(b.segments, ins, SMALL_HP_ELEMS) if group_small else None
+                          for b, ins in zip(prog.buckets, self.inputs)]
 
 
 def _back_to_back(xs: list) -> bool:

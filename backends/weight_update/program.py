@@ -9,6 +9,7 @@ from typing import Optional
 from precision_dsl.plan import Plan
 
 from precision_dsl.backends.weight_update.buckets import _dtypes
+from precision_dsl.backends.weight_update.errors import WeightUpdateAborted
 
 
 def layout_index(metas: list) -> tuple:
@@ -35,6 +36,7 @@ class _BucketViews(dict):
 
     def __init__(self, metas: list, bufs: list, index: Optional[tuple] = None):
         super().__init__()
+        self._refused: Optional[str] = None
         idxs, self._where = index if index is not None else layout_index(metas)  # _where: name -> bucket number
         self._buckets: list = list(zip(metas, bufs, idxs))  # (meta, buf, {name: i})
 
@@ -53,6 +55,16 @@ class _BucketViews(dict):
         i = idx[n]
         return meta["dtypes"][i], tuple(meta["shapes"][i])
 
+    def refuse(self, reason: str) -> None:
+        """From now on every lookup raises WeightUpdateAborted: the buffers under these views were overwritten by
+        an update that did not complete (WeightReceiver.stale)."""
+        self._refused = reason
+
+    def _check(self) -> None:
+        if self._refused is not None:
+            raise WeightUpdateAborted(f"these weights were {self._refused}",
+                                      "the rollout has no valid weights until a complete update lands")
+
     def _make(self, n):
         meta, buf, idx = self._buckets[self._where[n]]
         i = idx[n]
@@ -62,6 +74,7 @@ class _BucketViews(dict):
         return v
 
     def __getitem__(self, n):
+        self._check()
         if dict.__contains__(self, n):
             return dict.__getitem__(self, n)
         if n in self._where:
@@ -84,9 +97,11 @@ class _BucketViews(dict):
         return self._where.keys()
 
     def items(self):
+        self._check()
         return ((n, self[n]) for n in self._where)
 
     def values(self):
+        self._check()
         return (self[n] for n in self._where)
 
 

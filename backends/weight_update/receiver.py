@@ -28,17 +28,42 @@ class WeightReceiver:
         # one receiver, and the program sends the same layout every update, so its per-tensor check (~75k
         # checkpoint tensors for a 30B NVFP4 model) is done once, not on every update
         self._layout: Optional[tuple] = None
+        # Set (the reason) when an update that overwrote this receiver's kept buffers in place (a persistent /
+        # direct InProcessTransport: the colocated rollout's weights ARE those buffers) did not complete: the
+        # buffers hold part new, part old weights. The dict returned last refuses every lookup from then on, and
+        # stays refused; the next complete update clears it.
+        self.stale: Optional[str] = None
+
+    def _torn(self, reason: str) -> None:
+        self.stale = reason
+        served = self.raw
+        if isinstance(served, _BucketViews):
+            served.refuse(reason)
+        self.raw = {}
 
     def receive_raw(self, timeout: Optional[float] = 600) -> dict[str, torch.Tensor]:
-        """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent."""
+        """Checkpoint-named tensors (X.weight, X.weight_scale_inv, ...) exactly as sent. Raises WeightUpdateAborted
+        when the sender aborted; if that update had already overwritten this receiver's kept buffers (see
+        `stale`), the weights returned by the previous call are refused too (their lookups raise) until a complete
+        update lands."""
         self.transport.handshake(self.plan.content_hash())
+        served = self.raw
         self.raw = {}
         bufs: list = []
         metas: list = []
+        in_place = bool(getattr(self.transport, "persistent", False))
         while True:
             kind, meta, buf = self.transport.recv(timeout=timeout) if isinstance(self.transport, InProcessTransport) \
                 else self.transport.recv()
             if kind == "abort":
+                if meta.get("torn"):
+                    self.raw = served
+                    why = f"torn by an aborted update ({meta.get('reason')})"
+                    self._torn(why)
+                    raise WeightUpdateAborted(
+                        f"the sender aborted the update: {meta.get('reason')}; this receiver's weights were "
+                        "overwritten in place and are refused until a complete update lands",
+                        "fix the cause and send a complete update; until then the rollout has no valid weights")
                 self.raw = {}
                 raise WeightUpdateAborted(f"the sender aborted the update: {meta.get('reason')}")
             if kind == "close":
@@ -59,8 +84,11 @@ class WeightReceiver:
         known = program_only and self._layout is not None and self._layout[0] == metas
         try:
             self._check_layouts(metas, bufs, known)
-        except WeightUpdateError:
+        except WeightUpdateError as err:
             self.raw = {}
+            if in_place and bufs:  # the refused bytes already sit in the kept buffers
+                self.raw = served
+                self._torn(f"overwritten by a refused update ({err})")
             raise
         if metas:
             index = self._layout[1] if known else layout_index(metas)
@@ -76,11 +104,15 @@ class WeightReceiver:
                                            f"the sender sent {self.summary.get('tensors')}")
             if not known:
                 self._check_complete()
-        except WeightUpdateError:
+        except WeightUpdateError as err:
             self.raw = {}
+            if in_place and bufs:
+                self.raw = served
+                self._torn(f"overwritten by a refused update ({err})")
             raise
         if program_only and not known:
             self._layout = (_copy_layout(metas), index)
+        self.stale = None  # a complete, checked update landed
         digests = self.summary.get("digests")
         if self.check_equal and digests:
             bad = sorted(n for n, d in digests.items() if n not in self.raw or _digest(self.raw[n]) != d)
@@ -116,6 +148,14 @@ class WeightReceiver:
         from precision_dsl.kernels import triton_segments
 
         fps = self.summary.get("fingerprints")
+        if fps is None and self.summary.get("direct"):
+            # written in place into these very buffers (one memory): nothing moved that a digest could check
+            if self.check_equal:
+                raise WeightUpdateMismatch("the sender wrote into this receiver's buffers without fingerprints, "
+                                           "this receiver checks every byte (check_equal=True)",
+                                           "create the WeightSender with check_equal=True too, or the receiver "
+                                           "with check_equal=False")
+            return
         stride = self.summary.get("fingerprint_stride", 1)
         if not isinstance(fps, list) or not isinstance(stride, int) or stride < 1:
             raise WeightUpdateMismatch("GPU-program buckets arrived without fingerprints",

@@ -181,8 +181,17 @@ class WeightSender:
                 pass
         if not isinstance(err, Exception):  # KeyboardInterrupt & co. stay what they are
             raise err
+        hint = getattr(err, "hint", "")
+        if getattr(self.transport, "torn", False):  # in-place receiver buffers were partly overwritten
+            hint = ("the rollout's weights were overwritten in place by this incomplete update: its receiver "
+                    "refuses them until a complete update lands; fix the cause and resend" + (f" ({hint})" if hint
+                                                                                           else ""))
         raise WeightUpdateAborted(f"weight update {weight_version or ''} aborted after {buckets} "
-                                  f"bucket(s): {err}", getattr(err, "hint", ""), served_version=served) from err
+                                  f"bucket(s): {err}", hint, served_version=served) from err
+
+    def _direct(self) -> bool:
+        """The transport hands out the receiver's own bucket buffers (InProcessTransport(persistent=True))."""
+        return bool(getattr(self.transport, "direct", False)) and hasattr(self.transport, "gpu_destination")
 
     def _send_program(self, prep: "PreparedUpdate", weight_version: Optional[str]) -> SendReport:
         prog = self.program()
@@ -193,12 +202,17 @@ class WeightSender:
         try:
             if hasattr(self.transport, "send_layout"):
                 self.transport.send_layout(prog.metas)
-            # fingerprints always on: they are the GPU buckets' checksums (the receiver always verifies them).
-            # Every word with check_equal; else sampled (1/16 of each bucket): reading all the wire bytes once more
-            # on each end was a third of a BF16 update's GPU time on one H200
+            # fingerprints: the GPU buckets' checksums (the receiver verifies them). Every word with check_equal;
+            # else sampled (1/16 of each bucket): reading all the wire bytes once more on each end was a third of a
+            # BF16 update's GPU time on one H200. Direct mode (the program writes into the receiver's own buffers,
+            # one memory): a sampled digest would compare the receiver's bytes with themselves, so only
+            # check_equal fingerprints - taken right after each bucket is filled, re-read by the receiver after the
+            # last one (a bucket overwritten or aliased in between differs)
+            direct = self._direct()
             stride = 1 if self.check_equal else SAMPLED_FINGERPRINT_STRIDE
             bad, fps = prog.run(prep.bound, lambda k, meta, buf: self.transport.send_gpu_bucket(meta, buf),
-                                check_equal=True, fingerprint_stride=stride)
+                                check_equal=self.check_equal or not direct, fingerprint_stride=stride,
+                                dest=self.transport.gpu_destination if direct else None)
             n_bad = int(bad.item())  # the update's one host synchronisation
             if n_bad:  # every bucket has moved; abort instead of closing: receivers discard them
                 raise NonFiniteWeight(_first_nonfinite(self.plan, prep.tensors) or "?", n_bad)
@@ -206,7 +220,8 @@ class WeightSender:
                                 bytes=prog.bytes, bucket_names=prog.bucket_names)
             self.transport.close({"plan_hash": plan_hash, "tensors": prog.tensors, "bytes": prog.bytes,
                                   "weight_version": weight_version, "digests": None,
-                                  "fingerprints": fps.tolist(), "fingerprint_stride": stride})
+                                  "fingerprints": None if fps is None else fps.tolist(),
+                                  "fingerprint_stride": None if fps is None else stride})
         except BaseException as err:
             self._abort(err, len(prog.buckets), weight_version)
         return report

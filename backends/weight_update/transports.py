@@ -60,41 +60,91 @@ class InProcessTransport:
 
     gpu_program = True  # CUDA senders take the GPU update program (copy stream, see send_gpu_bucket)
 
-    def __init__(self, persistent: bool = False):
+    def __init__(self, persistent: bool = False, direct: bool = True):
         """persistent: GPU buckets land in receiver buffers kept from one update to the next (bucket k of every
         update overwrites the same memory, as a rollout engine updates its weights in place; views received
         earlier then show the new weights; receive each update before the next is sent). Default: fresh
-        buffers per update."""
+        buffers per update.
+
+        direct (persistent only; the colocated case: trainer and rollout on one GPU): the GPU update program
+        writes each bucket straight into the receiver's buffer (`gpu_destination`), so a bucket costs no pool
+        buffer and no second copy; send_gpu_bucket then only passes the message. direct=False keeps the copy
+        stream (the sender fills its own double buffers, a copy moves them; for the side-by-side benchmark).
+
+        Either way a persistent receiver's weights are overwritten while the update is under way: an update that
+        is aborted after that (NaN/Inf counted on the GPU, a failure part-way) leaves them torn; the abort says so
+        and the receiver then refuses to serve them until a complete update lands (WeightReceiver.stale)."""
         self._q: "queue.Queue" = queue.Queue()
         self.persistent = persistent
+        self.direct = bool(persistent and direct)
         self._dst: dict = {}
         self._k = 0
+        self._overwritten = False  # a persistent receiver buffer was (or is being) written since open()
 
     # sender side
     def open(self, plan_hash: str) -> None:
         self._k = 0
+        self._overwritten = False
         self._q.put(("open", {"plan_hash": plan_hash}, None, None))
 
     def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
         self._q.put(("bucket", meta, buf.clone(), None))
 
-    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
-        """Copy a GPU bucket into a fresh receiver-side buffer on a separate copy stream (ordered after the work
-        that filled it), so the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes
-        the sender's stream wait for the copy before it reuses `buf`; nothing blocks the host."""
+    def _buffer(self, k: int, like: torch.Tensor) -> torch.Tensor:
         import torch
 
+        dst = self._dst.get(k) if self.persistent else None
+        if dst is None or dst.numel() != like.numel() or dst.device != like.device:
+            dst = torch.empty_like(like)
+            if self.persistent:
+                self._dst[k] = dst
+        if self.persistent:
+            self._overwritten = True
+        return dst
+
+    def gpu_destination(self, k: int, nbytes: int, device) -> Optional[torch.Tensor]:
+        """Direct mode: the receiver-owned uint8 buffer of bucket k (nbytes, on `device`), kept across updates, for
+        the program to fill in place; None when this transport copies (not persistent, or direct=False)."""
+        if not self.direct:
+            return None
+        import torch
+
+        dst = self._dst.get(k)
+        if dst is None or dst.numel() != nbytes or dst.device != torch.device(device):
+            dst = self._dst[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._overwritten = True
+        return dst
+
+    def send_gpu_bucket(self, meta: dict, buf: torch.Tensor):
+        """Hand a GPU bucket to the receiver. Direct mode with `buf` = this bucket's receiver buffer (filled in
+        place): the message only, with an event that orders the receiver's stream after the filling work. Else
+        copy it into a receiver-side buffer on a separate copy stream (ordered after the work that filled it), so
+        the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes the sender's stream
+        wait for the copy before it reuses `buf` (None when nothing was copied); nothing blocks the host."""
+        import torch
+
+        k = self._k
+        self._k += 1
+        own = self._dst.get(k) if self.direct else None
+        on_gpu = buf.device.type == "cuda"  # CPU buffers: the Triton interpreter's runs of the program (tests)
+        if own is not None and own.data_ptr() == buf.data_ptr() and own.numel() == buf.numel():
+            ev = None
+            if on_gpu:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(buf.device))
+            self._q.put(("bucket", meta, own, ev))
+            return None
+        if not on_gpu:
+            dst = self._buffer(k, buf)
+            dst.copy_(buf)
+            self._q.put(("bucket", meta, dst, None))
+            return None
         cur = torch.cuda.current_stream(buf.device)
         if getattr(self, "_stream", None) is None:
             self._stream = torch.cuda.Stream(buf.device)
         self._stream.wait_stream(cur)
         with torch.cuda.stream(self._stream):
-            dst = self._dst.get(self._k) if self.persistent else None
-            if dst is None or dst.numel() != buf.numel():
-                dst = torch.empty_like(buf)
-                if self.persistent:
-                    self._dst[self._k] = dst
-            self._k += 1
+            dst = self._buffer(k, buf)
             dst.copy_(buf, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self._stream)
@@ -103,10 +153,18 @@ class InProcessTransport:
         return _StreamWait(ev)
 
     def close(self, summary: dict) -> None:
+        if self.direct:
+            summary = dict(summary, direct=True)  # one memory: the receiver holds the sender's very bytes
         self._q.put(("close", summary, None, None))
 
+    @property
+    def torn(self) -> bool:
+        """The receiver's kept buffers were (partly) overwritten by the update under way."""
+        return self._overwritten
+
     def abort(self, reason: str) -> None:
-        self._q.put(("abort", {"reason": reason}, None, None))
+        # torn: the receiver's kept buffers were overwritten by this update, which is not complete
+        self._q.put(("abort", {"reason": reason, "torn": self._overwritten}, None, None))
 
     # receiver side
     def recv(self, timeout: Optional[float] = None):
