@@ -152,7 +152,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
                                                       WeightSender)
 
-    direct = mode == "direct"
+    direct = mode in ("direct", "direct-two")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
     sender = WeightSender(plan, tr, bucket_bytes=bucket_mb << 20)
@@ -160,8 +160,8 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     t_prog = time.perf_counter() - t0
     t0 = time.perf_counter()
     prep = sender.prepare_program(weights.items())
-    if not direct:  # the previous program: two-kernel NVFP4, a launch per small piece
-        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=False, nvfp4_fused=False), prep.tensors)
+    if mode != "direct":  # two-kernel NVFP4 (seg_amax + nvfp4_segment); copy mode: also a launch per small piece
+        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_fused=False), prep.tensors)
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -325,7 +325,7 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
-    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct, copy")
+    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (fused NVFP4 kernel), direct-two (direct, seg_amax + nvfp4_segment), copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",
