@@ -124,9 +124,12 @@ def _nvfp4_seg_fused_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, sdec_ptr, isc
         u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
                     other=0)
         if is_q:
-            cnt = tl.atomic_add(done_ptr + c, 0, sem="acquire")
+            # spin on plain volatile loads (no read-modify-write traffic on the counter the amax tiles are still
+            # incrementing), then one acquire RMW orders the group-amax reads after the chunk's release
+            cnt = tl.load(done_ptr + c, volatile=True)
             while cnt < T:
-                cnt = tl.atomic_add(done_ptr + c, 0, sem="acquire")
+                cnt = tl.load(done_ptr + c, volatile=True)
+            tl.atomic_add(done_ptr + c, 0, sem="acquire")
             # volatile: past L1, which may hold a line of group amaxes read before a later chunk was complete
             g = tl.load(bits_ptr + rows // RPG, mask=rmask, other=0, volatile=True).to(tl.float32, bitcast=True)
             lo, hi = unpack_pair(u, IN_DTYPE)
