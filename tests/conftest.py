@@ -64,3 +64,19 @@ def cat_words(path) -> list[str]:
     out = subprocess.run(["bash", "-c", 'printf "%s\\0" $(cat "$1")', "cat_words", path.name], cwd=path.parent,
                          capture_output=True, check=True)
     return out.stdout.decode().split("\0")[:-1]
+
+
+@pytest.fixture(scope="module")
+def vllm_033():
+    """vLLM 0.33.0's oracle (tests/oracles/vllm_oracle.py) for one test module; the vLLM process group that models
+    built there keep is torn down after the module, so the rest of the session never sees it."""
+    from oracles import vllm_loader
+    from oracles.vllm_oracle import OracleUnavailable, oracle
+
+    try:
+        o = oracle(vllm_loader.VERSION)
+    except OracleUnavailable as err:
+        pytest.fail(f"vLLM oracle unavailable: {err}", pytrace=False)
+    yield o
+    with o.sandbox:
+        o._teardown_parallel()

@@ -12,24 +12,12 @@ import pytest
 import torch
 
 from oracles import vllm_loader
-from oracles.vllm_oracle import OracleUnavailable, oracle
 from precision_dsl.backends.weight_update import vllm_named_tensors
 from precision_dsl.engine import verl_worker as vw
 from test_weight_update_vllm import config_of, converted, engine_args, hf_weights, plan_of
 
 CASES = [("miles-nvfp4", "deepseek-v3-mini"), ("nvfp4-pertoken-hp-backward", "tiny-moe"),
          ("fp8-blockwise-hopper", "deepseek-v3-mini")]
-
-
-@pytest.fixture(scope="module")
-def vllm_033():
-    try:
-        o = oracle(vllm_loader.VERSION)
-    except OracleUnavailable as err:
-        pytest.fail(f"vLLM oracle unavailable: {err}", pytrace=False)
-    yield o
-    with o.sandbox:  # the models built here keep vLLM's process group; the rest of the session must not see it
-        o._teardown_parallel()
 
 
 def _verl_buckets(weights: dict, size: int = 7) -> list[list[tuple[str, torch.Tensor]]]:

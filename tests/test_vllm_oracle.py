@@ -22,19 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from oracles.vllm_oracle import VLLM_VERSIONS, OracleUnavailable, VllmRefused, oracle, parse_engine_args, \
+from oracles.vllm_oracle import VLLM_VERSIONS, OracleUnavailable, VllmRefused, parse_engine_args, \
     vllm_modules
 
 REPO = Path(__file__).resolve().parents[1]
 V = "0.33.0"
-
-
-@pytest.fixture(scope="module")
-def vllm_033():
-    try:
-        return oracle(V)
-    except OracleUnavailable as err:
-        pytest.fail(f"vLLM oracle unavailable: {err}", pytrace=False)
 
 
 def model_dir(tmp_path, model: str, quantization_config=None, layers=None, **overrides) -> Path:

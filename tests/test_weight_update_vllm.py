@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from oracles import vllm_loader
-from oracles.vllm_oracle import OracleUnavailable, oracle
+from oracles.vllm_oracle import oracle
 from oracles._sandbox import env
 from precision_dsl.arch.loader import architecture_from_config
 from precision_dsl.backends import converter
@@ -51,15 +51,7 @@ DEEPSEEK_MINI = dict(hidden_size=256, intermediate_size=256, moe_intermediate_si
                      num_nextn_predict_layers=1, max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_033():
-    try:
-        o = oracle(vllm_loader.VERSION)
-    except OracleUnavailable as err:
-        pytest.fail(f"vLLM oracle unavailable: {err}", pytrace=False)
-    yield o
-    with o.sandbox:  # the models built here keep vLLM's process group; the rest of the session must not see it
-        o._teardown_parallel()
+pytestmark = pytest.mark.usefixtures("vllm_033")  # conftest: vLLM 0.33.0 for the module, torn down after
 
 
 @functools.lru_cache(maxsize=None)
