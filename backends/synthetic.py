@@ -1,4 +1,5 @@
-"""Random HF safetensors checkpoints for an architecture (tests and benchmarks/convert.py).
+"""Random HF safetensors checkpoints for an architecture (tests and benchmarks/convert.py), and the Megatron-core
+trainer state the same weights make (`megatron_weights`, `megatron_shard`: the sharded-update test and benchmark).
 
 `write_synthetic_checkpoint(arch, dst, shards=3)` writes every tensor of `arch` with the catalog's shapes, split
 over `shards` files (+ model.safetensors.index.json, config.json, a tokenizer stand-in). Tensors are assigned to
@@ -111,3 +112,58 @@ def write_fp8_block_checkpoint(arch, dst: Path, shards: int = 2, seed: int = 0, 
                                                                      indent=2))
     (dst / "config.json").write_text(json.dumps(arch.config, indent=2))
     return dst
+
+
+def megatron_weights(plan, config: dict, hf: dict) -> dict:
+    """The full Megatron-core weights of HF tensors `hf`, by the plan's Megatron names: linear_fc1 = cat([gate, up])
+    along rows, linear_qkv grouped per KV head ([q heads of the group, k, v] per group, as megatron-core's
+    SelfAttention splits it), everything else as is."""
+    import torch
+
+    hd, ng = config["head_dim"], config["num_key_value_heads"]
+    parts_of: dict = {}
+    for t in plan.tensors:
+        parts_of.setdefault(t.megatron_name, {})[t.megatron_part] = hf[t.hf_name]
+    out = {}
+    for name, parts in parts_of.items():
+        if set(parts) == {None}:
+            out[name] = parts[None]
+        elif set(parts) == {"gate", "up"}:
+            out[name] = torch.cat([parts["gate"], parts["up"]], 0)
+        else:
+            h = parts["q"].shape[1]
+            out[name] = torch.cat([parts[p].reshape(ng, -1, hd, h) for p in ("q", "k", "v")], 1).reshape(-1, h)
+    return out
+
+
+def megatron_shard(meg: dict, layout, rank: int, num_experts: int) -> dict:
+    """What trainer rank `rank` of `layout` (weight_update.sharded.ShardedLayout) holds of `meg`: dense weights split
+    over tp (row-parallel linear_proj / linear_fc2 along K, column-parallel ones along rows with gate and up split
+    separately), routed experts over ep (renumbered locally) then etp the same way."""
+    import torch
+
+    tr, er, xr = layout.trainer_coords(rank)
+    tp, etp = layout.trainer_tp, layout.trainer_etp
+    e_local = num_experts // layout.trainer_ep
+    st = {}
+    for n, x in meg.items():
+        if ".mlp.experts.linear_fc" in n:
+            base, e = n.rsplit("weight", 1)
+            if int(e) // e_local != er:
+                continue
+            if "linear_fc2" in n:
+                y = x.chunk(etp, 1)[xr]
+            else:
+                g, u = x.chunk(2, 0)
+                y = torch.cat([g.chunk(etp, 0)[xr], u.chunk(etp, 0)[xr]], 0)
+            st[f"{base}weight{int(e) % e_local}"] = y.contiguous()
+        elif n.endswith(("linear_proj.weight", "linear_fc2.weight")):
+            st[n] = x.chunk(tp, 1)[tr].contiguous()
+        elif n.endswith("linear_fc1.weight"):
+            g, u = x.chunk(2, 0)
+            st[n] = torch.cat([g.chunk(tp, 0)[tr], u.chunk(tp, 0)[tr]], 0)
+        elif n.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
+            st[n] = x.chunk(tp, 0)[tr].contiguous()
+        else:
+            st[n] = x
+    return st

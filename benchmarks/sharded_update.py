@@ -31,61 +31,13 @@ LAYOUTS = {
 POLICIES = ["bf16", "mxfp8-e2e", "nvfp4-pertoken-hp-backward"]
 
 
-def hf_to_megatron(plan, cfg, hf: dict) -> dict:
-    import torch
-
-    hd, ng = cfg["head_dim"], cfg["num_key_value_heads"]
-    by: dict = {}
-    for t in plan.tensors:
-        by.setdefault(t.megatron_name, {})[t.megatron_part] = hf[t.hf_name]
-    out = {}
-    for name, parts in by.items():
-        if set(parts) == {None}:
-            out[name] = parts[None]
-        elif set(parts) == {"gate", "up"}:
-            out[name] = torch.cat([parts["gate"], parts["up"]], 0)
-        else:
-            h = parts["q"].shape[1]
-            out[name] = torch.cat([parts[p].reshape(ng, -1, hd, h) for p in ("q", "k", "v")], 1).reshape(-1, h)
-    return out
-
-
-def megatron_shard(meg: dict, layout, rank: int, num_experts: int) -> dict:
-    import torch
-
-    tr, er, xr = layout.trainer_coords(rank)
-    tp, etp = layout.trainer_tp, layout.trainer_etp
-    e_local = num_experts // layout.trainer_ep
-    st = {}
-    for n, x in meg.items():
-        if ".mlp.experts.linear_fc" in n:
-            base, e = n.rsplit("weight", 1)
-            if int(e) // e_local != er:
-                continue
-            if "linear_fc2" in n:
-                y = x.chunk(etp, 1)[xr]
-            else:
-                g, u = x.chunk(2, 0)
-                y = torch.cat([g.chunk(etp, 0)[xr], u.chunk(etp, 0)[xr]], 0)
-            st[f"{base}weight{int(e) % e_local}"] = y.contiguous()
-        elif n.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            st[n] = x.chunk(tp, 1)[tr].contiguous()
-        elif n.endswith("linear_fc1.weight"):
-            g, u = x.chunk(2, 0)
-            st[n] = torch.cat([g.chunk(tp, 0)[tr], u.chunk(tp, 0)[tr]], 0)
-        elif n.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
-            st[n] = x.chunk(tp, 0)[tr].contiguous()
-        else:
-            st[n] = x
-    return st
-
-
 def _worker(rank, args, port, src, results):
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
 
     from precision_dsl.arch import load_architecture
+    from precision_dsl.backends.synthetic import megatron_shard, megatron_weights
     from precision_dsl.backends.weight_update import ShardedLayout, ShardedUpdate, partition_specs
     from precision_dsl.resolve import resolve
 
@@ -103,7 +55,7 @@ def _worker(rank, args, port, src, results):
     for policy in args.policies:
         plan = resolve(REPO / "policies" / f"{policy}.policy", arch, None)
         up = ShardedUpdate(plan, layout, arch.config, bucket_bytes=args.bucket_mib << 20, device=device)
-        shard = megatron_shard(hf_to_megatron(plan, arch.config, hf), layout, rank, arch.num_experts) \
+        shard = megatron_shard(megatron_weights(plan, arch.config, hf), layout, rank, arch.num_experts) \
             if layout.is_trainer(rank) else None
         times, reps = [], []
         for i in range(args.repeats + 1):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from precision_dsl.arch import load_architecture
 from precision_dsl.backends import converter
-from precision_dsl.backends.synthetic import write_synthetic_checkpoint
+from precision_dsl.backends.synthetic import megatron_shard, megatron_weights, write_synthetic_checkpoint
 from precision_dsl.backends.weight_update import (PartitionError, RolloutRank, ShardedLayout, partition_specs,
                                                   partition_tensors, rollout_partition)
 from precision_dsl.backends.weight_update.partition import Slice
@@ -69,57 +69,6 @@ def plan_for(name):
     return resolve(REPO / "policies" / f"{name}.policy", arch(), None)
 
 
-def to_megatron(plan, hf: dict) -> dict:
-    """Full Megatron-core weights built by hand: fc1 = cat([gate, up]), linear_qkv grouped per KV head."""
-    cfg = arch().config
-    hd, ng = cfg["head_dim"], cfg["num_key_value_heads"]
-    qpg = cfg["num_attention_heads"] // ng
-    by_meg: dict[str, dict] = {}
-    for t in plan.tensors:
-        by_meg.setdefault(t.megatron_name, {})[t.megatron_part] = hf[t.hf_name]
-    out = {}
-    for name, parts in by_meg.items():
-        if set(parts) == {None}:
-            out[name] = parts[None]
-        elif set(parts) == {"gate", "up"}:
-            out[name] = torch.cat([parts["gate"], parts["up"]], 0)
-        else:
-            h = parts["q"].shape[1]
-            q, k, v = (parts[p].reshape(ng, -1, hd, h) for p in ("q", "k", "v"))
-            assert q.shape[1] == qpg
-            out[name] = torch.cat([q, k, v], 1).reshape(-1, h)
-    return out
-
-
-def trainer_shard(meg: dict, layout: ShardedLayout, rank: int) -> dict:
-    """What Megatron rank `rank` holds: dense weights split over tp, experts over ep (local indices) then etp."""
-    tr, er, xr = layout.trainer_coords(rank)
-    tp, ep, etp = layout.trainer_tp, layout.trainer_ep, layout.trainer_etp
-    e_local = arch().config["num_experts"] // ep
-    st = {}
-    for n, x in meg.items():
-        if ".mlp.experts.linear_fc" in n:
-            base, e = n.rsplit("weight", 1)
-            if int(e) // e_local != er:
-                continue
-            if "linear_fc2" in n:
-                y = x.chunk(etp, 1)[xr]
-            else:
-                g, u = x.chunk(2, 0)
-                y = torch.cat([g.chunk(etp, 0)[xr], u.chunk(etp, 0)[xr]], 0)
-            st[f"{base}weight{int(e) % e_local}"] = y.contiguous()
-        elif n.endswith(("linear_proj.weight", "linear_fc2.weight")):
-            st[n] = x.chunk(tp, 1)[tr].contiguous()
-        elif n.endswith("linear_fc1.weight"):
-            g, u = x.chunk(2, 0)
-            st[n] = torch.cat([g.chunk(tp, 0)[tr], u.chunk(tp, 0)[tr]], 0)
-        elif n.endswith(("linear_qkv.weight", "word_embeddings.weight", "output_layer.weight")):
-            st[n] = x.chunk(tp, 0)[tr].contiguous()
-        else:
-            st[n] = x
-    return st
-
-
 def _worker(rank, port, src_dir, out_dir):
     import torch.distributed as dist
 
@@ -142,7 +91,8 @@ def _worker(rank, port, src_dir, out_dir):
             up = ShardedUpdate(plan, layout, arch().config, bucket_bytes=1 << 16, fault=inject)
             try:
                 if layout.is_trainer(rank):
-                    rep = up.update(lambda: trainer_shard(to_megatron(plan, hf), layout, rank), name)
+                    meg = megatron_weights(plan, arch().config, hf)
+                    rep = up.update(lambda: megatron_shard(meg, layout, rank, arch().config["num_experts"]), name)
                     log[name] = f"sent {rep.bytes} {rep.buckets}"
                 else:
                     got, rep = up.update()
