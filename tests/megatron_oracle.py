@@ -143,6 +143,20 @@ def _without_te():
         tc.is_te_min_version = orig
 
 
+def _shape_fields(arch) -> dict:
+    """TransformerConfig fields of the architecture's shape (both ways of building a config below start here)."""
+    c = arch.config
+    base = dict(num_layers=arch.num_layers, hidden_size=c["hidden_size"],
+                num_attention_heads=c["num_attention_heads"],
+                ffn_hidden_size=c.get("intermediate_size", 4 * c["hidden_size"]),
+                num_moe_experts=c.get("num_experts") or c.get("n_routed_experts"),
+                moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_router_topk=c.get("num_experts_per_tok", 2),
+                add_bias_linear=False, gated_linear_unit=True)
+    if c.get("num_nextn_predict_layers"):
+        base["mtp_num_layers"] = int(c["num_nextn_predict_layers"])
+    return base
+
+
 def build_config(arch, flags: list[str], yaml_dir: Optional[Path]):
     """TransformerConfig (MLATransformerConfig for DeepSeek-V3) from the architecture's shape + the emitted flags,
     with quant_recipe loaded from the emitted YAML by megatron-core."""
@@ -153,14 +167,7 @@ def build_config(arch, flags: list[str], yaml_dir: Optional[Path]):
     kw, yaml_name = parse_flags(flags)
     validate_args(kw, arch.num_layers)
     c = arch.config
-    base = dict(num_layers=arch.num_layers, hidden_size=c["hidden_size"],
-                num_attention_heads=c["num_attention_heads"],
-                ffn_hidden_size=c.get("intermediate_size", 4 * c["hidden_size"]),
-                num_moe_experts=c.get("num_experts") or c.get("n_routed_experts"),
-                moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_router_topk=c.get("num_experts_per_tok", 2),
-                add_bias_linear=False, gated_linear_unit=True)
-    if c.get("num_nextn_predict_layers"):
-        base["mtp_num_layers"] = int(c["num_nextn_predict_layers"])
+    base = _shape_fields(arch)
     base.update(kw)
     if base.get("pipeline_model_parallel_size", 1) > 1:
         base["pipeline_dtype"] = torch.bfloat16
@@ -357,14 +364,7 @@ def config_from_fields(arch, fields: dict, path: str = "mbridge"):
     from megatron.core.transformer import transformer_config as tc
 
     c = arch.config
-    base = dict(num_layers=arch.num_layers, hidden_size=c["hidden_size"],
-                num_attention_heads=c["num_attention_heads"],
-                ffn_hidden_size=c.get("intermediate_size", 4 * c["hidden_size"]),
-                num_moe_experts=c.get("num_experts") or c.get("n_routed_experts"),
-                moe_ffn_hidden_size=c.get("moe_intermediate_size"), moe_router_topk=c.get("num_experts_per_tok", 2),
-                add_bias_linear=False, gated_linear_unit=True)
-    if c.get("num_nextn_predict_layers"):
-        base["mtp_num_layers"] = int(c["num_nextn_predict_layers"])
+    base = _shape_fields(arch)
     if c.get("model_type") == "deepseek_v3":
         cls = tc.MLATransformerConfig
         base.update(q_lora_rank=c["q_lora_rank"], kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_nope_head_dim"],
