@@ -1,14 +1,16 @@
 """Fused NVFP4 quantize kernels (Triton, Hopper sm_90), byte-identical to precision_dsl.formats.nvfp4 (TE >= 2.14).
 
 Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pair):
-  * `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
+  * `_nvfp4_row_scaled_chunked_kernel` (default where the row is <= 8 chunks of 64 blocks) /
+    `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
     row amax -> S_enc/S_dec per row -> E4M3 block scales -> packed E2M1. Writes data [M, K/2], scale [M, K/16],
-    S_dec [M] and G [M].
+    S_dec [M] and G [M]. (`_nvfp4_row_scaled_loop_kernel`: rows too long for registers, read twice.)
   * `_amax_flat_kernel` (default) / `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
     non-negative floats) - the first of the two passes of per-tensor NVFP4 (skipped when `global_amax` is given,
     e.g. for a share-scale group).
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
-    (no host synchronisation): S_enc/S_dec are derived in every program, identically.
+    (no host synchronisation): S_enc/S_dec are derived in every program, identically. K_MAJOR picks the order in
+    which programs walk the tensor (row stripes first, or a stripe's block columns first).
 
 Numerics (see the reference's module docstring for the formulas and _common for the exactness rules):
     S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
@@ -221,6 +223,57 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
 
 
 @triton.jit
+def _nvfp4_tile2d_rows_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
+                              IN_DTYPE: tl.constexpr, BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False,
+                              K_MAJOR: tl.constexpr = False):
+    """16x16 NVFP4 (as _nvfp4_tensor_kernel with TILE_2D) with every thread holding its pair words of all 16 rows,
+    so the 16-row max is taken in registers and only a block's 4 threads exchange values (two shuffles per tile,
+    none across warps); 32 words per thread when BLOCK_NB = 8 * num_warps.
+
+    The tile is [4, BLOCK_NB, 16, 2] = (quarter of a block, block, row, word): the word pair is the contiguous axis
+    (8-byte loads) and Triton's coalescing puts the threads on the remaining axes in axis order (triton 3.6
+    Coalesce: order by contiguity, ties in axis order), i.e. 4 threads per block, 8 blocks per warp, warps over
+    blocks, and the 16 rows in each thread (benchmarks/sass_count.py: 2 shuffles per tile)."""
+    if K_MAJOR:
+        pid_b = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_d = tl.multiple_of(stride_d, 8)
+    rows = pid_m * 16 + tl.arange(0, 16)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    r64 = rows.to(tl.int64)
+    q = tl.arange(0, 4)
+    w = tl.arange(0, 2)
+    inner = q[:, None, None, None] * 2 + nb[None, :, None, None] * 8 + w[None, None, None, :]
+    x_offs = inner + tl.multiple_of(r64 * stride_xp, 8)[None, None, :, None]
+    d_offs = inner + tl.multiple_of(r64 * stride_d, 8)[None, None, :, None]
+    bmask = nb < NB
+    mask4 = bmask[None, :, None, None] & (rows < M)[None, None, :, None]
+    if EVEN:
+        u = tl.load(xp_ptr + x_offs)
+    else:
+        u = tl.load(xp_ptr + x_offs, mask=mask4, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    g = tl.load(g_ptr)
+    s_enc, s_dec = _global_scales(g)
+    if (pid_m == 0) & (pid_b == 0):
+        tl.store(sdec_ptr, s_dec)
+    a = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=3), axis=2)  # [4, BNB], in-thread
+    amax_t = tl.maximum(tl.max(a, axis=0), 0.0)  # [BNB]: max.f32 ignores NaN, an all-NaN tile is 0
+    sf, enc = _block_scale(amax_t, s_enc, s_dec)
+    packed = _pack_codes(lo, hi, enc[None, :, None, None])
+    if EVEN:
+        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
+        tl.store(data_ptr + d_offs, packed)
+    else:
+        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+        tl.store(data_ptr + d_offs, packed, mask=mask4)
+
+
+@triton.jit
 def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
                                   stride_s, IN_DTYPE: tl.constexpr, CHUNK_NB: tl.constexpr):
     """Per-row NVFP4, one row per program, the row read twice in CHUNK_NB-block chunks (amax pass, then the
@@ -348,12 +401,12 @@ ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, 
                dict(chunk=128, num_warps=4))
 TENSOR_CONFIGS = ({}, dict(k_major=True), dict(block_m=8, block_nb=64, num_warps=4),
                   dict(block_m=8, block_nb=16, num_warps=2))
-# 16x16: k_major (programs walk a stripe's tiles first) tests the access-pattern explanation of 70% against the
-# 1x16 kernel's 87%: the 1x16 kernel with the same 16-row x 16-block tiles measured 71% / 68%, so the 16-row
-# reduction is not what costs; block_nb=16 * num_warps keeps each thread's 16 rows in its own registers (no
-# cross-warp reduction, 13.8 SASS instructions per element, 165 registers)
-TILE2D_CONFIGS = ({}, dict(k_major=True), dict(block_nb=32, num_warps=4), dict(block_nb=32, num_warps=4, k_major=True),
-                  dict(block_nb=16, num_warps=1), dict(block_nb=16, num_warps=1, k_major=True))
+# 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
+# 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
+# pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
+# and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
+TILE2D_CONFIGS = ({}, dict(k_major=True), dict(block_nb=32, num_warps=4), dict(block_nb=16, num_warps=1, k_major=True),
+                  dict(thread_rows=True), dict(thread_rows=True, k_major=True))
 AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4),
                 dict(flat_block=2048, num_warps=4))
 
@@ -453,10 +506,11 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=False):
+               k_major=False, thread_rows=False):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1).
+    thread_rows (16x16 only): `_nvfp4_tile2d_rows_kernel` (16 rows per thread; block_nb defaults to 8 * num_warps).
     Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
@@ -475,13 +529,21 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         # amax given: 1x16 4 rows x 64 blocks / 2 warps 87% / 79% (8 x 64 / 4 warps 81% / 70%); 16x16 one 16-row
         # stripe x 16 tiles / 4 warps 70% / 65%, 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per
         # element, 14.6 vs 16.1, but slower: the SASS count is not the bound there), 64 tiles 57% / 50%
+        thread_rows = bool(thread_rows) and tile_2d
         bm = 16 if tile_2d else (block_m or 4)
-        bnb = block_nb or min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
-        warps = num_warps or (4 if tile_2d else 2)
+        warps = num_warps or (2 if thread_rows else 4 if tile_2d else 2)
+        bnb = block_nb or (8 * warps if thread_rows else
+                           min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length())))
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
         k_major = bool(k_major) and grid[0] <= 65535
         if k_major:
             grid = grid[::-1]
+        if thread_rows:
+            _nvfp4_tile2d_rows_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0),
+                                            scale.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_NB=bnb,
+                                            EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
+                                            **LAUNCH_OPTS)
+            return data, scale, sdec, g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
                                    EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
