@@ -1,7 +1,10 @@
 """SASS instructions per input element of the NVFP4 quantize kernels, without a GPU (the issue-bound kernels' proxy).
 
     python benchmarks/sass_count.py [--shapes 16384x7168,8192x2048] [--kernels row,tensor,2d,amax] [--opcodes]
-                                    [--variant 'row:chunk=64,num_warps=2' ...] [--json OUT.json]
+                                    [--variant 'row:chunk=64,num_warps=2' ...] [--tables] [--json OUT.json]
+
+--tables: every launch config of triton_nvfp4's ROW_CONFIGS / TENSOR_CONFIGS / TILE2D_CONFIGS / AMAX_CONFIGS of
+the --kernels kinds (the rows benchmarks/quantize.py measures), instead of their defaults alone.
 
 Each host wrapper of precision_dsl/kernels/triton_nvfp4.py is called on `meta` tensors of the shape with its
 kernels swapped for recorders, so the launch configuration (grid, constexprs, num_warps, LAUNCH_OPTS) is exactly the
@@ -230,9 +233,18 @@ def main(argv=None) -> int:
                     help="KIND:key=value,... a launch config of one wrapper (repeatable), e.g. row:chunk=64")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--opcodes", action="store_true", help="also print the main body's most frequent opcodes")
+    ap.add_argument("--tables", action="store_true", help="every config of the kernel module's tables")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    jobs = [(kd, {}) for kd in filter(None, args.kernels.split(","))] + [parse_variant(v) for v in args.variant]
+    kinds = list(filter(None, args.kernels.split(",")))
+    if args.tables:
+        from precision_dsl.kernels import triton_nvfp4 as kn
+
+        table = {"row": kn.ROW_CONFIGS, "tensor": kn.TENSOR_CONFIGS, "2d": kn.TILE2D_CONFIGS, "amax": kn.AMAX_CONFIGS}
+        jobs = [(kd, dict(cfg)) for kd in kinds for cfg in table[kd]]
+    else:
+        jobs = [(kd, {}) for kd in kinds]
+    jobs += [parse_variant(v) for v in args.variant]
     rows = []
     print("| shape | wrapper config | kernel | grid | warps | regs (local B) | main SASS | cold | elem/thread | "
           "SASS/elem | by class |")

@@ -118,8 +118,8 @@ def edge_input(m: int, k: int, dtype, seed: int):
 
 
 def kernel_checks(x, configs) -> dict:
-    """Row-scaled NVFP4 under each launch config, per-tensor (G given, and computed by each amax config) and 16x16
-    with G given, vs the reference."""
+    """Row-scaled NVFP4 under each launch config, per-tensor under every TENSOR_CONFIGS config (G given; G computed
+    by each amax config) and 16x16 under every TILE2D_CONFIGS config (G given), vs the reference."""
     from precision_dsl.formats import nvfp4
     from precision_dsl.kernels import triton_nvfp4 as kn
 
@@ -134,8 +134,10 @@ def kernel_checks(x, configs) -> dict:
         out[f"row {cfg} S_dec"] = _same(sd.cpu(), ref.global_scale)
         out[f"row {cfg} amax"] = _same(g.cpu(), ref.global_amax)
     reft = nvfp4.quantize(x.cpu(), scope="tensor")
-    d, s, sd, g = kn.per_tensor(x, reft.global_amax.to(x.device))
-    out["tensor data"], out["tensor scale"] = _same(d.cpu(), reft.data), _same(s.cpu(), reft.scale)
+    for cfg in kn.TENSOR_CONFIGS:
+        d, s, sd, g = kn.per_tensor(x, reft.global_amax.to(x.device), **cfg)
+        out[f"tensor {cfg} data"], out[f"tensor {cfg} scale"] = _same(d.cpu(), reft.data), _same(s.cpu(), reft.scale)
+        out[f"tensor {cfg} S_dec"] = _same(sd.cpu(), reft.global_scale)
     for cfg in kn.AMAX_CONFIGS + (dict(flat_block=1024),):  # the amax pass: flat (even or masked tail) and tiled
         out[f"amax {cfg}"] = _same(kn.tensor_amax(x, **cfg).cpu(), reft.global_amax)
     d, s, sd, g = kn.per_tensor(x)
@@ -143,8 +145,9 @@ def kernel_checks(x, configs) -> dict:
                                                                                                reft.global_amax)
     if x.shape[0] % 16 == 0:
         ref2 = nvfp4.quantize(x.cpu(), scope="tensor", tile_2d=True)
-        d, s, sd, g = kn.per_tensor(x, ref2.global_amax.to(x.device), tile_2d=True)
-        out["2d data"], out["2d scale"] = _same(d.cpu(), ref2.data), _same(s.cpu(), ref2.scale)
+        for cfg in kn.TILE2D_CONFIGS:
+            d, s, sd, g = kn.per_tensor(x, ref2.global_amax.to(x.device), tile_2d=True, **cfg)
+            out[f"2d {cfg} data"], out[f"2d {cfg} scale"] = _same(d.cpu(), ref2.data), _same(s.cpu(), ref2.scale)
     return out
 
 

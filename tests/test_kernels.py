@@ -325,6 +325,53 @@ def test_format_generic_entry_point_matches_reference(fmt, axis):
         assert torch.equal(a.tensors()[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
 
 
+def _launches(monkeypatch, call):
+    """[(kernel name, grid, constexpr / launch kwargs)] the NVFP4 host wrapper `call(knv)` would launch, recorded on
+    meta tensors (no GPU, nothing compiled)."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    sink = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: sink.append((self.name, tuple(grid), kw))
+
+    for name in ("_nvfp4_row_scaled_kernel", "_nvfp4_row_scaled_chunked_kernel", "_nvfp4_row_scaled_loop_kernel",
+                 "_nvfp4_tensor_kernel", "_amax_flat_kernel", "_amax_kernel"):
+        monkeypatch.setattr(knv, name, Rec(name))
+    call(knv)
+    return sink
+
+
+def test_nvfp4_default_launch_configs(monkeypatch):
+    """The defaults the H200 sweep chose: per-token = 64-block register chunks / 2 warps wherever they divide the
+    row in <= 8 chunks (K = 2048 and 7168), else the whole row, one row / 2 warps; 16x16 = 16 tiles / 4 warps;
+    k_major swaps the grid axes (block columns on axis 0) and is dropped past CUDA's 65535 limit of axis 1."""
+    def meta(m, k):
+        return torch.empty((m, k), dtype=torch.bfloat16, device="meta")
+
+    g = torch.empty((1,), dtype=torch.float32, device="meta")
+    for k, nch in ((2048, 2), (7168, 7), (1024, 1)):
+        (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.row_scaled(meta(64, k)))
+        assert (name, grid, kw["NCH"], kw["CH"], kw["EVEN"], kw["num_warps"]) == (
+            "_nvfp4_row_scaled_chunked_kernel", (64,), nch, 64, True, 2), (k, kw)
+    for k, cfg, bm in ((2048, dict(chunk=0), 1), (96, {}, 8), (2048, dict(block_m=2), 2)):
+        (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.row_scaled(meta(64, k), **cfg))
+        assert (name, kw["BLOCK_M"], kw["num_warps"]) == ("_nvfp4_row_scaled_kernel", bm, 2), (k, cfg, kw)
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True))
+    assert (grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == ((256, 28), 16, 16, 4, False)
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True,
+                                                                           k_major=True))
+    assert (grid, kw["K_MAJOR"]) == ((28, 256), True)
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65536, 32), g, k_major=True))
+    assert (grid, kw["K_MAJOR"]) == ((65536, 1), False)  # 65536 stripes do not fit axis 1: the default order
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65535, 32), g, k_major=True))
+    assert (grid, kw["K_MAJOR"]) == ((1, 65535), True)
+
+
 # ------------------------------------------------------------------ the element coder and the block-scale reciprocal
 
 def test_nvfp4_coder_and_edge_inputs_interpreted():

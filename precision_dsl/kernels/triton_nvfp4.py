@@ -1,14 +1,16 @@
 """Fused NVFP4 quantize kernels (Triton, Hopper sm_90), byte-identical to precision_dsl.formats.nvfp4 (TE >= 2.14).
 
 Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pair):
-  * `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
+  * `_nvfp4_row_scaled_chunked_kernel` (default where the row is <= 8 chunks of 64 blocks) /
+    `_nvfp4_row_scaled_kernel`: per-token ("row") NVFP4 in ONE pass: each program holds whole rows in registers,
     row amax -> S_enc/S_dec per row -> E4M3 block scales -> packed E2M1. Writes data [M, K/2], scale [M, K/16],
-    S_dec [M] and G [M].
+    S_dec [M] and G [M]. (`_nvfp4_row_scaled_loop_kernel`: rows too long for registers, read twice.)
   * `_amax_flat_kernel` (default) / `_amax_kernel`: per-tensor amax (NaN-ignoring) by an integer atomic max on the fp32 bit pattern (monotonic for
     non-negative floats) - the first of the two passes of per-tensor NVFP4 (skipped when `global_amax` is given,
     e.g. for a share-scale group).
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
-    (no host synchronisation): S_enc/S_dec are derived in every program, identically.
+    (no host synchronisation): S_enc/S_dec are derived in every program, identically. K_MAJOR picks the order in
+    which programs walk the tensor (row stripes first, or a stripe's block columns first).
 
 Numerics (see the reference's module docstring for the formulas and _common for the exactness rules):
     S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
@@ -169,22 +171,32 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
 @triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False):
+                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16]).
-    EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates)."""
-    pid_m = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates).
+    K_MAJOR: program axis 0 over the block columns, axis 1 over the row stripes. Programs start in axis-0-first
+    order, so the ones resident at one time read a few whole row stripes (contiguous memory); with axis 0 over the
+    stripes they read one narrow column strip of every row of the tensor at once."""
+    if K_MAJOR:
+        pid_b = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    r64 = rows.to(tl.int64)
+    rmask = rows < M
+    bmask = nb < NB
     if EVEN:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
-        r64 = rows.to(tl.int64)
-        lo, hi = unpack_pair(tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb)), IN_DTYPE)
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb))
     else:
-        lo, hi, rows, r64, nb, rmask, bmask = _load_block_tile(xp_ptr, M, NB, stride_xp, IN_DTYPE, BLOCK_M,
-                                                               BLOCK_NB)
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
+                    other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
@@ -208,6 +220,57 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     else:
         tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed,
                  mask=rmask[:, None, None] & bmask[None, :, None])
+
+
+@triton.jit
+def _nvfp4_tile2d_rows_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
+                              IN_DTYPE: tl.constexpr, BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False,
+                              K_MAJOR: tl.constexpr = False):
+    """16x16 NVFP4 (as _nvfp4_tensor_kernel with TILE_2D) with every thread holding its pair words of all 16 rows,
+    so the 16-row max is taken in registers and only a block's 4 threads exchange values (two shuffles per tile,
+    none across warps); 32 words per thread when BLOCK_NB = 8 * num_warps.
+
+    The tile is [4, BLOCK_NB, 16, 2] = (quarter of a block, block, row, word): the word pair is the contiguous axis
+    (8-byte loads) and Triton's coalescing puts the threads on the remaining axes in axis order (triton 3.6
+    Coalesce: order by contiguity, ties in axis order), i.e. 4 threads per block, 8 blocks per warp, warps over
+    blocks, and the 16 rows in each thread (benchmarks/sass_count.py: 2 shuffles per tile)."""
+    if K_MAJOR:
+        pid_b = tl.program_id(0)
+        pid_m = tl.program_id(1)
+    else:
+        pid_m = tl.program_id(0)
+        pid_b = tl.program_id(1)
+    stride_xp = tl.multiple_of(stride_xp, 8)
+    stride_d = tl.multiple_of(stride_d, 8)
+    rows = pid_m * 16 + tl.arange(0, 16)
+    nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    r64 = rows.to(tl.int64)
+    q = tl.arange(0, 4)
+    w = tl.arange(0, 2)
+    inner = q[:, None, None, None] * 2 + nb[None, :, None, None] * 8 + w[None, None, None, :]
+    x_offs = inner + tl.multiple_of(r64 * stride_xp, 8)[None, None, :, None]
+    d_offs = inner + tl.multiple_of(r64 * stride_d, 8)[None, None, :, None]
+    bmask = nb < NB
+    mask4 = bmask[None, :, None, None] & (rows < M)[None, None, :, None]
+    if EVEN:
+        u = tl.load(xp_ptr + x_offs)
+    else:
+        u = tl.load(xp_ptr + x_offs, mask=mask4, other=0)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    g = tl.load(g_ptr)
+    s_enc, s_dec = _global_scales(g)
+    if (pid_m == 0) & (pid_b == 0):
+        tl.store(sdec_ptr, s_dec)
+    a = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=3), axis=2)  # [4, BNB], in-thread
+    amax_t = tl.maximum(tl.max(a, axis=0), 0.0)  # [BNB]: max.f32 ignores NaN, an all-NaN tile is 0
+    sf, enc = _block_scale(amax_t, s_enc, s_dec)
+    packed = _pack_codes(lo, hi, enc[None, :, None, None])
+    if EVEN:
+        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
+        tl.store(data_ptr + d_offs, packed)
+    else:
+        tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+        tl.store(data_ptr + d_offs, packed, mask=mask4)
 
 
 @triton.jit
@@ -332,35 +395,45 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 
 # Launch configs the benchmark sweeps (benchmarks/quantize.py, every one a row of its table) and the GPU tests check
 # byte for byte; {} is the wrapper's default. A config is only a different tiling of the same per-block arithmetic.
-ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=1, num_warps=2), dict(block_m=2, num_warps=2),
-               dict(block_m=4, num_warps=4), dict(block_m=1, num_warps=4),
-               dict(chunk=64, num_warps=2), dict(chunk=64, num_warps=4), dict(chunk=128, num_warps=4),
-               dict(chunk=32, num_warps=1), dict(loop_chunk=128, num_warps=4))
-TENSOR_CONFIGS = ({}, dict(block_m=8, block_nb=64, num_warps=4), dict(block_m=16, block_nb=64, num_warps=8),
-                  dict(block_m=8, block_nb=32, num_warps=4), dict(block_m=16, block_nb=16, num_warps=4),
+# Rows the H200 sweep of session 15 ruled out (benchmarks/RESULTS.md) are not repeated: per-token block_m=4,
+# chunk=32 / 1 warp, loop_chunk, chunk=64 / 4 warps; 1x16 16-row tiles; 16x16 64-tile stripes.
+ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
+               dict(chunk=128, num_warps=4))
+TENSOR_CONFIGS = ({}, dict(k_major=True), dict(block_m=8, block_nb=64, num_warps=4),
                   dict(block_m=8, block_nb=16, num_warps=2))
-TILE2D_CONFIGS = ({}, dict(block_nb=16, num_warps=4), dict(block_nb=32, num_warps=2), dict(block_nb=64, num_warps=4),
-                  dict(block_nb=64, num_warps=8))
-AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4))
+# 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
+# 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
+# pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
+# and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
+TILE2D_CONFIGS = ({}, dict(k_major=True), dict(block_nb=32, num_warps=4), dict(block_nb=16, num_warps=1, k_major=True),
+                  dict(thread_rows=True), dict(thread_rows=True, k_major=True))
+# amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the default flat kernel
+# (8192 words, 8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
+# slots, ONE wave with 32 words (8 16-byte loads) in flight per thread, so there is no wave tail to remove; what
+# is left is fixed cost (the zero-fill of the accumulator is a kernel of its own, the start and drain of one wave,
+# 1024 same-address atomics). The rows: fatter programs (16384 words: half the atomics, 512 programs, 64 words
+# per thread), smaller ones at the same 32 words per thread (4096 / 4 warps: 2048 programs in 2112 slots of 16 per
+# SM) and at 16 (2048 / 4 warps, 26 registers: 4096 programs, two waves).
+AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4),
+                dict(flat_block=2048, num_warps=4))
 
 
 def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel: 2-warp programs of at least 2048 pair words (2
-    rows at K = 2048, 1 row from K = 4096). Two 1024-word rows per program need ~94 registers and 14.6 SASS
-    instructions per element against 16.3 for one (benchmarks/sass_count.py: the per-program scale work is shared
-    by twice the elements); more rows spill. The earlier H200 sweep (benchmarks/RESULTS.md) had 1 row / 2 warps
-    fastest or tied at K = 2048, 4096 and 7168 with the previous element coder; ROW_CONFIGS keeps that config
-    (block_m=1, num_warps=2) next to this default in the benchmark."""
+    """(BLOCK_M, BLOCK_NB, num_warps) for the whole-row kernel (rows the register-chunked kernel does not take):
+    one row per 2-warp program, at least 512 pair words per program for short rows. H200 sweep, session 15
+    (benchmarks/RESULTS.md) at K = 2048: 1 row / 2 warps 83% of copy, the 2-row tile 80%, 1 row / 4 warps 77%;
+    ROW_CONFIGS keeps the 2-row tile (block_m=2) for the benchmark."""
     from ._common import next_pow2
 
     bnb = next_pow2(nb)
-    bm = max(1, min(16, 2048 // (bnb * 8)))
+    bm = max(1, min(16, 512 // (bnb * 8)))
     return bm, bnb, 2
 
 
-# Default for rows whose block count is not a power of two: the register-chunked kernel with chunks of 64 blocks
-# when they divide the row in <= 8 chunks (K = 7168: 7 x 64, no padded lanes: 13.8 SASS instructions per element
-# and 156 registers against 16.5 and 172 for the whole row padded to 512 blocks). chunk=0 forces the whole row.
+# Default wherever it applies (the row is a whole number of <= 8 chunks of 64 blocks, K = 1024 .. 8192 in steps of
+# 1024): the register-chunked kernel, 2 warps. H200 sweep, session 15 (benchmarks/RESULTS.md), % of copy at
+# 16384x7168 / 8192x2048: chunk=64 / 2 warps 87% / 84%; the whole row (one row, 2 warps; padded to 512 blocks at
+# K = 7168) 65% / 83%; chunk=128 / 4 warps 86% / 77%; 2-row tiles 53% / 80%. chunk=0 forces the whole row.
 DEFAULT_CHUNK = 64
 
 
@@ -385,7 +458,7 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     xp = pair_view(x2)
     code = in_dtype_code(x2.dtype)
     bm, bnb, warps = _launch_cfg_rows(nb)
-    if chunk is None and block_m is None and loop_chunk is None and bnb != nb and nb % DEFAULT_CHUNK == 0 \
+    if chunk is None and block_m is None and loop_chunk is None and nb % DEFAULT_CHUNK == 0 \
             and nb // DEFAULT_CHUNK <= 8:
         chunk = DEFAULT_CHUNK
     if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
@@ -439,9 +512,13 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
     return bits.view(torch.float32)
 
 
-def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None):
+def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
+               k_major=False, thread_rows=False):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
-    on the device) replaces the amax pass (share-scale groups). Returns (data, scale, S_dec [1], G [1])."""
+    on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
+    columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1).
+    thread_rows (16x16 only): `_nvfp4_tile2d_rows_kernel` (16 rows per thread; block_nb defaults to 8 * num_warps).
+    Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
@@ -455,16 +532,29 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        # defaults: 1x16 4x64 blocks / 2 warps (the H200 sweep at 16384x7168, benchmarks/RESULTS.md); 16x16 one
-        # 16-row stripe x 32 tiles / 4 warps (14.6 SASS instructions per element, 96 registers, against 16.1 and 56
-        # for the earlier sweep's 16 tiles, which TILE2D_CONFIGS keeps for the benchmark)
+        # defaults, H200 sweep, session 15 (benchmarks/RESULTS.md), % of copy at 16384x7168 / 8192x2048 with the
+        # amax given: 1x16 4 rows x 64 blocks / 2 warps 87% / 79% (8 x 64 / 4 warps 81% / 70%); 16x16 one 16-row
+        # stripe x 16 tiles / 4 warps 70% / 65%, 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per
+        # element, 14.6 vs 16.1, but slower: the SASS count is not the bound there), 64 tiles 57% / 50%
+        thread_rows = bool(thread_rows) and tile_2d
         bm = 16 if tile_2d else (block_m or 4)
-        bnb = block_nb or min(32 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length()))
-        warps = num_warps or (4 if tile_2d else 2)
+        warps = num_warps or (2 if thread_rows else 4 if tile_2d else 2)
+        bnb = block_nb or (8 * warps if thread_rows else
+                           min(16 if tile_2d else 64, max(1, 1 << (nb - 1).bit_length())))
         grid = (triton.cdiv(m, bm), triton.cdiv(nb, bnb))
+        k_major = bool(k_major) and grid[0] <= 65535
+        if k_major:
+            grid = grid[::-1]
+        if thread_rows:
+            _nvfp4_tile2d_rows_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0),
+                                            scale.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_NB=bnb,
+                                            EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
+                                            **LAUNCH_OPTS)
+            return data, scale, sdec, g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   EVEN=m % bm == 0 and nb % bnb == 0, num_warps=warps, **LAUNCH_OPTS)
+                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
+                                   **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
