@@ -19,7 +19,7 @@ python3 -c "import torch; print('device:', torch.cuda.get_device_name(), torch._
 for s in ${STEPS:-tests}; do
   echo "== $s [$(( $(date +%s) - T0 ))s]" | tee -a $L
   case $s in
-    tests) timeout ${TEST_SECS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -n ${NW:-6} --tb=short -rfE \
+    tests) timeout ${TEST_SECS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -n ${NW:-6} --tb=short -rfE ${TEST_K:+-k "$TEST_K"} \
              ${TESTS:-tests/test_kernels.py tests/test_engine_fastgemm.py tests/test_engine_rollout.py \
              tests/test_engine_grouped_experts.py tests/test_rollout_gpu.py tests/test_weight_update_gpu.py \
              tests/test_mxfp8.py tests/test_nvfp4.py tests/test_fp8_block.py tests/test_fp8_source.py \
@@ -29,11 +29,11 @@ for s in ${STEPS:-tests}; do
           | tee -a $L | grep -v "^    \|^  File" ;;
     quant) timeout ${Q_SECS:-240} python3 benchmarks/quantize.py --no-sweep --shapes 16384x7168,8192x2048 \
              --json $D/quant.json ${Q_ARGS:-} 2>&1 | tee -a $L | grep -E "^\||copy|nvfp4|mxfp8|fp8" | head -80 ;;
-    rl) timeout ${RL_SECS:-240} python3 benchmarks/rl_step.py --device cuda --steps 4 --warmup 1 \
-          --model benchmarks/models/moe-h3072:1024:6:2048 --policies bf16 mxfp8-e2e nvfp4-pertoken-dequant-backward \
-          fp8-blockwise-hopper bf16 --out $D/rl.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback" ;;
-    conv) timeout ${CONV_SECS:-200} python3 benchmarks/convert.py --device cuda --shard-gb 2 --shards 2 \
-            --policies bf16,mxfp8-e2e,nvfp4-pertoken-dequant-backward --repeat 3 --no-verify --results $D/conv_results.md 2>&1 | tee -a $L | tail -20 ;;
+    rl) timeout ${RL_SECS:-240} python3 benchmarks/rl_step.py --device cuda --steps ${RL_STEPS:-4} --warmup 1 \
+          --model benchmarks/models/moe-h3072:1024:6:2048 --policies ${RL_POLICIES:-bf16 mxfp8-e2e \
+          nvfp4-pertoken-dequant-backward fp8-blockwise-hopper bf16} --out $D/rl.json 2>&1 | tee -a $L | grep -v "^    \|^  File\|^Traceback" ;;
+    conv) timeout ${CONV_SECS:-200} python3 benchmarks/convert.py --device cuda --shard-gb ${CONV_GB:-2} --shards 2 \
+            --policies bf16,mxfp8-e2e,nvfp4-pertoken-dequant-backward --repeat ${CONV_REPEAT:-3} --no-verify --results $D/conv_results.md 2>&1 | tee -a $L | tail -20 ;;
   esac
 done
 echo "== done [$(( $(date +%s) - T0 ))s]" | tee -a $L
