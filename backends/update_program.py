@@ -16,8 +16,10 @@ Direct mode (trainer and rollout on one GPU, `InProcessTransport(persistent=True
 receiver's own buffer of every bucket (`gpu_destination`) and the program quantizes / packs straight into it - no
 pool buffer and no second copy (for BF16 the pack copy is the only copy); the receiver's weights are overwritten in
 place, so an update aborted part-way leaves them torn and the receiver refuses them until a complete update lands
-(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take the fused one-read kernel
-(`triton_segments.nvfp4_segment_fused`); a bucket's small high-precision pieces (norms, routers, small attention
+(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take two kernels, the group amaxes then the
+quantization (`triton_segments.seg_amax` + `nvfp4_segment`): the one-launch kernel that reads the weights from HBM
+once (`nvfp4_segment_fused`, `bind(nvfp4_fused=True)`) measured 0.39-0.80x their speed on the H200 (its work-queue
+atomics and waits cost more than the second, HBM-bound read; benchmarks/RESULTS.md, session 15). A bucket's small high-precision pieces (norms, routers, small attention
 weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
 
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
@@ -236,11 +238,12 @@ class UpdateProgram:
         return off
 
     # -- binding ---------------------------------------------------------------------------------------------------
-    def bind(self, tensors: dict, group_small: bool = True, nvfp4_fused: bool = True) -> "Bound":
+    def bind(self, tensors: dict, group_small: bool = True, nvfp4_fused: bool = False) -> "Bound":
         """tensors: {hf_name: CUDA tensor}. Per segment, a 2-D [rows, K] (quantized) or flat (hp) view of the
         stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run.
         group_small: a bucket's small high-precision pieces share one launch; nvfp4_fused: NVFP4 segments take the
-        fused one-read kernel (False: seg_amax + nvfp4_segment, for the side-by-side benchmark)."""
+        fused one-read kernel (measured slower on the H200, kept for the side-by-side benchmark; default False:
+        seg_amax + nvfp4_segment)."""
         return Bound(self, tensors, group_small, nvfp4_fused)
 
     # -- one update ------------------------------------------------------------------------------------------------
@@ -333,7 +336,7 @@ class UpdateProgram:
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_fused: bool = True) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_fused: bool = False) -> None:
         import torch
 
         from precision_dsl.formats import fp8_block_pow2
@@ -472,7 +475,7 @@ def _hp_group(seg_list: list, inputs: list, small: int):
 class Bound:
     """The trainer's tensors arranged per bucket and segment (see UpdateProgram.bind)."""
 
-    def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True, nvfp4_fused: bool = True):
+    def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True, nvfp4_fused: bool = False):
         import torch
 
         self.pool = None

@@ -4,13 +4,14 @@
 
 Modes, side by side in one run (same weights, same receiver):
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
-    buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by the
-    fused one-read kernel, a bucket's small high-precision pieces in one launch;
+    buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
+    seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
+  * direct-fused: the same with NVFP4 by the one-launch kernel that reads the weights once (slower on the H200);
   * copy (the previous program): the sender fills two pool buffers, a copy stream moves them into the receiver's
     buffers (direct=False), NVFP4 by seg_amax + nvfp4_segment, a launch per small piece.
 Per model it prints the BF16 update, NVFP4 / MXFP8 as x the BF16 update and x a bare copy of their bytes,
 quantize-only, launches per update (CUDA kernels + memsets counted by the torch profiler, and per bucket) and the
-verdicts against issue 25's goal 1 (<= 0.8x BF16; NVFP4 <= 3x, MXFP8 <= 2x bare). `--time-limit` stops starting
+verdicts against the colocated-update goals (<= 0.8x BF16; NVFP4 <= 3x, MXFP8 <= 2x bare). `--time-limit` stops starting
 new measurements after that many seconds (what was measured is written); the 30B-shaped model steps its layer
 count down on OOM.
 
@@ -152,7 +153,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
                                                       WeightSender)
 
-    direct = mode in ("direct", "direct-two")
+    direct = mode in ("direct", "direct-fused")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
     sender = WeightSender(plan, tr, bucket_bytes=bucket_mb << 20)
@@ -160,8 +161,10 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     t_prog = time.perf_counter() - t0
     t0 = time.perf_counter()
     prep = sender.prepare_program(weights.items())
-    if mode != "direct":  # two-kernel NVFP4 (seg_amax + nvfp4_segment); copy mode: also a launch per small piece
-        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_fused=False), prep.tensors)
+    if mode != "direct":  # direct-fused: the one-launch NVFP4 kernel; copy: the previous program (copy into the
+        # receiver, a launch per small piece)
+        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_fused=mode == "direct-fused"),
+                              prep.tensors)
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -325,7 +328,7 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
-    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (fused NVFP4 kernel), direct-two (direct, seg_amax + nvfp4_segment), copy")
+    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), direct-fused (direct, one-launch NVFP4 kernel), copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",

@@ -340,7 +340,7 @@ def _launches(monkeypatch, call):
             return lambda *args, **kw: sink.append((self.name, tuple(grid), kw))
 
     for name in ("_nvfp4_row_scaled_kernel", "_nvfp4_row_scaled_chunked_kernel", "_nvfp4_row_scaled_loop_kernel",
-                 "_nvfp4_tensor_kernel", "_amax_flat_kernel", "_amax_kernel"):
+                 "_nvfp4_tensor_kernel", "_nvfp4_tile2d_rows_kernel", "_amax_flat_kernel", "_amax_kernel"):
         monkeypatch.setattr(knv, name, Rec(name))
     call(knv)
     return sink
@@ -348,8 +348,10 @@ def _launches(monkeypatch, call):
 
 def test_nvfp4_default_launch_configs(monkeypatch):
     """The defaults the H200 sweep chose: per-token = 64-block register chunks / 2 warps wherever they divide the
-    row in <= 8 chunks (K = 2048 and 7168), else the whole row, one row / 2 warps; 16x16 = 16 tiles / 4 warps;
-    k_major swaps the grid axes (block columns on axis 0) and is dropped past CUDA's 65535 limit of axis 1."""
+    row in <= 8 chunks (K = 2048 and 7168), else the whole row, one row / 2 warps; 1x16 = 4 rows x 64 blocks /
+    2 warps in k_major order; 16x16 = the thread_rows kernel (16 tiles / 2 warps), the TILE_2D kernel at 16 tiles /
+    4 warps when asked; k_major swaps the grid axes (block columns on axis 0) and is dropped past CUDA's 65535 limit
+    of axis 1."""
     def meta(m, k):
         return torch.empty((m, k), dtype=torch.bfloat16, device="meta")
 
@@ -362,10 +364,18 @@ def test_nvfp4_default_launch_configs(monkeypatch):
         (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.row_scaled(meta(64, k), **cfg))
         assert (name, kw["BLOCK_M"], kw["num_warps"]) == ("_nvfp4_row_scaled_kernel", bm, 2), (k, cfg, kw)
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True))
-    assert (grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == ((256, 28), 16, 16, 4, False)
+    assert (name, grid, kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == (
+        "_nvfp4_tile2d_rows_kernel", (256, 28), 16, 2, False)
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True,
-                                                                           k_major=True))
+                                                                           thread_rows=False))
+    assert (name, grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == (
+        "_nvfp4_tensor_kernel", (256, 28), 16, 16, 4, False)
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True,
+                                                                           thread_rows=False, k_major=True))
     assert (grid, kw["K_MAJOR"]) == ((28, 256), True)
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g))
+    assert (name, grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == (
+        "_nvfp4_tensor_kernel", (7, 1024), 4, 64, 2, True)
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65536, 32), g, k_major=True))
     assert (grid, kw["K_MAJOR"]) == ((65536, 1), False)  # 65536 stripes do not fit axis 1: the default order
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65535, 32), g, k_major=True))

@@ -399,14 +399,15 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 # chunk=32 / 1 warp, loop_chunk, chunk=64 / 4 warps; 1x16 16-row tiles; 16x16 64-tile stripes.
 ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
                dict(chunk=128, num_warps=4))
-TENSOR_CONFIGS = ({}, dict(k_major=True), dict(block_m=8, block_nb=64, num_warps=4),
-                  dict(block_m=8, block_nb=16, num_warps=2))
+TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
+                  dict(block_m=8, block_nb=16, num_warps=2, k_major=False))
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
 # and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
-TILE2D_CONFIGS = ({}, dict(k_major=True), dict(block_nb=32, num_warps=4), dict(block_nb=16, num_warps=1, k_major=True),
-                  dict(thread_rows=True), dict(thread_rows=True, k_major=True))
+TILE2D_CONFIGS = ({}, dict(thread_rows=False), dict(thread_rows=False, k_major=True),
+                  dict(thread_rows=False, block_nb=32, num_warps=4),
+                  dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=True))
 # amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the default flat kernel
 # (8192 words, 8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
 # slots, ONE wave with 32 words (8 16-byte loads) in flight per thread, so there is no wave tail to remove; what
@@ -513,11 +514,12 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=False, thread_rows=False):
+               k_major=None, thread_rows=True):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
-    columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1).
-    thread_rows (16x16 only): `_nvfp4_tile2d_rows_kernel` (16 rows per thread; block_nb defaults to 8 * num_warps).
+    columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
+    None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 rows
+    per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
     Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
@@ -532,11 +534,14 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
     if m and k:
         xp = pair_view(x2)
-        # defaults, H200 sweep, session 15 (benchmarks/RESULTS.md), % of copy at 16384x7168 / 8192x2048 with the
-        # amax given: 1x16 4 rows x 64 blocks / 2 warps 87% / 79% (8 x 64 / 4 warps 81% / 70%); 16x16 one 16-row
-        # stripe x 16 tiles / 4 warps 70% / 65%, 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per
-        # element, 14.6 vs 16.1, but slower: the SASS count is not the bound there), 64 tiles 57% / 50%
+        # defaults, H200 sweeps of session 15 (benchmarks/RESULTS.md), % of copy at 16384x7168 / 8192x2048 with
+        # the amax given: 1x16 4 rows x 64 blocks / 2 warps, k_major 90% / 79% (row-major order 86% / 77%, 8 x 64 /
+        # 4 warps 83% / 72%); 16x16 thread_rows 76% / 79% against the TILE_2D kernel's 69-70% / 65-66% (16 tiles /
+        # 4 warps, either order), 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per element, 14.6 vs
+        # 16.1, but slower: the SASS count is not the bound there)
         thread_rows = bool(thread_rows) and tile_2d
+        if k_major is None:
+            k_major = not tile_2d
         bm = 16 if tile_2d else (block_m or 4)
         warps = num_warps or (2 if thread_rows else 4 if tile_2d else 2)
         bnb = block_nb or (8 * warps if thread_rows else
