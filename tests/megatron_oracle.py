@@ -37,14 +37,14 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from oracles._wheels import download, extract, install_site
 
 MEGATRON_CORE_VERSION = "0.16.1"  # the installed one (test extra)
 # Every release the Megatron artifacts are judged by: the installed one and the newest on the registry (read from its
@@ -256,40 +256,11 @@ def read_modules(config, modules: list[str]) -> dict[str, tuple[int, Reading]]:
 # ---------------------------------------------------------------------------------------------------------------
 # another release, from its wheel, in its own process
 # ---------------------------------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
-
-
 def fetch_site(version: str) -> Path:
     """The unpacked megatron-core `version` wheel (pip download --no-deps, PyPI, once; reused after)."""
-    root = cache_dir()
-    site = root / f"megatron-core-{version}-site"
-    if (site / ".complete").is_file():
-        return site
-    wheels = root / "wheels"
-    pattern = f"megatron_core-{version}-*.whl"
-    found = sorted(wheels.glob(pattern))
-    if not found:
-        wheels.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version",
-               "3.12", "-q", "-d", str(wheels), f"megatron-core=={version}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheels.glob(pattern))
-        if r.returncode != 0 or not found:
-            raise OracleUnavailable(f"cannot download megatron-core=={version} ({' '.join(cmd)}): "
-                                    f"{(r.stderr or r.stdout).strip()[-600:]}")
-    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
-    try:
-        with zipfile.ZipFile(found[0]) as z:
-            z.extractall(tmp, [n for n in z.namelist() if n.startswith("megatron/")])
-        (tmp / ".complete").write_text(found[0].name)
-        if site.exists():
-            shutil.rmtree(site)
-        os.rename(tmp, site)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return site
+    whl = download(f"megatron-core=={version}", OracleUnavailable, python_version="3.12")
+    return install_site(f"megatron-core-{version}-site", lambda tmp: extract(whl, tmp, lambda n: n.startswith(
+        "megatron/")), whl.name)
 
 
 @dataclass(frozen=True)

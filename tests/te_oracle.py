@@ -9,12 +9,11 @@ A download/read failure raises OracleUnavailable with the reason (tests fail wit
 from __future__ import annotations
 
 import functools
-import os
 import re
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
+
+from oracles._wheels import cache_dir, download
 
 NEWEST = "2.20.2"
 RELEASES = ["2.13.0", "2.14.0", "2.15.0", "2.16.0", "2.17.0", "2.18.0", NEWEST]
@@ -24,25 +23,8 @@ class OracleUnavailable(RuntimeError):
     pass
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLICYC_ORACLE_CACHE", Path.home() / ".cache" / "policyc-oracles")) / "te"
-
-
 def wheel(version: str) -> Path:
-    d = cache_dir()
-    name = f"transformer_engine-{version}-py3-none-any.whl"
-    if (d / name).is_file():
-        return d / name
-    d.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--disable-pip-version-check",
-           f"transformer-engine=={version}", "-d", str(d)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise OracleUnavailable(f"cannot download transformer-engine=={version}: {err}") from err
-    if r.returncode != 0 or not (d / name).is_file():
-        raise OracleUnavailable(f"`{' '.join(cmd)}` failed (rc {r.returncode}): {r.stderr.strip()[-500:]}")
-    return d / name
+    return download(f"transformer-engine=={version}", OracleUnavailable, dest=cache_dir() / "te", timeout=600)
 
 
 @functools.lru_cache(maxsize=None)

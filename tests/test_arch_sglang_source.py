@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from oracles.sglang_oracle import cache_dir, sglang_wheel
+from oracles._wheels import cache_dir
+from oracles.sglang_oracle import sglang_wheel
 from precision_dsl.arch import architecture_from_config, load_architecture
 
 SGLANG_VERSION = "0.5.23"
@@ -129,21 +130,19 @@ def test_glm_nextn_draft_model(sglang_sources):
 
 def test_the_sglang_wheel_is_downloaded_and_stored_once(tmp_path, monkeypatch):
     """One cache, one download: every test that reads SGLang takes its wheel from sglang_oracle.wheel (the oracle's
-    site is unpacked from that same file); no test module downloads a wheel of its own."""
+    site is unpacked from that same file); no test module downloads a wheel of its own: the one pip download call
+    of the tests is oracles/_wheels.py's, which every oracle (SGLang, vLLM, verl, megatron-core, TE) goes through."""
     from unittest import mock
 
-    from oracles import sglang_oracle
+    from oracles import _wheels
 
     tests = Path(__file__).resolve().parent
     needle = '"pip", ' + '"download"'  # a pip download call (split here so this file does not hold it)
     downloaders = sorted(p.relative_to(tests).as_posix() for p in tests.rglob("*.py") if needle in p.read_text())
-    # other oracles download their own engines' wheels (TE, megatron-core, vLLM, verl); only one reads SGLang's
-    sglang_downloaders = [d for d in downloaders if "SGLANG_VERSION" in (tests / d).read_text()
-                          or "sglang==" in (tests / d).read_text()]
-    assert sglang_downloaders == ["oracles/sglang_oracle.py"], sglang_downloaders
+    assert downloaders == ["oracles/_wheels.py"], downloaders
     monkeypatch.setenv("POLICYC_ORACLE_CACHE", str(tmp_path))
     (tmp_path / "wheels").mkdir()
     whl = tmp_path / "wheels" / f"sglang-{SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
     whl.write_bytes(b"")
-    with mock.patch.object(sglang_oracle.subprocess, "run", side_effect=AssertionError("downloaded again")):
+    with mock.patch.object(_wheels.subprocess, "run", side_effect=AssertionError("downloaded again")):
         assert sglang_wheel() == whl

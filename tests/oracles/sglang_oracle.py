@@ -33,13 +33,9 @@ Where SGLang cannot be obtained or loaded, `OracleUnavailable` is raised with th
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +43,7 @@ from typing import Optional
 from unittest import mock
 
 from ._sandbox import Sandbox, env
+from ._wheels import download, extract, install_site
 
 SGLANG_VERSION = "0.5.23"
 # Small runtime dependencies SGLang's config code subclasses / serializes with (a stub would change behaviour).
@@ -71,28 +68,10 @@ class SGLangRefused(Exception):
     """SGLang's own code rejected the launch (argument parser, resolution pipeline, loader checks)."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
-
-
 def wheel(req: str) -> Path:
-    """The wheel of `req` ("name==version") in the one wheel cache, cache_dir()/wheels: downloaded with pip
-    (--no-deps, PyPI) the first time, reused after. Every test reading SGLang (this oracle, the model-source tests)
-    takes the sglang wheel from here, so it is downloaded and stored once."""
-    wheels = cache_dir() / "wheels"
-    name, version = req.split("==")
-    pattern = f"{name.replace('-', '_')}-{version}-*.whl"
-    found = sorted(wheels.glob(pattern))
-    if found:
-        return found[0]
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels), req]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(wheels.glob(pattern))
-    if r.returncode != 0 or not found:
-        raise OracleUnavailable(f"cannot download {req} from the package registry ({' '.join(cmd)}): "
-                                f"{(r.stderr or r.stdout).strip()[-600:]}")
-    return found[0]
+    """The wheel of `req` ("name==version") in the one wheel cache (oracles/_wheels.py). Every test reading SGLang
+    (this oracle, the model-source tests) takes the sglang wheel from there, so it is downloaded and stored once."""
+    return download(req, OracleUnavailable)
 
 
 def sglang_wheel() -> Path:
@@ -101,24 +80,13 @@ def sglang_wheel() -> Path:
 
 def fetch_site() -> Path:
     """The unpacked sglang wheel (+ REAL_DEPS), downloaded with pip once and reused."""
-    root = cache_dir()
-    site = root / f"sglang-{SGLANG_VERSION}-site"
-    if (site / ".complete").is_file():
-        return site
     whls = [wheel(req) for req in (f"sglang=={SGLANG_VERSION}",) + REAL_DEPS]
-    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
-    try:
+
+    def fill(tmp: Path) -> None:
         for whl in whls:
-            with zipfile.ZipFile(whl) as z:
-                z.extractall(tmp, [n for n in z.namelist() if ".dist-info/" not in n])
-        (tmp / ".complete").write_text(json.dumps(sorted(p.name for p in whls)))
-        if site.exists():
-            shutil.rmtree(site)
-        os.rename(tmp, site)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return site
+            extract(whl, tmp)
+
+    return install_site(f"sglang-{SGLANG_VERSION}-site", fill, json.dumps(sorted(p.name for p in whls)))
 
 
 # SGLang layer class (module, class name) each of our roles is built from in the SGLang model code

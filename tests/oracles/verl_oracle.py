@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
 from pathlib import Path
+
+from ._wheels import download, extract, install_site
 
 VERL_VERSION = "0.9.1"
 WHEELS = (f"verl=={VERL_VERSION}", "hydra-core==1.3.2", "omegaconf==2.3.0")
@@ -50,57 +50,22 @@ class OracleUnavailable(RuntimeError):
     """verl could not be obtained or loaded: the reason, for a failing test."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
-
-
-def _sdist(req: str) -> Path:
-    wheels = cache_dir() / "wheels"
-    name, version = req.split("==")
-    found = sorted(wheels.glob(f"{name}-{version}.tar.gz"))
-    if found:
-        return found[0]
-    wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-q", "-d", str(wheels), req]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(wheels.glob(f"{name}-{version}.tar.gz"))
-    if r.returncode != 0 or not found:
-        raise OracleUnavailable(f"cannot download {req} ({' '.join(cmd)}): {(r.stderr or r.stdout).strip()[-600:]}")
-    return found[0]
-
-
 def fetch_site() -> Path:
     """The unpacked verl wheel + Hydra + OmegaConf + antlr4 4.9.3, downloaded with pip once and reused."""
-    from .sglang_oracle import OracleUnavailable as WheelUnavailable, wheel
+    whls = [download(req, OracleUnavailable) for req in WHEELS]
+    sdist = download(ANTLR, OracleUnavailable, source=True)
 
-    root = cache_dir()
-    site = root / f"verl-{VERL_VERSION}-site"
-    if (site / ".complete").is_file():
-        return site
-    try:
-        whls = [wheel(req) for req in WHEELS]
-    except WheelUnavailable as err:
-        raise OracleUnavailable(str(err)) from None
-    sdist = _sdist(ANTLR)
-    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
-    try:
+    def fill(tmp: Path) -> None:
         for whl in whls:
-            with zipfile.ZipFile(whl) as z:
-                z.extractall(tmp, [n for n in z.namelist() if ".dist-info/" not in n])
+            extract(whl, tmp)
         with tarfile.open(sdist) as t:
             top = sdist.name[:-len(".tar.gz")]
             members = [m for m in t.getmembers() if m.name.startswith(f"{top}/src/antlr4/") and m.isfile()]
             for m in members:
                 m.name = m.name[len(f"{top}/src/"):]
             t.extractall(tmp, members, filter="data")
-        (tmp / ".complete").write_text(json.dumps(sorted(p.name for p in whls + [sdist])))
-        if site.exists():
-            shutil.rmtree(site)
-        os.rename(tmp, site)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return site
+
+    return install_site(f"verl-{VERL_VERSION}-site", fill, json.dumps(sorted(p.name for p in whls + [sdist])))
 
 
 def _ask(request: dict, timeout: float = 900) -> dict:
@@ -328,12 +293,13 @@ def extension(qualname: str, env_vars: dict[str, str], timeout: float = 900) -> 
 
 def _serve_extension(site: str, vsite: str, meta: str, src: str, dst: str) -> None:
     from oracles._sandbox import Sandbox, env
-    from oracles.vllm_oracle import ENV, STUBS as VLLM_STUBS, _cpu_platform, cache_dir as vllm_cache
+    from oracles._wheels import cache_dir
+    from oracles.vllm_oracle import ENV, STUBS as VLLM_STUBS, _cpu_platform
 
     request = json.loads(Path(src).read_text())
     sys.path[:0] = [meta, site]
     sandbox = Sandbox(vsite, ("vllm",) + PACKAGES, tuple(VLLM_STUBS["0.33.0"]) + STUBS)
-    with sandbox, env({**ENV, "VLLM_CACHE_ROOT": str(vllm_cache() / "vllm-0.33.0-cache"), **request["env"]}), \
+    with sandbox, env({**ENV, "VLLM_CACHE_ROOT": str(cache_dir() / "vllm-0.33.0-cache"), **request["env"]}), \
             _cpu_platform("0.33.0"):
         from vllm.utils.import_utils import resolve_obj_by_qualname
         from vllm.v1.worker.gpu_worker import Worker

@@ -47,12 +47,9 @@ from __future__ import annotations
 import functools
 import importlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +57,7 @@ from typing import Optional
 from unittest import mock
 
 from ._sandbox import Sandbox, env
+from ._wheels import cache_dir, download, extract, install_site
 
 VLLM_VERSIONS = ("0.33.0", "0.24.0")
 # Absent modules vLLM imports unconditionally on the way to its config, model and quantization code (servers,
@@ -100,10 +98,6 @@ class ModuleQuant:
     params: list[str] = field(default_factory=list)  # the parameters the layer registered (weight, weight_scale, ...)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("POLICYC_ORACLE_CACHE") or Path.home() / ".cache" / "policyc-oracles")
-
-
 def _check_version(version: str) -> None:
     if version not in VLLM_VERSIONS:
         raise OracleUnavailable(f"vLLM {version} is not an oracle version (known: {', '.join(VLLM_VERSIONS)})")
@@ -112,34 +106,10 @@ def _check_version(version: str) -> None:
 def fetch_site(version: str) -> Path:
     """The unpacked Python sources of the vllm wheel, downloaded with pip once and reused."""
     _check_version(version)
-    root = cache_dir()
-    site = root / f"vllm-{version}-site"
-    if (site / ".complete").is_file():
-        return site
-    wheels = root / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheels),
-               f"vllm=={version}"]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = sorted(wheels.glob(f"vllm-{version}-*.whl"))
-        if r.returncode != 0 or not found:
-            raise OracleUnavailable(f"cannot download vllm=={version} from the package registry ({' '.join(cmd)}): "
-                                    f"{(r.stderr or r.stdout).strip()[-600:]}")
-    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
-    try:
-        with zipfile.ZipFile(found[0]) as z:
-            z.extractall(tmp, [n for n in z.namelist() if n.startswith("vllm/") and n.endswith((".py", ".json"))
-                               and "/third_party/" not in n.replace("third_party/pynvml", "")])
-        (tmp / ".complete").write_text(json.dumps([found[0].name]))
-        if site.exists():
-            shutil.rmtree(site)
-        os.rename(tmp, site)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return site
+    whl = download(f"vllm=={version}", OracleUnavailable)
+    keep = (lambda n: n.startswith("vllm/") and n.endswith((".py", ".json"))  # noqa: E731
+            and "/third_party/" not in n.replace("third_party/pynvml", ""))
+    return install_site(f"vllm-{version}-site", lambda tmp: extract(whl, tmp, keep), json.dumps([whl.name]))
 
 
 # ---- QuantKey -> policyc vocabulary --------------------------------------------------------------------------------
