@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import textwrap
 import time
 from pathlib import Path
 
@@ -15,25 +14,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from precision_dsl.arch import load_architecture
 from precision_dsl.backends import converter
 from precision_dsl.backends.synthetic import megatron_shard, megatron_weights, write_synthetic_checkpoint
 from precision_dsl.backends.weight_update import (PartitionError, RolloutRank, ShardedLayout, partition_specs,
                                                   partition_tensors, rollout_partition)
 from precision_dsl.backends.weight_update.partition import Slice
-from precision_dsl.resolve import resolve
+from test_weight_update import arch, plan_for  # tiny-moe and its plans (incl. the fp8_block test policy)
 
 REPO = Path(__file__).resolve().parents[1]
 NVFP4 = "nvfp4-pertoken-hp-backward"
 MXFP8 = "mxfp8-e2e"
-FP8_BLOCK_POLICY = """
-policy "fp8b" {
-    target hopper
-    default bf16
-    attn: fp8_block(scales=fp32) backward=quantized
-    routed_experts: fp8_block(scales=fp32) backward=quantized
-}
-"""
 # 2 trainer ranks (TP=2 for dense, EP=2 for experts) + 2 rollout ranks (TP=2, EP=2: moe_tp=1)
 EP_LAYOUT = dict(trainer_tp=2, trainer_ep=2, trainer_etp=1, rollout_tp=2, rollout_ep=2)
 # equal expert-TP on both sides: trainer etp=2, rollout tp=2, ep=1 (SGLang moe_tp = 2)
@@ -51,22 +41,6 @@ SCENARIOS = [
     ("after", MXFP8, ETP_LAYOUT, None, None),  # the group still works after every failure above
 ]
 OK = ("ep-nvfp4", "etp-nvfp4", "ep-mxfp8", "after")
-
-
-@functools.lru_cache(maxsize=None)
-def arch():
-    return load_architecture("tiny-moe")
-
-
-@functools.lru_cache(maxsize=None)
-def plan_for(name):
-    if name == "fp8_block":
-        import tempfile
-
-        p = Path(tempfile.mkdtemp()) / "fp8b.policy"
-        p.write_text(textwrap.dedent(FP8_BLOCK_POLICY))
-        return resolve(p, arch(), None)
-    return resolve(REPO / "policies" / f"{name}.policy", arch(), None)
 
 
 def _worker(rank, port, src_dir, out_dir):
