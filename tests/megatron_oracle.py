@@ -97,6 +97,30 @@ class Reading:
     fp8_format: Optional[str] = None  # e4m3 | hybrid for FP8 recipes
 
 
+def plan_modules(plan) -> dict[str, list]:
+    """{Megatron module path: the plan's tensors in it} of the decoder and MTP linears megatron-core builds as TE
+    modules (not MTP's eh_proj); the members of one module share one format."""
+    from precision_dsl.backends.megatron import megatron_module
+
+    mods: dict[str, list] = {}
+    for t in plan.tensors:
+        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
+                and t.role != "mtp.eh_proj":
+            mods.setdefault(megatron_module(t.megatron_name), []).append(t)
+    return mods
+
+
+def plan_reading(t) -> Reading:
+    """The Reading megatron-core must produce for plan tensor `t`."""
+    p = t.precision
+    if not p.is_quantized:
+        return Reading("bf16")
+    if t.weight.kind.value == "nvfp4":
+        return Reading("nvfp4")
+    hybrid = p.backward.value == "quantized" and p.grad.element == "e5m2"
+    return Reading(t.weight.kind.value, "hybrid" if hybrid else "e4m3")
+
+
 def parse_flags(flags: list[str]) -> tuple[dict, Optional[str]]:
     """(TransformerConfig kwargs, --te-precision-config-file value). Unknown flags fail: every emitted flag must
     mean something to Megatron."""

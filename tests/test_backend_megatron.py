@@ -50,11 +50,8 @@ def check_plan_against_megatron(plan, arch, tmp_path):
         if p.endswith(".yaml"):
             (tmp_path / Path(p).name).write_text(a.content)
     config = mo.build_config(arch, flags, tmp_path)
-    expected: dict[str, str] = {}
-    for t in plan.tensors:
-        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
-                and t.role != "mtp.eh_proj":
-            expected[mg.megatron_module(t.megatron_name)] = t.weight.kind.value if t.weight.is_quantized else "bf16"
+    expected = {m: ts[0].weight.kind.value if ts[0].weight.is_quantized else "bf16"
+                for m, ts in mo.plan_modules(plan).items()}
     assert expected, "no TE modules found"
     got = {m: r.kind for m, (_, r) in mo.read_modules(config, sorted(expected)).items()}
     wrong = {m: (got[m], expected[m]) for m in expected if got[m] != expected[m]}

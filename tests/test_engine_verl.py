@@ -51,22 +51,10 @@ def _manifest(res, rollout: str) -> dict:
     return json.loads(next(a for a in res.artifacts if a.path == f"{rollout}/{name}.json").data())
 
 
-def _plan_reading(t) -> mo.Reading:
-    p = t.precision
-    if not p.is_quantized:
-        return mo.Reading("bf16")
-    if t.weight.kind.value == "nvfp4":
-        return mo.Reading("nvfp4")
-    hybrid = p.backward.value == "quantized" and p.grad.element == "e5m2"
-    return mo.Reading(t.weight.kind.value, "hybrid" if hybrid else "e4m3")
-
-
 def _megatron_runs_the_plan(plan, model: str, reading: dict) -> None:
     """megatron-core builds TransformerConfig from what verl holds (parallel sizes + override_transformer_config)
     and runs every decoder module with the plan's recipe."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from precision_dsl.backends.megatron import megatron_module
 
     meg = reading["megatron"]
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -87,13 +75,9 @@ def _megatron_runs_the_plan(plan, model: str, reading: dict) -> None:
         else:
             flags += [FLAG_OF[k], str(v)]
     config = mo.build_config(arch_of(model), flags, None)
-    mods = {}
-    for t in plan.tensors:
-        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
-                and t.role != "mtp.eh_proj":
-            mods.setdefault(megatron_module(t.megatron_name), t)
+    mods = _decoder_modules(plan)
     got = mo.read_modules(config, sorted(mods))
-    wrong = {m: (got[m][1], _plan_reading(t)) for m, t in mods.items() if got[m][1] != _plan_reading(t)}
+    wrong = {m: (got[m][1], mo.plan_reading(t)) for m, t in mods.items() if got[m][1] != mo.plan_reading(t)}
     assert not wrong, f"megatron-core runs (got, plan) {dict(list(wrong.items())[:4])}"
 
 
@@ -138,14 +122,7 @@ def _megatron_dir(res, root) -> str:
 
 def _decoder_modules(plan) -> dict:
     """{Megatron module path: its first linear tensor} of the decoder and MTP linears megatron-core quantizes."""
-    from precision_dsl.backends.megatron import megatron_module
-
-    mods = {}
-    for t in plan.tensors:
-        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
-                and t.role != "mtp.eh_proj":
-            mods.setdefault(megatron_module(t.megatron_name), t)
-    return mods
+    return {m: ts[0] for m, ts in mo.plan_modules(plan).items()}
 
 
 def _plugin_reads_the_plan(cells: dict, versions=mo.VERSIONS) -> None:
@@ -165,8 +142,8 @@ def _plugin_reads_the_plan(cells: dict, versions=mo.VERSIONS) -> None:
                 side = r["paths"][path]
                 assert "error" not in side, f"{key} ({path}, megatron-core {version}): {side['error']}"
                 assert side["recipe_type"] == "RecipeConfig", (key, path, version)
-                wrong = {m: (side["modules"][m][1:], _plan_reading(t)) for m, t in _decoder_modules(plan).items()
-                         if mo.Reading(*side["modules"][m][1:]) != _plan_reading(t)}
+                wrong = {m: (side["modules"][m][1:], mo.plan_reading(t)) for m, t in _decoder_modules(plan).items()
+                         if mo.Reading(*side["modules"][m][1:]) != mo.plan_reading(t)}
                 assert not wrong, f"{key} ({path}, megatron-core {version}) runs (got, plan) " \
                                   f"{dict(list(wrong.items())[:4])}"
 
@@ -408,7 +385,7 @@ def test_seed_trainer_recipe_reaches_megatron_core_through_the_plugin(tmp_path):
     every linear of every decoder layer with the plan's recipe: the Miles launch's reading."""
     plan, overrides, _ = _emitted(tmp_path, *SEED)
     mods = _decoder_modules(plan)
-    kinds = {_plan_reading(t).kind for t in mods.values()}
+    kinds = {mo.plan_reading(t).kind for t in mods.values()}
     assert kinds == {"nvfp4", "bf16"}, kinds  # routed experts NVFP4, shared experts / attention / last layers BF16
     _plugin_reads_the_plan({"seed": (plan, SEED[1], overrides)})
 

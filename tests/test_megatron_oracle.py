@@ -22,27 +22,6 @@ def _env(text: str) -> dict[str, str]:
     return dict(line[len("export "):].split("=", 1) for line in text.splitlines() if line.startswith("export "))
 
 
-def _expected(plan) -> dict[str, list]:
-    from precision_dsl.backends.megatron import megatron_module
-
-    mods: dict[str, list] = {}
-    for t in plan.tensors:
-        if t.is_linear and t.megatron_name and t.megatron_name.split(".")[0] in ("decoder", "mtp") \
-                and t.role != "mtp.eh_proj":
-            mods.setdefault(megatron_module(t.megatron_name), []).append(t)
-    return mods
-
-
-def _plan_reading(t) -> mo.Reading:
-    p = t.precision
-    if not p.is_quantized:
-        return mo.Reading("bf16")
-    if t.weight.kind.value == "nvfp4":
-        return mo.Reading("nvfp4")
-    hybrid = p.backward.value == "quantized" and p.grad.element == "e5m2"
-    return mo.Reading(t.weight.kind.value, "hybrid" if hybrid else "e4m3")
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_megatron_core_runs_the_plan(model, tmp_path):
     if LOAD_ERROR:
@@ -72,10 +51,10 @@ def test_megatron_core_runs_the_plan(model, tmp_path):
         flags = mg.read_args(arts["megatron/args.txt"].content)
         assert plan.content_hash() in arts["megatron/flags.json"].content, where
         config = mo.build_config(arch, flags, d)  # megatron-core's own validation runs here
-        expected = _expected(plan)
+        expected = mo.plan_modules(plan)
         got = mo.read_modules(config, sorted(expected))
-        wrong = {mod: (got[mod][1], _plan_reading(ts[0])) for mod, ts in expected.items()
-                 if got[mod][1] != _plan_reading(ts[0])}
+        wrong = {mod: (got[mod][1], mo.plan_reading(ts[0])) for mod, ts in expected.items()
+                 if got[mod][1] != mo.plan_reading(ts[0])}
         assert not wrong, f"{where}: megatron-core runs (got, plan) {dict(list(wrong.items())[:4])}"
         # process-wide TE settings as every quantized module sees them
         env = _env(arts["megatron/env.sh"].content)
@@ -124,7 +103,7 @@ def _jobs(model: str, tmp_path) -> tuple[list, dict]:
                 (d / p.split("/")[-1]).write_text(a.content)
         key = f"{policy} x {model} x {lay}"
         jobs.append(mo.Job(key, model, mg.read_args(arts["megatron/args.txt"].content), str(d),
-                           sorted(_expected(plan))))
+                           sorted(mo.plan_modules(plan))))
         plans[key] = plan
     return jobs, plans
 
@@ -149,7 +128,7 @@ def test_newer_megatron_core_agrees(version, tmp_path):
     for key, plan in plans.items():
         assert "error" not in newer[key], f"{key}: megatron-core {version} refuses: {newer[key]['error']}"
         assert newer[key] == installed[key], f"{key}: megatron-core {version} differs from {mo.MEGATRON_CORE_VERSION}"
-        want = {mod: _plan_reading(ts[0]) for mod, ts in _expected(plan).items()}
+        want = {mod: mo.plan_reading(ts[0]) for mod, ts in mo.plan_modules(plan).items()}
         got = {mod: mo.Reading(kind, fmt) for mod, (_, kind, fmt) in newer[key]["modules"].items()}
         wrong = {m: (got[m], w) for m, w in want.items() if got[m] != w}
         assert not wrong, f"{key}: megatron-core {version} runs (got, plan) {dict(list(wrong.items())[:4])}"
