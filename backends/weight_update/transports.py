@@ -55,6 +55,27 @@ def json_call(engine: str, base_url: str, method: str, path: str, body: Optional
     out = loads_bounded(raw, f"{engine} {path} response", WeightUpdateError, max_bytes=16 << 20) if raw else {}
     return out if isinstance(out, dict) else {}
 
+def verify_served_plan(server: str, model_path, plan_hash: str, allow_unverified: bool, hint: str) -> Optional[str]:
+    """The hash handshake on the checkpoint a rollout server serves: its PLAN_FILE (written by `policyc convert`)
+    must hold this plan, else PlanMismatch naming `server`. Returns the verified model path; None when the server
+    names no checkpoint with a readable PLAN_FILE and `allow_unverified` lets the update go on (else PlanMismatch
+    with `hint`)."""
+    plan_file = Path(str(model_path)) / PLAN_FILE if model_path else None
+    if plan_file is None or not plan_file.is_file():
+        if not allow_unverified:
+            raise PlanMismatch(server, plan_hash, None, hint=hint)
+        return None
+    try:
+        from precision_dsl.backends.converter import read_plan
+
+        got = read_plan(plan_file.parent).content_hash()
+    except ValueError:  # CheckpointError: unreadable / not a plan
+        got = None
+    if got != plan_hash:
+        raise PlanMismatch(f"{server} (serving {model_path})", plan_hash, got)
+    return str(model_path)
+
+
 class InProcessTransport:
     """A queue between a sender and a receiver in the same process (or threads)."""
 
@@ -337,21 +358,12 @@ class SGLangHTTPTransport:
     def open(self, plan_hash: str) -> None:
         info = self.model_info()
         self.previous_version = info.get("weight_version")
-        path = Path(str(info.get("model_path", ""))) / PLAN_FILE
-        if path.is_file():
-            try:
-                from precision_dsl.backends.converter import read_plan
-
-                got = read_plan(path.parent).content_hash()
-            except ValueError:  # CheckpointError: unreadable / not a plan
-                got = None
-            if got != plan_hash:
-                raise PlanMismatch(f"SGLang server {self.base_url} (serving {info.get('model_path')})", plan_hash, got)
-            self._model_path = str(info.get("model_path"))
-        elif not self.allow_unverified:
-            raise PlanMismatch(f"SGLang server {self.base_url}", plan_hash, None,
-                               hint=f"the served model_path has no readable {PLAN_FILE}; serve a `policyc convert` "
-                                    "output or pass allow_unverified=True")
+        verified = verify_served_plan(f"SGLang server {self.base_url}", info.get("model_path"), plan_hash,
+                                      self.allow_unverified,
+                                      f"the served model_path has no readable {PLAN_FILE}; serve a `policyc convert` "
+                                      "output or pass allow_unverified=True")
+        if verified is not None:
+            self._model_path = verified
         self._call("POST", "/begin_weight_update", {"selector": self.selector})
         self._begun = True
 

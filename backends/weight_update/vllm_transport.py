@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import base64
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
 from precision_dsl.plan import Plan
@@ -50,7 +49,7 @@ from precision_dsl.precision import FormatKind
 
 from precision_dsl.backends.common import PLAN_FILE, PlanMismatch, Problems, UnsupportedByBackend, is_quantized
 from precision_dsl.backends.weight_update.errors import WeightUpdateError
-from precision_dsl.backends.weight_update.transports import json_call
+from precision_dsl.backends.weight_update.transports import json_call, verify_served_plan
 
 if TYPE_CHECKING:
     import torch
@@ -223,22 +222,12 @@ class VLLMHTTPTransport:
     def open(self, plan_hash: str) -> None:
         self._check_plan(plan_hash)
         path = self.served_model_path()
-        plan_file = Path(path) / PLAN_FILE if path else None
-        if plan_file is not None and plan_file.is_file():
-            try:
-                from precision_dsl.backends.converter import read_plan
-
-                got = read_plan(plan_file.parent).content_hash()
-            except ValueError:  # CheckpointError: unreadable / not a plan
-                got = None
-            if got != plan_hash:
-                raise PlanMismatch(f"vLLM server {self.base_url} (serving {path})", plan_hash, got)
-            self._model_path = path
-        elif not self.allow_unverified:
-            raise PlanMismatch(f"vLLM server {self.base_url}", plan_hash, None,
-                               hint=f"the served checkpoint ({path or 'no /v1/models root'}) has no readable "
-                                    f"{PLAN_FILE}; serve a `policyc convert --rollout vllm` output or pass "
-                                    "allow_unverified=True")
+        verified = verify_served_plan(f"vLLM server {self.base_url}", path, plan_hash, self.allow_unverified,
+                                      f"the served checkpoint ({path or 'no /v1/models root'}) has no readable "
+                                      f"{PLAN_FILE}; serve a `policyc convert --rollout vllm` output or pass "
+                                      "allow_unverified=True")
+        if verified is not None:
+            self._model_path = verified
         self.previous_version = self.weight_info()
         self._call("POST", "/start_weight_update")
         self._begun = True
