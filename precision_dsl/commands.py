@@ -13,11 +13,12 @@ import sys
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import List, Optional
 
 import typer
 
 from .console import UserError, console, guard
+from .names import collapse_names, index_ranges
 from .plan import Plan, TensorPlan
 from .precision import BLACKWELL_ONLY_KINDS
 
@@ -97,21 +98,6 @@ class PlanRow:
     count: int
 
 
-def _ranges(nums: Iterable[int]) -> str:
-    nums = sorted(set(nums))
-    if not nums:
-        return ""
-    out, start, prev = [], nums[0], nums[0]
-    for n in nums[1:] + [None]:  # type: ignore[list-item]
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ",".join(out)
-
-
 def _local_name(t: TensorPlan) -> str:
     """Name relative to its decoder block, with `.weight` dropped: `self_attn.q_proj`, `mlp.experts.E.gate_proj`."""
     name = t.hf_name
@@ -178,7 +164,7 @@ def _layer_rows(tensors: list[TensorPlan]) -> list[tuple]:
     for mkey, (leaves, members) in merged.items():
         head, experts = mkey[0], mkey[1]
         if experts:
-            head = head.replace(".E", f"[{_ranges(experts)}]") if ".E" in head else head
+            head = head.replace(".E", f"[{index_ranges(experts)}]") if ".E" in head else head
         leaf = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
         label = f"{head}.{leaf}" if head else leaf
         rows.append((label,) + mkey[2:] + (len(members),))
@@ -423,24 +409,6 @@ def diff_plans(a: Plan, b: Plan) -> list[tuple[str, str, str]]:
     return out
 
 
-def _collapse_names(names: list[str]) -> list[tuple[str, int]]:
-    """Collapse expert and layer indices: model.layers.{3-50}.mlp.experts.{0-255}.gate_proj.weight (n)."""
-    import re
-
-    pat: "OrderedDict[str, list[tuple[int, ...]]]" = OrderedDict()
-    for n in names:
-        nums = tuple(int(x) for x in re.findall(r"(?<=\.)\d+(?=\.)", n))
-        key = re.sub(r"(?<=\.)\d+(?=\.)", "#", n)
-        pat.setdefault(key, []).append(nums)
-    out = []
-    for key, idx in pat.items():
-        text = key
-        for pos in range(key.count("#")):
-            text = text.replace("#", "{" + _ranges(i[pos] for i in idx) + "}", 1)
-        out.append((text, len(idx)))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # typer commands
 # ---------------------------------------------------------------------------------------------------------------
@@ -636,7 +604,7 @@ def register(app: typer.Typer) -> None:
             for name, sa, sb in changes:
                 by_pair.setdefault((sa, sb), []).append(name)
             for (sa, sb), names in by_pair.items():
-                items = [(n, 1) for n in names] if full else _collapse_names(names)
+                items = [(n, 1) for n in names] if full else collapse_names(names)
                 for text, n in items:
                     table.add_row(text, str(n), sa, sb)
             con.print(table)

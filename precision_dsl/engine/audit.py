@@ -14,13 +14,13 @@ modes and gradients exist on the trainer only.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from ..format_specs import PER_TOKEN
+from ..names import collapse_names
 from .audit_inputs import AuditError, Deployment, read_deployment
 
 
@@ -258,42 +258,13 @@ def audit(paths: list[Path], arch, parallel=None) -> AuditResult:
 # ---------------------------------------------------------------------------------------------------------------
 # display helpers (pure)
 # ---------------------------------------------------------------------------------------------------------------
-def _ranges(nums) -> str:
-    nums = sorted(set(nums))
-    out, start, prev = [], nums[0], nums[0]
-    for n in nums[1:] + [None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ",".join(out)
-
-
-def collapse(names: list[str]) -> list[tuple[str, int]]:
-    """Layer and expert indices collapsed into ranges: model.layers.{0-2}.mlp.experts.{0-7}.gate_proj.weight."""
-    pat: "OrderedDict[str, list[tuple[int, ...]]]" = OrderedDict()
-    for n in names:
-        nums = tuple(int(x) for x in re.findall(r"(?<=\.)\d+(?=\.)", n))
-        pat.setdefault(re.sub(r"(?<=\.)\d+(?=\.)", "#", n), []).append(nums)
-    out = []
-    for key, idx in pat.items():
-        text = key
-        for pos in range(key.count("#")):
-            r = _ranges(i[pos] for i in idx)
-            text = text.replace("#", r if r.isdigit() else "{" + r + "}", 1)
-        out.append((text, len(idx)))
-    return out
-
-
 def to_json(res: AuditResult) -> dict:
     import json
 
     return {"agree": res.agree,
             "read_as": [{"path": p, "read_as": w} for p, w in res.read_as],
             "disagreements": [{"tensors": d.tensors, "count": len(d.tensors), "collapsed": [c for c, _ in
-                                                                                           collapse(d.tensors)],
+                                                                                           collapse_names(d.tensors, brace_single=False)],
                                "trainer": d.trainer, "rollout": d.rollout, "cause": d.cause}
                               for d in res.disagreements],
             "trainer": json.loads(res.trainer.to_json()) if res.trainer is not None else None,

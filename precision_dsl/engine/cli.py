@@ -303,7 +303,7 @@ def _print_audit(res) -> None:
     from rich.table import Table
 
     from ..console import console
-    from .audit import collapse
+    from ..names import collapse_names
 
     con = console()
     for path, what in res.read_as:
@@ -321,7 +321,7 @@ def _print_audit(res) -> None:
     for col in ("tensors", "count", "trainer", "rollout", "why"):
         table.add_column(col, overflow="fold")
     for d in res.disagreements:
-        rows = collapse(d.tensors)
+        rows = collapse_names(d.tensors, brace_single=False)
         table.add_row(escape("\n".join(t for t, _ in rows)), "\n".join(str(n) for _, n in rows), escape(d.trainer),
                       escape(d.rollout), escape(d.cause))
     con.print(table)
