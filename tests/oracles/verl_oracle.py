@@ -35,6 +35,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from ._wheels import download, extract, install_site
 
@@ -68,21 +69,27 @@ def fetch_site() -> Path:
     return install_site(f"verl-{VERL_VERSION}-site", fill, json.dumps(sorted(p.name for p in whls + [sdist])))
 
 
+def _child(tmp: Path, request: dict, code: Callable[[str, str], str], timeout: float, what: str) -> dict:
+    """Run `code(src, dst)` in a fresh interpreter: it reads the JSON `request` from src and writes its answer to
+    dst (the engines' modules never enter this process)."""
+    src, dst = tmp / "in.json", tmp / "out.json"
+    src.write_text(json.dumps(request))
+    r = subprocess.run([sys.executable, "-c", code(str(src), str(dst))], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if r.returncode != 0 or not dst.exists():
+        raise OracleUnavailable(f"{what} process failed (rc {r.returncode}): "
+                                f"{(r.stderr or r.stdout).strip()[-1500:]}")
+    return json.loads(dst.read_text())
+
+
 def _ask(request: dict, timeout: float = 900) -> dict:
     site = fetch_site()
     repo = str(Path(__file__).resolve().parents[2])  # precision_dsl (the verl plugin, the architectures)
+    tests = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as d:
-        src, dst = Path(d) / "in.json", Path(d) / "out.json"
-        src.write_text(json.dumps(request))
-        tests = str(Path(__file__).resolve().parents[1])
-        code = (f"import sys; sys.path[:0] = [{tests!r}, {repo!r}]; from oracles.verl_oracle import _serve; "
-                f"_serve({str(site)!r}, {str(src)!r}, {str(dst)!r})")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if r.returncode != 0 or not dst.exists():
-            raise OracleUnavailable(f"verl {VERL_VERSION} process failed (rc {r.returncode}): "
-                                    f"{(r.stderr or r.stdout).strip()[-1500:]}")
-        return json.loads(dst.read_text())
+        return _child(Path(d), request, lambda src, dst: (
+            f"import sys; sys.path[:0] = [{tests!r}, {repo!r}]; from oracles.verl_oracle import _serve; "
+            f"_serve({str(site)!r}, {src!r}, {dst!r})"), timeout, f"verl {VERL_VERSION}")
 
 
 def check(launches: dict[str, list[str]]) -> dict[str, dict]:
@@ -278,17 +285,11 @@ def extension(qualname: str, env_vars: dict[str, str], timeout: float = 900) -> 
         meta = Path(d) / "meta" / "vllm-0.33.0.dist-info"
         meta.mkdir(parents=True)
         (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
-        src, dst = Path(d) / "in.json", Path(d) / "out.json"
-        src.write_text(json.dumps({"qualname": qualname, "env": env_vars}))
         tests = str(Path(__file__).resolve().parents[1])
-        code = (f"import sys; sys.path.insert(0, {tests!r}); from oracles.verl_oracle import _serve_extension; "
-                f"_serve_extension({str(site)!r}, {str(vsite)!r}, {str(meta.parent)!r}, {str(src)!r}, {str(dst)!r})")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if r.returncode != 0 or not dst.exists():
-            raise OracleUnavailable(f"verl {VERL_VERSION} + vLLM 0.33.0 process failed (rc {r.returncode}): "
-                                    f"{(r.stderr or r.stdout).strip()[-1500:]}")
-        return json.loads(dst.read_text())
+        return _child(Path(d), {"qualname": qualname, "env": env_vars}, lambda src, dst: (
+            f"import sys; sys.path.insert(0, {tests!r}); from oracles.verl_oracle import _serve_extension; "
+            f"_serve_extension({str(site)!r}, {str(vsite)!r}, {str(meta.parent)!r}, {src!r}, {dst!r})"),
+            timeout, f"verl {VERL_VERSION} + vLLM 0.33.0")
 
 
 def _serve_extension(site: str, vsite: str, meta: str, src: str, dst: str) -> None:
