@@ -34,9 +34,10 @@ class WeightReceiver:
         # stays refused; the next complete update clears it.
         self.stale: Optional[str] = None
 
-    def _torn(self, reason: str) -> None:
+    def _torn(self, reason: str, served) -> None:
+        """The kept buffers hold part of an update that did not land: `served` (the weights handed out last) and
+        every later lookup are refused until a complete update lands."""
         self.stale = reason
-        served = self.raw
         if isinstance(served, _BucketViews):
             served.refuse(reason)
         self.raw = {}
@@ -57,9 +58,7 @@ class WeightReceiver:
                 else self.transport.recv()
             if kind == "abort":
                 if meta.get("torn"):
-                    self.raw = served
-                    why = f"torn by an aborted update ({meta.get('reason')})"
-                    self._torn(why)
+                    self._torn(f"torn by an aborted update ({meta.get('reason')})", served)
                     raise WeightUpdateAborted(
                         f"the sender aborted the update: {meta.get('reason')}; this receiver's weights were "
                         "overwritten in place and are refused until a complete update lands",
@@ -84,19 +83,12 @@ class WeightReceiver:
         known = program_only and self._layout is not None and self._layout[0] == metas
         try:
             self._check_layouts(metas, bufs, known)
-        except WeightUpdateError as err:
-            self.raw = {}
-            if in_place and bufs:  # the refused bytes already sit in the kept buffers
-                self.raw = served
-                self._torn(f"overwritten by a refused update ({err})")
-            raise
-        if metas:
-            index = self._layout[1] if known else layout_index(metas)
-            lazy = _BucketViews(metas, bufs, index)
-            if self.raw:
-                lazy.update_from(self.raw)
-            self.raw = lazy
-        try:
+            if metas:
+                index = self._layout[1] if known else layout_index(metas)
+                lazy = _BucketViews(metas, bufs, index)
+                if self.raw:
+                    lazy.update_from(self.raw)
+                self.raw = lazy
             if bufs:
                 self._check_fingerprints(bufs)
             if self.summary.get("tensors") != len(self.raw):
@@ -106,9 +98,8 @@ class WeightReceiver:
                 self._check_complete()
         except WeightUpdateError as err:
             self.raw = {}
-            if in_place and bufs:
-                self.raw = served
-                self._torn(f"overwritten by a refused update ({err})")
+            if in_place and bufs:  # the refused bytes already sit in the kept buffers
+                self._torn(f"overwritten by a refused update ({err})", served)
             raise
         if program_only and not known:
             self._layout = (_copy_layout(metas), index)
