@@ -42,6 +42,14 @@ from precision_dsl.backends.quantize import needs_shared_amax, output_specs
 from precision_dsl.backends.safetensors_io import DTYPE_SIZES
 
 _ALIGN = 256
+
+# How an NVFP4 segment (1x16 blocks, one second-level scale per member or share-scale group) is quantized:
+#   "items": triton_segments.nvfp4_segment_items - an amax launch and a quantize launch over the segment as a flat
+#            run of 16-element-block items (no padded lanes for any K, input_scale filled in the same launch);
+#   "fused": triton_segments.nvfp4_segment_fused - both passes in one launch that reads the weights from HBM once;
+#   "tiles": seg_amax + nvfp4_segment on row tiles (any member shape; what the others fall back to).
+NVFP4_KERNELS = ("items", "fused", "tiles")
+NVFP4_KERNEL = "items"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
 
@@ -238,13 +246,14 @@ class UpdateProgram:
         return off
 
     # -- binding ---------------------------------------------------------------------------------------------------
-    def bind(self, tensors: dict, group_small: bool = True, nvfp4_fused: bool = False) -> "Bound":
+    def bind(self, tensors: dict, group_small: bool = True, nvfp4_kernel: str = NVFP4_KERNEL) -> "Bound":
         """tensors: {hf_name: CUDA tensor}. Per segment, a 2-D [rows, K] (quantized) or flat (hp) view of the
         stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run.
-        group_small: a bucket's small high-precision pieces share one launch; nvfp4_fused: NVFP4 segments take the
-        fused one-read kernel (measured slower on the H200, kept for the side-by-side benchmark; default False:
-        seg_amax + nvfp4_segment)."""
-        return Bound(self, tensors, group_small, nvfp4_fused)
+        group_small: a bucket's small high-precision pieces share one launch; nvfp4_kernel: how NVFP4 segments
+        are quantized, one of NVFP4_KERNELS (segments the item kernels cannot tile take "tiles")."""
+        if nvfp4_kernel not in NVFP4_KERNELS:
+            raise ValueError(f"nvfp4_kernel must be one of {NVFP4_KERNELS}, not {nvfp4_kernel!r}")
+        return Bound(self, tensors, group_small, nvfp4_kernel)
 
     # -- one update ------------------------------------------------------------------------------------------------
     def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1, dest=None):
@@ -318,7 +327,7 @@ class UpdateProgram:
             gather = bound.gather[k][si]
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
-            self._fill(seg, x, buf, bad, dev, bound.nvfp4_fused)
+            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel)
 
     def _capture(self, bound: "Bound", targets: list) -> list:
         import torch
@@ -336,7 +345,7 @@ class UpdateProgram:
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_fused: bool = False) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str = NVFP4_KERNEL) -> None:
         import torch
 
         from precision_dsl.formats import fp8_block_pow2
@@ -388,18 +397,22 @@ class UpdateProgram:
             data = stacked(0, k // 2)
             scale = stacked(1, k // 16)
             sdec = stacked(2, 0).view(torch.float32)
-            if nvfp4_fused:  # one launch, one HBM read of the weights (amax and quantize tiles share L2)
-                ks.nvfp4_segment_fused(x, seg.rows_per_group, seg.rows_per_member, data, scale, sdec, bad,
-                                       stacked(3, 0).view(torch.float32))
+            isc = stacked(3, 0).view(torch.float32)  # ModelOpt input_scale (unused with per-token activations)
+            if nvfp4_kernel != "tiles" and ks.item_blocks_for(seg.rows_per_member, k) and x.is_contiguous():
+                run = ks.nvfp4_segment_fused if nvfp4_kernel == "fused" else ks.nvfp4_segment_items
+                run(x, seg.rows_per_group, seg.rows_per_member, data, scale, sdec, bad, isc)
                 return
             n_groups = rows // seg.rows_per_group
             bits = torch.zeros(n_groups, dtype=torch.int32, device=dev)
             ks.seg_amax(x, seg.rows_per_group, bits, bad)
             ks.nvfp4_segment(x, bits.view(torch.float32), seg.rows_per_group, seg.rows_per_member, data, scale, sdec)
-            stacked(3, 0).view(torch.float32).fill_(1.0)  # ModelOpt input_scale (unused with per-token acts)
+            isc.fill_(1.0)
             return
         # the quantize kernels count NaN/Inf in the same read of x (no separate checking pass over the weights)
         if seg.kind == "mxfp8":
+            if x.is_contiguous():  # flat 32-element blocks: no 2-D tile, no padded lanes
+                triton_mxfp8.quantize_rows_flat(x, stacked(0, k), stacked(1, k // 32), bad=bad)
+                return
             triton_mxfp8.quantize_rowcol(x, "e4m3", True, False, out_row=(stacked(0, k), stacked(1, k // 32)),
                                          bad=bad)
             return
@@ -475,7 +488,8 @@ def _hp_group(seg_list: list, inputs: list, small: int):
 class Bound:
     """The trainer's tensors arranged per bucket and segment (see UpdateProgram.bind)."""
 
-    def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True, nvfp4_fused: bool = False):
+    def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True,
+                 nvfp4_kernel: str = NVFP4_KERNEL):
         import torch
 
         self.pool = None
@@ -483,8 +497,7 @@ class Bound:
         self.graphs = None  # per-bucket CUDA graphs, captured on the second run (the first compiles the kernels)
         self.graph_key = None  # the bucket buffers' addresses the graphs were captured with
         self.use_graphs = True
-        # the NVFP4 segments' kernel: fused amax + quantize (one read of the weights), or the two-kernel path
-        self.nvfp4_fused = nvfp4_fused
+        self.nvfp4_kernel = nvfp4_kernel  # how NVFP4 segments are quantized (UpdateProgram.bind)
         self.runs = 0
         self.handles: list = [None, None]
         self.inputs: list[list] = []

@@ -6,7 +6,8 @@ Modes, side by side in one run (same weights, same receiver):
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
-  * direct-fused: the same with NVFP4 by the one-launch kernel that reads the weights once (slower on the H200);
+  * direct-items / direct-fused / direct-tiles: the same with that NVFP4 segment kernel (backends/update_program.py
+    NVFP4_KERNELS: the flat item pair, the one-pass kernel that reads the weights once, the row-tile pair);
   * copy (the previous program): the sender fills two pool buffers, a copy stream moves them into the receiver's
     buffers (direct=False), NVFP4 by seg_amax + nvfp4_segment, a launch per small piece.
 Per model it prints the BF16 update, NVFP4 / MXFP8 as x the BF16 update and x a bare copy of their bytes,
@@ -153,7 +154,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
                                                       WeightSender)
 
-    direct = mode in ("direct", "direct-fused")
+    direct = mode.startswith("direct")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
     sender = WeightSender(plan, tr, bucket_bytes=bucket_mb << 20)
@@ -161,10 +162,10 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     t_prog = time.perf_counter() - t0
     t0 = time.perf_counter()
     prep = sender.prepare_program(weights.items())
-    if mode != "direct":  # direct-fused: the one-launch NVFP4 kernel; copy: the previous program (copy into the
-        # receiver, a launch per small piece)
-        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_fused=mode == "direct-fused"),
-                              prep.tensors)
+    if mode != "direct":  # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the
+        # receiver, a launch per small piece, the row-tile NVFP4 kernels)
+        kernel = mode.split("-", 1)[1] if mode.startswith("direct-") else "tiles"
+        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_kernel=kernel), prep.tensors)
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -231,51 +232,67 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     return row
 
 
-FUSED_SWEEP = [dict(), dict(block_m=2, block_nb=128, num_warps=2, programs_per_sm=8),
-               dict(block_m=8, block_nb=64, num_warps=4), dict(programs_per_sm=2), dict(programs_per_sm=8),
-               dict(chunk_bytes=8 << 20), dict(chunk_bytes=24 << 20), dict(block_m=8, block_nb=128, num_warps=8)]
+SWEEP = {
+    "items": [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=8),
+              dict(amax_item_blocks=512, amax_num_warps=4), dict(amax_item_blocks=256, amax_num_warps=2)],
+    "fused": [dict(), dict(programs_per_sm=8), dict(programs_per_sm=2), dict(chunk_bytes=16 << 20),
+              dict(chunk_bytes=4 << 20), dict(chunk_bytes=24 << 20), dict(item_blocks=512, num_warps=8, programs_per_sm=2),
+              dict(item_blocks=128, num_warps=2, programs_per_sm=8), dict(item_blocks=512, num_warps=4)],
+}
 
 
 def kernel_sweep(results, reps=5) -> None:
     """NVFP4 segment kernels alone on the 30B-shaped model's expert segments (one layer: gate/up 128 x [1536, 2048]
-    with gate+up share-scale groups, down 128 x [2048, 768]): the fused one-read kernel at several launch shapes
-    against seg_amax + nvfp4_segment and a copy of the input, same run; also checks the bytes are the same."""
+    with gate+up share-scale groups, down 128 x [2048, 768]) and the 1.34B model's (32 x [1024, 1024], 32 x
+    [1024, 512]): the row-tile pair (seg_amax + nvfp4_segment), the item pair and the one-pass kernel at several
+    launch shapes, against a copy of the input in the same run; every variant's bytes against the row-tile pair's."""
     import torch
 
     from precision_dsl.kernels import triton_segments as ks
 
-    for name, rpm, rpg, k, members in (("gate_up", 768, 1536, 2048, 256), ("down", 2048, 2048, 768, 128)):
+    shapes = (("30b gate_up", 768, 1536, 2048, 256), ("30b down", 2048, 2048, 768, 128),
+              ("1.3b gate_up", 512, 1024, 1024, 64), ("1.3b down", 1024, 1024, 512, 32))
+    for name, rpm, rpg, k, members in shapes:
         m = rpm * members
         x = (torch.randn(m, k, device="cuda") * 0.02).to(torch.bfloat16)
         outs = lambda: (torch.empty(m, k // 2, dtype=torch.uint8, device="cuda"),  # noqa: E731
                         torch.empty(m, k // 16, dtype=torch.uint8, device="cuda"),
-                        torch.empty(m // rpm, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"))
-        d0, s0, g0, b0 = outs()
+                        torch.empty(m // rpm, device="cuda"), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                        torch.empty(m // rpm, device="cuda"))
+        d0, s0, g0, b0, _ = outs()
 
-        def two():
+        def tiles():
             bits = torch.zeros(m // rpg, dtype=torch.int32, device="cuda")
             ks.seg_amax(x, rpg, bits, b0)
             ks.nvfp4_segment(x, bits.view(torch.float32), rpg, rpm, d0, s0, g0)
 
-        two()
-        t_two, _ = _timed(two, reps)
+        tiles()
+        t_tiles, _ = _timed(tiles, reps)
         y = torch.empty_like(x)
         y.copy_(x)
         t_copy, _ = _timed(lambda: y.copy_(x), reps)
         del y
-        nbytes = x.numel() * 2
-        print(f"[sweep {name}] {nbytes / 1e6:.0f} MB bf16: copy {t_copy * 1e3:.3f} ms, seg_amax + nvfp4_segment "
-              f"{t_two * 1e3:.3f} ms ({t_copy / t_two:.0%} of copy)", flush=True)
-        for cfg in FUSED_SWEEP:
-            d1, s1, g1, b1 = outs()
-            run = lambda: ks.nvfp4_segment_fused(x, rpg, rpm, d1, s1, g1, b1, **cfg)  # noqa: E731
-            run()
-            t, _ = _timed(run, reps)
-            same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0, g1)
-            print(f"[sweep {name}] fused {cfg or 'default'}: {t * 1e3:.3f} ms ({t_copy / t:.0%} of copy, "
-                  f"{t_two / t:.2f}x the two-kernel path), bytes {'same' if same else 'DIFFER'}", flush=True)
-            results.append({"sweep": name, "config": {k_: v for k_, v in cfg.items()}, "fused_s": t,
-                            "two_kernel_s": t_two, "copy_s": t_copy, "same_bytes": same})
+        print(f"[sweep {name}] {x.numel() * 2 / 1e6:.0f} MB bf16: copy {t_copy * 1e3:.3f} ms, row tiles "
+              f"{t_tiles * 1e3:.3f} ms ({t_copy / t_tiles:.0%} of copy)", flush=True)
+        results.append({"sweep": name, "kernel": "tiles", "config": {}, "s": t_tiles, "copy_s": t_copy})
+        for kernel, cfgs in SWEEP.items():
+            fn = ks.nvfp4_segment_items if kernel == "items" else ks.nvfp4_segment_fused
+            for cfg in cfgs:
+                d1, s1, g1, b1, isc = outs()
+                run = lambda: fn(x, rpg, rpm, d1, s1, g1, b1, isc, **cfg)  # noqa: E731
+                try:
+                    run()
+                    t, _ = _timed(run, reps)
+                except Exception as err:  # a launch shape this GPU refuses: reported, the sweep goes on
+                    print(f"[sweep {name}] {kernel} {cfg}: failed: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                    continue
+                same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0.view(torch.int32),
+                                                                                   g1.view(torch.int32))
+                print(f"[sweep {name}] {kernel} {cfg or 'default'}: {t * 1e3:.3f} ms ({t_copy / t:.0%} of copy, "
+                      f"{t_tiles / t:.2f}x row tiles), bytes {'same' if same else 'DIFFER'}", flush=True)
+                results.append({"sweep": name, "kernel": kernel, "config": dict(cfg), "s": t, "copy_s": t_copy,
+                                "tiles_s": t_tiles, "same_bytes": same})
+        print(f"[sweep] resident programs per SM of the one-pass kernel: {ks._RESIDENT}", flush=True)
         del x
         torch.cuda.empty_cache()
 
@@ -328,11 +345,12 @@ def main():
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
-    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), direct-fused (direct, one-launch NVFP4 kernel), copy")
+    ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
+                    "direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",
-                    help="first: the fused NVFP4 segment kernel's launch shapes vs the two-kernel path")
+                    help="first: the NVFP4 segment kernels' launch shapes side by side")
     args = ap.parse_args()
     import torch
 

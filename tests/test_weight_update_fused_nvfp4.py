@@ -1,13 +1,15 @@
-"""The fused NVFP4 segment kernel (triton_segments.nvfp4_segment_fused: amax + quantize in one persistent launch, the
-weights read from HBM once) gives exactly the bytes of the two-kernel path (seg_amax + nvfp4_segment, itself tested
-against the reference in tests/test_kernels_interpret.py and tests/test_weight_update_gpu.py): every group amax,
-data / scale / S_dec byte, the input_scale fill and the non-finite count.
+"""The item kernels of the NVFP4 weight update (triton_segments.nvfp4_segment_items: the amax and the quantize
+launch over a segment as a flat run of block items; nvfp4_segment_fused: both passes in one persistent launch that
+reads the weights from HBM once) give exactly the bytes of the row-tile pair (seg_amax + nvfp4_segment, itself
+tested against the reference in tests/test_kernels_interpret.py and tests/test_weight_update_gpu.py): every group
+amax, data / scale / S_dec byte, the input_scale fill and the non-finite count.
 
 Cases: one member per group and gate + up share-scale groups of two members; bf16 / fp16 / fp32; one chunk and many
-chunks (the queue's interleaving of amax and quantize tiles); rows per chunk not a multiple of the tile rows; a
-block count that is not a multiple of the tile's; bf16 subnormal groups; NaN / Inf counted. On CPU the cases run in
-a child process under Triton's interpreter (TRITON_INTERPRET=1; small shapes, the interpreter is numpy-slow); on
-CUDA (marked gpu) the same cases plus larger ones run compiled, where the queue's cross-program waits are real.
+chunks (the one-pass kernel's amax-ahead pipeline and its cross-program waits); items smaller than a member; block
+counts that are not a power of two (K = 96, 224, 768); bf16 subnormal groups; NaN / Inf counted. On CPU the cases
+run in a child process under Triton's interpreter (TRITON_INTERPRET=1; small shapes, the interpreter is numpy-slow;
+the one-pass kernel as one program); on CUDA (marked gpu) the same cases plus the real expert shapes run compiled,
+with the persistent grid's programs really waiting for each other.
 """
 
 from __future__ import annotations
@@ -25,20 +27,23 @@ import triton  # noqa: F401  (in the test extra: a missing interpreter fails, ne
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (rows_per_member, rows_per_group, members, K, dtype, chunk groups, launch, special)
+# (rows_per_member, rows_per_group, members, K, dtype, chunk groups, item launch, fused launch, special)
 CASES = [
-    (6, 6, 5, 96, "bfloat16", 1, dict(block_m=4, block_nb=2), ""),  # 6-row chunks, 4-row tiles: a ragged tile
-    (6, 12, 4, 96, "bfloat16", 1, dict(block_m=4, block_nb=4), ""),  # gate + up share-scale groups, 2 chunks
-    (8, 16, 4, 224, "bfloat16", 8, dict(), ""),  # one chunk, 14 blocks a row (partial block tile)
-    (8, 8, 6, 64, "bfloat16", 2, dict(block_m=2, block_nb=2), "subnormal"),
-    (8, 8, 6, 64, "bfloat16", 1, dict(block_m=2, block_nb=4), "nonfinite"),
-    (4, 8, 4, 32, "float16", 1, dict(block_m=2, block_nb=1), ""),
-    (4, 4, 5, 48, "float32", 2, dict(block_m=4, block_nb=2), "nonfinite"),
+    (8, 8, 5, 64, "bfloat16", 1, dict(item_blocks=16, amax_item_blocks=16), dict(item_blocks=16), ""),  # 2 items a member
+    (8, 16, 4, 96, "bfloat16", 1, dict(), dict(), ""),  # gate + up share-scale groups, 6 blocks a row, 2 chunks
+    (16, 16, 4, 224, "bfloat16", 8, dict(), dict(), ""),  # one chunk, 14 blocks a row
+    (16, 16, 6, 64, "bfloat16", 2, dict(item_blocks=16), dict(item_blocks=16), "subnormal"),
+    (16, 16, 6, 64, "bfloat16", 1, dict(), dict(), "nonfinite"),
+    (8, 16, 4, 32, "float16", 1, dict(), dict(), ""),
+    (16, 16, 5, 48, "float32", 2, dict(), dict(), "nonfinite"),
 ]
 GPU_CASES = CASES + [
-    (768, 1536, 32, 2048, "bfloat16", 1, dict(), ""),  # Qwen3-30B-A3B experts' gate/up: many chunks, real waits
-    (2048, 2048, 16, 768, "bfloat16", 0, dict(), ""),  # its down_proj (chunk_bytes default: 16 MiB)
-    (512, 1024, 24, 1024, "bfloat16", 0, dict(block_m=2, block_nb=64, num_warps=2, programs_per_sm=8), ""),
+    (768, 1536, 32, 2048, "bfloat16", 1, dict(), dict(), ""),  # Qwen3-30B-A3B experts' gate/up: many chunks
+    (2048, 2048, 16, 768, "bfloat16", 0, dict(), dict(), ""),  # its down_proj (chunk_bytes default)
+    (512, 1024, 24, 1024, "bfloat16", 0, dict(item_blocks=128, num_warps=2),
+     dict(item_blocks=128, num_warps=2, programs_per_sm=8), ""),
+    (1024, 1024, 8, 512, "bfloat16", 0, dict(item_blocks=512, num_warps=8),
+     dict(item_blocks=512, num_warps=8, programs_per_sm=2, chunk_bytes=1 << 20), ""),
 ]
 
 
@@ -59,10 +64,10 @@ def _input(rpm, rpg, members, k, dtype, special, seed, dev):
 
 
 def run_case(i: int, case: tuple, dev: str) -> dict:
-    """Both paths on case i; {check name: equal}."""
+    """The row-tile pair, the item pair and the one-pass kernel on case i; {check name: equal}."""
     from precision_dsl.kernels import triton_segments as ks
 
-    rpm, rpg, members, k, dtype, chunk_groups, launch, special = case
+    rpm, rpg, members, k, dtype, chunk_groups, item_launch, fused_launch, special = case
     x = _input(rpm, rpg, members, k, dtype, special, 100 + i, dev)
     m = x.shape[0]
 
@@ -75,22 +80,65 @@ def run_case(i: int, case: tuple, dev: str) -> dict:
     bits, bad, data, scale, sdec = outs()
     ks.seg_amax(x, rpg, bits, bad)
     ks.nvfp4_segment(x, bits.view(torch.float32), rpg, rpm, data, scale, sdec)
-    fbits, fbad, fdata, fscale, fsdec = outs()
-    isc = torch.zeros(m // rpm, device=dev)
-    kw = dict(launch)
-    if chunk_groups:
-        kw["chunk_bytes"] = chunk_groups * rpg * k * x.element_size()
-    ks.nvfp4_segment_fused(x, rpg, rpm, fdata, fscale, fsdec, fbad, isc, amax_bits=fbits, **kw)
     same = lambda a, b: bool(torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)))  # noqa: E731
-    checks = {"amax": same(bits, fbits), "bad": int(bad.item()) == int(fbad.item()), "data": same(data, fdata),
-              "scale": same(scale, fscale), "sdec": same(sdec, fsdec), "input_scale": bool((isc == 1).all())}
-    if special == "nonfinite":
-        checks["counted"] = int(fbad.item()) == 3
-    # again without the caller's amax buffer (the workspace path the update program uses)
-    gbits, gbad, gdata, gscale, gsdec = outs()
-    ks.nvfp4_segment_fused(x, rpg, rpm, gdata, gscale, gsdec, gbad, **kw)
-    checks["workspace"] = same(gdata, data) and same(gscale, scale) and same(gsdec, sdec)
+    fused_kw = dict(fused_launch)
+    if chunk_groups:
+        fused_kw["chunk_bytes"] = chunk_groups * rpg * k * x.element_size()
+    checks = {}
+    for name, fn, kw in (("items", ks.nvfp4_segment_items, item_launch), ("fused", ks.nvfp4_segment_fused, fused_kw)):
+        fbits, fbad, fdata, fscale, fsdec = outs()
+        isc = torch.zeros(m // rpm, device=dev)
+        fn(x, rpg, rpm, fdata, fscale, fsdec, fbad, isc, amax_bits=fbits, **kw)
+        checks.update({f"{name}.amax": same(bits, fbits), f"{name}.bad": int(bad.item()) == int(fbad.item()),
+                       f"{name}.data": same(data, fdata), f"{name}.scale": same(scale, fscale),
+                       f"{name}.sdec": same(sdec, fsdec), f"{name}.input_scale": bool((isc == 1).all())})
+        if special == "nonfinite":
+            checks[f"{name}.counted"] = int(fbad.item()) == 3
+        # again without the caller's amax buffer or input_scale (the workspace path)
+        gbits, gbad, gdata, gscale, gsdec = outs()
+        fn(x, rpg, rpm, gdata, gscale, gsdec, gbad, **kw)
+        checks[f"{name}.workspace"] = same(gdata, data) and same(gscale, scale) and same(gsdec, sdec)
     return checks
+
+
+# per-tensor NVFP4 by the one-pass kernel (triton_nvfp4.per_tensor(one_pass=True)): (M, K, dtype)
+PER_TENSOR = [(32, 64, "bfloat16"), (16, 224, "float32")]
+GPU_PER_TENSOR = PER_TENSOR + [(8192, 2048, "bfloat16"), (16384, 7168, "bfloat16")]
+
+
+def run_per_tensor(i: int, case: tuple, dev: str) -> dict:
+    """per_tensor(one_pass=True) against the reference (formats.nvfp4.quantize, scope "tensor") and the two-kernel
+    per_tensor, byte for byte."""
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    m, k, dtype = case
+    x = _input(m, m, 1, k, dtype, "", 500 + i, dev)
+    d, sc, sd, g = knv.per_tensor(x, one_pass=True)
+    d2, sc2, sd2, g2 = knv.per_tensor(x)
+    same = lambda a, b: bool(torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8)))  # noqa: E731
+    out = {"two_kernels.data": same(d, d2), "two_kernels.scale": same(sc, sc2), "two_kernels.sdec": same(sd, sd2),
+           "two_kernels.amax": same(g, g2)}
+    if m * k <= 1 << 20:  # the readable reference is slow on large tensors
+        want = nvfp4.quantize(x.cpu(), scope="tensor")
+        out.update({"reference.data": same(d, want.data), "reference.scale": same(sc, want.scale),
+                    "reference.sdec": same(sd, want.global_scale.reshape(1))})
+    return out
+
+
+def test_item_kernels_refuse_what_they_cannot_tile():
+    from precision_dsl.kernels import triton_segments as ks
+
+    assert ks.item_blocks_for(6, 96) == 0  # 36 blocks a member: no item of >= 16 blocks divides it
+    assert ks.item_blocks_for(768, 2048) == 256 and ks.item_blocks_for(2048, 768, 1024) == 1024
+    x = torch.zeros(12, 96, dtype=torch.bfloat16)
+    o = (torch.empty(12, 48, dtype=torch.uint8), torch.empty(12, 6, dtype=torch.uint8), torch.empty(2))
+    with pytest.raises(ValueError, match="does not tile"):
+        ks.nvfp4_segment_items(x, 6, 6, *o, torch.zeros(1, dtype=torch.int32), item_blocks=16)
+    with pytest.raises(ValueError, match="contiguous"):
+        ks.nvfp4_segment_fused(torch.zeros(96, 32, dtype=torch.bfloat16).t(), 32, 32,
+                               torch.empty(32, 48, dtype=torch.uint8), torch.empty(32, 6, dtype=torch.uint8),
+                               torch.empty(1), torch.zeros(1, dtype=torch.int32), item_blocks=16)
 
 
 def _interpreted() -> dict:
@@ -101,22 +149,38 @@ def _interpreted() -> dict:
     return {r["case"]: r["checks"] for r in map(json.loads, out.stdout.splitlines())}
 
 
-def test_fused_equals_two_kernel_path_interpreted():
+def test_item_kernels_equal_the_row_tile_path_interpreted():
     results = _interpreted()
-    assert len(results) == len(CASES)
+    assert len(results) == len(CASES) + len(PER_TENSOR)
     bad = {c: [n for n, ok in checks.items() if not ok] for c, checks in results.items()}
     assert not any(bad.values()), bad
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("i", range(len(GPU_PER_TENSOR)))
+def test_per_tensor_one_pass_gpu(i):
+    checks = run_per_tensor(i, GPU_PER_TENSOR[i], "cuda")
+    assert all(checks.values()), checks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("i", range(len(GPU_CASES)))
-def test_fused_equals_two_kernel_path_gpu(i):
-    for rep in range(3):  # the queue's order across programs differs run to run: the bytes must not
+def test_item_kernels_equal_the_row_tile_path_gpu(i):
+    for rep in range(3):  # the programs' interleaving differs run to run: the bytes must not
         checks = run_case(i, GPU_CASES[i], "cuda")
         assert all(checks.values()), (rep, checks)
 
 
 if __name__ == "__main__":  # the interpreter child
+    sys.path.insert(0, str(ROOT / "tests"))
+    import kernels_interpreted as ki  # the interpreter patched to model the hardware (fp8 casts, bf16 widening, max)
+
+    ki.exact_fp8_cast()
+    ki.exact_bf16_widening()
+    ki.nan_ignoring_max()
     for i, case in enumerate(CASES):
         print(json.dumps({"case": i, "checks": run_case(i, case, "cpu")}), flush=True)
+    for i, case in enumerate(PER_TENSOR):
+        print(json.dumps({"case": f"per_tensor{i}", "checks": run_per_tensor(i, case, "cpu")}), flush=True)

@@ -175,3 +175,52 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
             grid = (triton.cdiv(m, 32 * group), triton.cdiv(k // 32, nkb))
             _mxfp8_rowcol_kernel[grid](*args, G=group, **common)
     return rd, rs, cd, cs
+
+
+@triton.jit
+def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_RCP: tl.constexpr,
+                            E5M2: tl.constexpr, IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
+    """Rowwise (1x32) MXFP8 of a contiguous [M, K] tensor seen as a flat run of 32-element blocks, IB blocks per
+    program: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes for any
+    K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are data[32b:32b+32] and
+    its E8M0 is scale[b]. EVEN: N_BLOCKS % IB == 0 (no masks)."""
+    j = tl.program_id(0)
+    blk = j.to(tl.int64) * IB + tl.arange(0, IB)
+    offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
+    if EVEN:
+        x = tl.load(x_ptr + offs).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=(blk < N_BLOCKS)[:, None], other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    if COUNT_BAD:
+        _count_non_finite(ax, bad_ptr)
+    amax = tl.maximum(tl.max(ax, axis=1), 0.0)  # [IB]
+    e, s = e8m0_from_amax(amax, FMAX_RCP)
+    q = _to_fp8_bytes(x * s[:, None], E5M2)
+    if EVEN:
+        tl.store(data_ptr + offs, q)
+        tl.store(scale_ptr + blk, e.to(tl.uint8))
+    else:
+        tl.store(data_ptr + offs, q, mask=(blk < N_BLOCKS)[:, None])
+        tl.store(scale_ptr + blk, e.to(tl.uint8), mask=blk < N_BLOCKS)
+
+
+ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements, 4 warps)
+
+
+def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=ROW_ITEM_BLOCKS, num_warps=4):
+    """Rowwise MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 32 == 0) into contiguous data uint8
+    [M, K] and scale uint8 [M, K/32] (e.g. a weight-update wire buffer), the NaN/Inf count of x added to bad (int32
+    [1]) when given. Same bytes as quantize_rowcol(rowwise only)."""
+    from ._common import LAUNCH_OPTS
+
+    m, k = x2.shape
+    if k % 32 or not (x2.is_contiguous() and data.is_contiguous() and scale.is_contiguous()):
+        raise ValueError("quantize_rows_flat needs K % 32 == 0 and contiguous input and outputs")
+    n_blocks = m * k // 32
+    if n_blocks == 0:
+        return
+    _mxfp8_row_items_kernel[(triton.cdiv(n_blocks, item_blocks),)](
+        x2, data, scale, bad if bad is not None else scale, n_blocks, FMAX_RCP=FMAX_RCP[element],
+        E5M2=element == "e5m2", IB=item_blocks, EVEN=n_blocks % item_blocks == 0, COUNT_BAD=bad is not None,
+        num_warps=num_warps, **LAUNCH_OPTS)

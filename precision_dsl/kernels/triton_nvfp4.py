@@ -514,12 +514,15 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True):
+               k_major=None, thread_rows=True, one_pass=False):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
     None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 rows
     per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
+    one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
+    (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
+    HBM once); tensors it cannot tile take the two kernels.
     Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
@@ -528,6 +531,15 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     m, k = x2.shape
     nb = k // 16
     dev = x2.device
+    if one_pass and global_amax is None and not tile_2d and m and k and x2.is_contiguous():
+        from . import triton_segments
+
+        if triton_segments.item_blocks_for(m, k):
+            data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
+            scale = torch.empty((m, nb), dtype=torch.uint8, device=dev)
+            sdec = torch.empty((1,), dtype=torch.float32, device=dev)
+            bits = triton_segments.nvfp4_segment_fused(x2, m, m, data, scale, sdec)
+            return data, scale, sdec, bits.view(torch.float32)
     g = tensor_amax(x2) if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32)
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty(((m // 16) if tile_2d else m, nb), dtype=torch.uint8, device=dev)

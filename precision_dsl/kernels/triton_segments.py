@@ -66,91 +66,126 @@ def _seg_amax_kernel(xp_ptr, amax_bits_ptr, bad_ptr, M, NP, stride_xp, RPG, IN_D
 
 
 @triton.jit
-def _tile_amax(u, IN_DTYPE: tl.constexpr):
-    """(per-row amax fp32 bits [BM], non-finite count) of a [BM, BNB, 8] tile of pair words: the arithmetic of
-    _seg_amax_kernel (the bf16 integer-magnitude path, the NaN-ignoring float path otherwise), so that the fused
-    kernel's group amaxes are bit for bit seg_amax's."""
+def _item_words(j, IB: tl.constexpr):
+    """Word offsets [IB, 8] of item j: IB consecutive 16-element blocks (8 pair words each) of a contiguous
+    segment. The same offsets address the item's packed E2M1 bytes (8 per block) in the contiguous data output."""
+    return j.to(tl.int64) * (IB * 8) + (tl.arange(0, IB)[:, None] * 8 + tl.arange(0, 8)[None, :])
+
+
+@triton.jit
+def _words_amax(u, IN_DTYPE: tl.constexpr):
+    """(max|x| as fp32 bits, non-finite count) over all pair words u: the arithmetic of _seg_amax_kernel (bf16 on
+    the integer magnitude bits, the NaN-ignoring float max otherwise), so group amaxes are bit for bit seg_amax's."""
     if IN_DTYPE == 0:
         mlo = u & 0x7FFF
         mhi = (u >> 16) & 0x7FFF
-        a_bits = tl.max(tl.max(tl.maximum(mlo, mhi), axis=2), axis=1) << 16
-        nf = tl.sum(tl.sum(tl.sum((mlo >= 0x7F80).to(tl.int32) + (mhi >= 0x7F80).to(tl.int32), axis=2), axis=1),
-                    axis=0)
+        a_bits = tl.max(tl.maximum(mlo, mhi)) << 16
+        nf = tl.sum((mlo >= 0x7F80).to(tl.int32) + (mhi >= 0x7F80).to(tl.int32))
     else:
         lo, hi = unpack_pair(u, IN_DTYPE)
         alo = tl.abs(lo)
         ahi = tl.abs(hi)
-        a = tl.maximum(tl.max(tl.max(tl.maximum(alo, ahi), axis=2), axis=1), 0.0)
-        a_bits = a.to(tl.int32, bitcast=True)
-        nf = tl.sum(tl.sum(tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32)
-                                  + (~(ahi <= 3.4028234663852886e38)).to(tl.int32), axis=2), axis=1), axis=0)
+        a_bits = tl.maximum(tl.max(tl.maximum(alo, ahi)), 0.0).to(tl.int32, bitcast=True)
+        nf = tl.sum((~(alo <= 3.4028234663852886e38)).to(tl.int32) + (~(ahi <= 3.4028234663852886e38)).to(tl.int32))
     return a_bits, nf
 
 
 @triton.jit
-def _nvfp4_seg_fused_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, sdec_ptr, isc_ptr, bad_ptr, ctr_ptr, done_ptr,
-                            M, NB, stride_xp, stride_d, stride_s, RPG, RPM, CHUNK_ROWS, N_CHUNKS, TM, TN,
-                            IN_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_NB: tl.constexpr,
-                            HAS_ISC: tl.constexpr):
-    """seg_amax + nvfp4_segment in one persistent launch. Work items are tiles of BLOCK_M rows x BLOCK_NB blocks,
-    T = TM * TN of them per chunk (CHUNK_ROWS rows = whole groups, sized to stay in L2), queued as
-        [amax c0][amax c1][quant c0][amax c2][quant c1] ... [amax c(n-1)][quant c(n-2)][quant c(n-1)]
-    and taken in that order by an atomic counter. An amax tile max-es its rows' group amax bits, then counts itself
-    done for its chunk (release, after a CTA barrier so every thread's atomic is ordered before it); a quantize tile
-    waits (acquire) until its chunk's T amax tiles are done, then quantizes like _nvfp4_seg_kernel. No deadlock:
-    every amax tile of chunk c was dequeued - by a running program, and amax tiles never wait - before any
-    quantize tile of c. Under the interpreter the programs run one after another, the first taking every item in
-    queue order, so the wait is always already satisfied there."""
-    stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
-    stride_d = tl.multiple_of(stride_d, 8)
-    T = TM * TN
-    last = 2 * N_CHUNKS - 1
-    n_items = 2 * N_CHUNKS * T
-    item = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
-    while item < n_items:
-        b = item // T
-        t = item % T
-        is_q = (b == last) | ((b % 2 == 0) & (b > 0))
-        c = tl.where(b == last, N_CHUNKS - 1, tl.where(b % 2 == 1, (b + 1) // 2, b // 2 - 1))
-        c = tl.maximum(c, 0)  # b == 0: amax of chunk 0
-        tm = t // TN
-        tn = t % TN
-        in_chunk = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rows = c * CHUNK_ROWS + in_chunk
-        rmask = (rows < M) & (in_chunk < CHUNK_ROWS)
-        nb = tn * BLOCK_NB + tl.arange(0, BLOCK_NB)
-        bmask = nb < NB
-        r64 = rows.to(tl.int64)
-        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
-                    other=0)
-        if is_q:
-            # spin on plain volatile loads (no read-modify-write traffic on the counter the amax tiles are still
-            # incrementing), then one acquire RMW orders the group-amax reads after the chunk's release
-            cnt = tl.load(done_ptr + c, volatile=True)
-            while cnt < T:
-                cnt = tl.load(done_ptr + c, volatile=True)
-            tl.atomic_add(done_ptr + c, 0, sem="acquire")
-            # volatile: past L1, which may hold a line of group amaxes read before a later chunk was complete
-            g = tl.load(bits_ptr + rows // RPG, mask=rmask, other=0, volatile=True).to(tl.float32, bitcast=True)
-            lo, hi = unpack_pair(u, IN_DTYPE)
-            s_enc, s_dec = _global_scales(g)
-            first = rmask & (rows % RPM == 0) & (tn == 0)
-            tl.store(sdec_ptr + rows // RPM, s_dec, mask=first)
-            if HAS_ISC:  # ModelOpt input_scale (unused with per-token activations): 1.0 per member
-                tl.store(isc_ptr + rows // RPM, tl.full(s_dec.shape, 1.0, tl.float32), mask=first)
-            sf, packed = _encode_blocks(lo, hi, _block_amax(lo, hi), s_enc[:, None], s_dec[:, None])
-            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
-            tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed,
-                     mask=rmask[:, None, None] & bmask[None, :, None])
-        else:
-            a_bits, nf = _tile_amax(u, IN_DTYPE)
-            tl.atomic_max(bits_ptr + rows // RPG, a_bits, mask=rmask, sem="relaxed")
-            if nf > 0:
-                tl.atomic_add(bad_ptr, nf, sem="relaxed")
-            tl.debug_barrier()
-            tl.atomic_add(done_ptr + c, 1, sem="release")
-        item = tl.atomic_add(ctr_ptr, 1, sem="relaxed")
+def _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr,
+                HAS_ISC: tl.constexpr):
+    """NVFP4 1x16 of item j (pair words u) with its group's fp32 G; the item that starts a member (IPM items a
+    member) writes the member's S_dec (and the ModelOpt input_scale 1.0 when HAS_ISC)."""
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    s_enc, s_dec = _global_scales(g)
+    sf, packed = _encode_blocks(lo, hi, _block_amax(lo, hi), s_enc, s_dec)
+    tl.store(data_ptr + _item_words(j, IB), packed)
+    tl.store(scale_ptr + j.to(tl.int64) * IB + tl.arange(0, IB), sf)
+    if j % IPM == 0:
+        tl.store(sdec_ptr + j // IPM, s_dec)
+        if HAS_ISC:  # ModelOpt input_scale (unused with per-token activations): 1.0 per member
+            tl.store(isc_ptr + j // IPM, 1.0)
 
+
+@triton.jit
+def _seg_amax_items_kernel(xp_ptr, bits_ptr, bad_ptr, IPG, IN_DTYPE: tl.constexpr, IB: tl.constexpr):
+    """Group amax bits (int32 atomic max, zeroed by the caller) + non-finite count, one item per program; an item
+    lies inside one group (IPG items a group), so one atomic per item."""
+    j = tl.program_id(0)
+    a_bits, nf = _words_amax(tl.load(xp_ptr + _item_words(j, IB)), IN_DTYPE)
+    tl.atomic_max(bits_ptr + j // IPG, a_bits, sem="relaxed")
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+
+
+@triton.jit
+def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_ptr, IPG, IPM,
+                            IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """NVFP4 1x16 of one item per program with its group's G (fp32, from g_ptr)."""
+    j = tl.program_id(0)
+    u = tl.load(xp_ptr + _item_words(j, IB))
+    _quant_item(u, j, tl.load(g_ptr + j // IPG), data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB, HAS_ISC)
+
+
+@triton.jit
+def _nvfp4_seg_onepass_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, sdec_ptr, isc_ptr, bad_ptr, done_ptr,
+                              N_ITEMS, IPC, IPG, IPM, N_CHUNKS, IN_DTYPE: tl.constexpr, IB: tl.constexpr,
+                              HAS_ISC: tl.constexpr):
+    """The amax and the quantize pass of a segment in ONE launch that reads the weights from HBM once.
+
+    The segment's items are cut into chunks of whole groups (IPC items, sized so that two chunks stay in L2);
+    program p of P (a persistent grid, every program resident at once) owns items j = p (mod P) of every chunk and
+    runs, for c = 0 .. N_CHUNKS:  amax of its items of chunk c -> count them done for c (release, after a CTA
+    barrier) -> wait (acquire) until all of chunk c-1's items are done -> quantize its items of chunk c-1, which it
+    read one chunk earlier, so they come from L2. The wait is for work every program finished before waiting for
+    chunk c-2, so there is no cycle, and it is normally already satisfied (the programs do equal work). Each loop
+    issues the next item's loads (masked off past the chunk) before working on the current one, so they are in
+    flight during the math.
+    Under the interpreter the host launches one program, which then does every item in order."""
+    p = tl.program_id(0)
+    P = tl.num_programs(0)
+    c = p * 0
+    while c <= N_CHUNKS:
+        if c < N_CHUNKS:
+            j0 = c * IPC
+            j1 = tl.minimum(j0 + IPC, N_ITEMS)
+            j = j0 + (p - j0 % P + P) % P
+            mine = tl.maximum(j1 - j + P - 1, 0) // P
+            if mine > 0:
+                u = tl.load(xp_ptr + _item_words(j, IB))
+                while j < j1:
+                    jn = j + P
+                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < j1, other=0)  # none past the chunk
+                    a_bits, nf = _words_amax(u, IN_DTYPE)
+                    tl.atomic_max(bits_ptr + j // IPG, a_bits, sem="relaxed")
+                    if nf > 0:
+                        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+                    u = un
+                    j = jn
+                tl.debug_barrier()
+                tl.atomic_add(done_ptr + c, mine, sem="release")
+        if c > 0:
+            cq = c - 1
+            j0 = cq * IPC
+            j1 = tl.minimum(j0 + IPC, N_ITEMS)
+            j = j0 + (p - j0 % P + P) % P
+            if j < j1:
+                u = tl.load(xp_ptr + _item_words(j, IB))
+                # spin on plain volatile loads (no read-modify-write traffic on the counter), then one acquire RMW
+                # orders this program's reads of the group amaxes after the chunk's releases
+                got = tl.load(done_ptr + cq, volatile=True)
+                while got < j1 - j0:
+                    got = tl.load(done_ptr + cq, volatile=True)
+                tl.atomic_add(done_ptr + cq, 0, sem="acquire")
+                tl.debug_barrier()
+                while j < j1:
+                    jn = j + P
+                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < j1, other=0)  # none past the chunk
+                    # volatile: past L1, which may hold a line of group amaxes read before their chunk was done
+                    g = tl.load(bits_ptr + j // IPG, volatile=True).to(tl.float32, bitcast=True)
+                    _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB, HAS_ISC)
+                    u = un
+                    j = jn
+        c += 1
 
 @triton.jit
 def _nvfp4_seg_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s, RPG, RPM,
@@ -271,51 +306,131 @@ def nvfp4_segment(x2, g, rows_per_group: int, rows_per_member: int, data, scale,
                             BLOCK_NB=bnb, num_warps=num_warps, **LAUNCH_OPTS)
 
 
-FUSED_CHUNK_BYTES = 16 << 20  # input bytes per chunk: two chunks in flight (amax of c+1, quantize of c) fit in L2
+def item_blocks_for(rows_per_member: int, k: int, want: int = 256) -> int:
+    """The item size (16-element blocks, a power of two <= want, >= 16) of the item kernels for members of
+    rows_per_member rows of K elements: it must divide a member's block count (an item never straddles a member,
+    hence never a group). 0 when none does (the row-tile kernels take the segment)."""
+    nb = rows_per_member * (k // 16)
+    ib = want
+    while ib >= 16 and nb % ib:
+        ib //= 2
+    return ib if ib >= 16 else 0
 
 
-def _programs_for(device, programs_per_sm: int) -> int:
-    import torch
-
-    if device.type != "cuda":
-        return 3  # the interpreter: a few programs, run one after another
-    return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
-
-
-def nvfp4_segment_fused(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, input_scale=None, *,
-                        amax_bits=None, chunk_bytes=FUSED_CHUNK_BYTES, block_m=4, block_nb=128, num_warps=4,
-                        programs_per_sm=4):
-    """seg_amax + nvfp4_segment in one launch (same bytes, same non-finite count into bad): the weights are read
-    from HBM once, their second (quantize) read hitting L2 (see _nvfp4_seg_fused_kernel). input_scale (fp32
-    [M / rows_per_member]) is filled with 1.0 in the same launch when given. amax_bits (int32 [M / rows_per_group],
-    zeroed) receives the group amaxes when given (tests), else a workspace is used. chunk_bytes: input bytes per
-    chunk (whole groups, at least one); block_m / block_nb / num_warps / programs_per_sm: the launch shape (the
-    bytes do not depend on it)."""
-    import torch
-
-    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+def _item_args(x2, rows_per_group, rows_per_member, outs, ib):
+    """Checks shared by the item kernels; returns (pair words, items, items per group, items per member)."""
+    from ._common import pair_view
 
     m, k = x2.shape
     nb = k // 16
+    if not ib or (rows_per_member * nb) % ib or rows_per_group % rows_per_member or m % rows_per_group:
+        raise ValueError(f"item of {ib} blocks does not tile members of {rows_per_member} x {nb} blocks")
+    if not (x2.is_contiguous() and all(o.is_contiguous() for o in outs)):
+        raise ValueError("the item kernels need a contiguous segment and contiguous outputs")
+    return pair_view(x2), m * nb // ib, rows_per_group * nb // ib, rows_per_member * nb // ib
+
+
+def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, input_scale=None, *,
+                        amax_bits=None, item_blocks=None, amax_item_blocks=None, num_warps=4, amax_num_warps=8):
+    """seg_amax + nvfp4_segment by the item kernels: the segment (contiguous [M, K], outputs contiguous) as a flat
+    run of items of item_blocks 16-element blocks (default: item_blocks_for(.., 256)), one item per program, no
+    padded lanes for any K; the amax pass on items of amax_item_blocks (default: up to 1024 blocks). Same bytes and
+    non-finite count as the row-tile kernels. input_scale (fp32 [M / rows_per_member]) is filled with 1.0 in the
+    quantize launch when given; amax_bits (int32 [M / rows_per_group], zeroed) receives the group amaxes when given,
+    else a zeroed workspace is used."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code
+
+    m, k = x2.shape
     if not (m and k):
         return
-    xp = pair_view(x2)
-    n_groups = m // rows_per_group
-    group_bytes = rows_per_group * k * x2.element_size()
-    chunk_rows = max(1, chunk_bytes // group_bytes) * rows_per_group
-    n_chunks = triton.cdiv(m, chunk_rows)
-    bnb = min(block_nb, max(1, 1 << (nb - 1).bit_length()))
-    tm, tn = triton.cdiv(min(chunk_rows, m), block_m), triton.cdiv(nb, bnb)
-    # one zeroed workspace (one memset): [work counter, done per chunk, group amax bits]
-    ws = torch.zeros(1 + n_chunks + (0 if amax_bits is not None else n_groups), dtype=torch.int32, device=x2.device)
-    bits = amax_bits if amax_bits is not None else ws[1 + n_chunks:]
-    grid = (max(1, min(2 * n_chunks * tm * tn, _programs_for(x2.device, programs_per_sm))),)
+    ib = item_blocks or item_blocks_for(rows_per_member, k)
+    iba = amax_item_blocks or item_blocks_for(rows_per_member, k, 1024)
+    xp, n_items, ipg, ipm = _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), ib)
+    _, n_amax, ipg_a, _ = _item_args(x2, rows_per_group, rows_per_member, (), iba)
+    bits = amax_bits if amax_bits is not None else torch.zeros(m // rows_per_group, dtype=torch.int32,
+                                                               device=x2.device)
+    code = in_dtype_code(x2.dtype)
+    _seg_amax_items_kernel[(n_amax,)](xp, bits, bad, ipg_a, IN_DTYPE=code, IB=iba, num_warps=amax_num_warps,
+                                      **LAUNCH_OPTS)
     isc = input_scale if input_scale is not None else sdec
-    _nvfp4_seg_fused_kernel[grid](xp, data, scale, bits, sdec, isc, bad, ws, ws[1:], m, nb, xp.stride(0),
-                                  data.stride(0), scale.stride(0), rows_per_group, rows_per_member, chunk_rows,
-                                  n_chunks, tm, tn, IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_M=block_m,
-                                  BLOCK_NB=bnb, HAS_ISC=input_scale is not None, num_warps=num_warps, **LAUNCH_OPTS)
+    _nvfp4_seg_items_kernel[(n_items,)](xp, data, scale, bits.view(torch.float32), sdec, isc, ipg, ipm,
+                                        IN_DTYPE=code, IB=ib, HAS_ISC=input_scale is not None,
+                                        num_warps=num_warps, **LAUNCH_OPTS)
 
+
+FUSED_CHUNK_BYTES = 8 << 20  # input bytes per chunk (whole groups, at least one): chunks c and c-1 stay in L2
+
+
+def _resident_per_sm(compiled, num_warps: int, device) -> int:
+    """How many programs of a compiled kernel one SM holds at once (registers, shared memory, threads, the
+    32-block limit): the one-pass kernel's programs wait for each other, so all of them must be resident."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    init = getattr(compiled, "_init_handles", None)
+    if init is not None:
+        init()
+    regs = int(getattr(compiled, "n_regs", 0) or 0)
+    shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+    threads = 32 * num_warps
+    if regs <= 0:
+        return 1
+    by_regs = props.regs_per_multiprocessor // (-(-regs * 32 // 256) * 256 * num_warps)
+    by_threads = props.max_threads_per_multi_processor // threads
+    by_smem = props.shared_memory_per_multiprocessor // shared if shared else 32
+    return max(1, min(32, by_regs, by_threads, by_smem))
+
+
+def nvfp4_segment_fused(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad=None, input_scale=None,
+                        *, amax_bits=None, chunk_bytes=FUSED_CHUNK_BYTES, item_blocks=None, num_warps=4,
+                        programs_per_sm=4):
+    """seg_amax + nvfp4_segment in ONE launch that reads the weights from HBM once (_nvfp4_seg_onepass_kernel;
+    same bytes and non-finite count). Layout rules and input_scale / amax_bits as nvfp4_segment_items; bad None:
+    the count goes to the workspace. chunk_bytes: input bytes per chunk (whole groups, at least one);
+    programs_per_sm: persistent programs per SM, capped by what the compiled kernel lets one SM hold (all must be
+    resident); item_blocks / num_warps: launch shape. The bytes do not depend on any of these. Returns the group
+    amax bits (int32 [M / rows_per_group]: amax_bits, or the workspace's)."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code
+
+    m, k = x2.shape
+    n_groups = m // rows_per_group if rows_per_group else 0
+    if not (m and k):
+        return amax_bits if amax_bits is not None else torch.zeros(n_groups, dtype=torch.int32, device=x2.device)
+    ib = item_blocks or item_blocks_for(rows_per_member, k)
+    xp, n_items, ipg, ipm = _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), ib)
+    group_bytes = rows_per_group * k * x2.element_size()
+    ipc = max(1, chunk_bytes // group_bytes) * ipg
+    n_chunks = -(-n_items // ipc)
+    # one zeroed workspace (one memset): [done per chunk, non-finite count, group amax bits]
+    ws = torch.zeros(n_chunks + 1 + (0 if amax_bits is not None else n_groups), dtype=torch.int32,
+                     device=x2.device)
+    bits = amax_bits if amax_bits is not None else ws[n_chunks + 1:]
+    isc = input_scale if input_scale is not None else sdec
+    args = (xp, data, scale, bits, sdec, isc, bad if bad is not None else ws[n_chunks:n_chunks + 1], ws, n_items,
+            ipc, ipg, ipm, n_chunks)
+    meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=ib, HAS_ISC=input_scale is not None, num_warps=num_warps,
+                **LAUNCH_OPTS)
+    if x2.device.type != "cuda":
+        programs = 1  # the interpreter runs programs one after another: one program does every item in order
+    else:
+        key = (x2.device.index, meta["IN_DTYPE"], ib, meta["HAS_ISC"], num_warps)
+        per_sm = _RESIDENT.get(key)
+        if per_sm is None:
+            per_sm = _RESIDENT[key] = _resident_per_sm(
+                _nvfp4_seg_onepass_kernel.warmup(*args, grid=(1,), **meta), num_warps, x2.device)
+        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
+        programs = sms * max(1, min(programs_per_sm, per_sm))
+    _nvfp4_seg_onepass_kernel[(max(1, min(programs, n_items)),)](*args, **meta)
+    return bits
+
+
+# programs of the one-pass kernel one SM holds, per (device, dtype code, item blocks, input_scale, warps): a property
+# of the compiled kernel, read once
+_RESIDENT: dict = {}
 
 def check_copy(x, out, bad):
     """Count non-finite elements of the contiguous float tensor x into bad (int32 [1]); copy its bytes into out
