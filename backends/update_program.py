@@ -16,10 +16,12 @@ Direct mode (trainer and rollout on one GPU, `InProcessTransport(persistent=True
 receiver's own buffer of every bucket (`gpu_destination`) and the program quantizes / packs straight into it - no
 pool buffer and no second copy (for BF16 the pack copy is the only copy); the receiver's weights are overwritten in
 place, so an update aborted part-way leaves them torn and the receiver refuses them until a complete update lands
-(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take two kernels, the group amaxes then the
-quantization (`triton_segments.seg_amax` + `nvfp4_segment`): the one-launch kernel that reads the weights from HBM
-once (`nvfp4_segment_fused`, `bind(nvfp4_fused=True)`) measured 0.39-0.80x their speed on the H200 (its work-queue
-atomics and waits cost more than the second, HBM-bound read; benchmarks/RESULTS.md, session 15). A bucket's small high-precision pieces (norms, routers, small attention
+(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take two item kernels, the group amaxes then the
+quantization, over the segment as a flat run of 16-element-block items (`triton_segments.nvfp4_segment_items`; the
+row-tile pair padded K = 768 rows to 1024 lanes and ran at 37-55% of a copy on the H200, the items at 63-70%); the
+one-launch kernel that reads the weights from HBM once (`nvfp4_segment_fused`, `bind(nvfp4_kernel="fused")`) is
+byte-identical but slower there (its cross-program waits cost more than the second read; benchmarks/RESULTS.md).
+Rowwise MXFP8 segments take the flat 1x32 kernel (`triton_mxfp8.quantize_rows_flat`). A bucket's small high-precision pieces (norms, routers, small attention
 weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
 
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
@@ -86,10 +88,14 @@ class Bucket:
     regions: list  # wire order
     nbytes: int
 
-    def meta(self) -> dict:
-        return {"names": [r.name for r in self.regions], "dtypes": [_TORCH_DT[r.dtype] for r in self.regions],
-                "shapes": [list(r.shape) for r in self.regions], "offsets": [r.offset for r in self.regions],
-                "nbytes": [r.nbytes for r in self.regions], "total": self.nbytes}
+    def meta(self):
+        from precision_dsl.backends.weight_update.program import FrozenLayout
+
+        return FrozenLayout(names=tuple(r.name for r in self.regions),
+                            dtypes=tuple(_TORCH_DT[r.dtype] for r in self.regions),
+                            shapes=tuple(tuple(r.shape) for r in self.regions),
+                            offsets=tuple(r.offset for r in self.regions), nbytes=tuple(r.nbytes for r in self.regions),
+                            total=self.nbytes)
 
 
 # The weight layouts the fused segment kernels write, by kind (the kind's name is the segment kind); anything

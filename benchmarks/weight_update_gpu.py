@@ -234,10 +234,12 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
 
 SWEEP = {
     "items": [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=8),
-              dict(amax_item_blocks=512, amax_num_warps=4), dict(amax_item_blocks=256, amax_num_warps=2)],
-    "fused": [dict(), dict(programs_per_sm=8), dict(programs_per_sm=2), dict(chunk_bytes=16 << 20),
-              dict(chunk_bytes=4 << 20), dict(chunk_bytes=24 << 20), dict(item_blocks=512, num_warps=8, programs_per_sm=2),
-              dict(item_blocks=128, num_warps=2, programs_per_sm=8), dict(item_blocks=512, num_warps=4)],
+              dict(amax_item_blocks=512, amax_num_warps=4),
+              dict(item_blocks=128, num_warps=2, amax_item_blocks=512, amax_num_warps=4)],
+    "fused": [dict(), dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
+              dict(chunk_bytes=12 << 20), dict(chunk_bytes=32 << 20), dict(chunk_bytes=48 << 20),
+              dict(item_blocks=512, num_warps=8, programs_per_sm=2), dict(item_blocks=1024, num_warps=8),
+              dict(item_blocks=1024, num_warps=16, programs_per_sm=1)],
 }
 
 

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import http.server
 import json
@@ -151,6 +150,13 @@ def _first_bf16_with_successor(meta: dict) -> Optional[int]:
     return next((i for i, dt in enumerate(meta["dtypes"][:-1]) if dt == "bfloat16"), None)
 
 
+def _mutable(meta) -> dict:
+    """A plain-dict, list-valued copy of a bucket layout (the update program's own are immutable FrozenLayouts), as
+    a foreign or tampering sender would send it."""
+    return {k: [list(x) for x in v] if k == "shapes" else list(v) if isinstance(v, (list, tuple)) else v
+            for k, v in meta.items()}
+
+
 def _itemsize(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
@@ -197,7 +203,7 @@ def test_bucket_whose_metadata_disagrees_with_its_bytes_is_refused_by_name(weigh
 
         def send_bucket(self, meta, tensors, buf):
             if self.bad is None:
-                meta = copy.deepcopy(meta)
+                meta = _mutable(meta)
                 self.bad = TAMPER[tamper](meta)
             super().send_bucket(meta, tensors, buf)
 
@@ -250,7 +256,7 @@ def test_gpu_program_layout_that_disagrees_with_its_buffer_is_refused_by_name(mo
                   "bytes": sum(sum(m["nbytes"]) for m in metas), "weight_version": None, "digests": None,
                   "fingerprints": [0] * len(metas), "fingerprint_stride": 16})
 
-    bad_metas = copy.deepcopy(metas)
+    bad_metas = [_mutable(m) for m in metas]
     bad = PROGRAM_TAMPER[tamper](bad_metas[0])
     tr = InProcessTransport()
     rx = WeightReceiver(plan(), tr, check_equal=False)

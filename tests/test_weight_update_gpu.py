@@ -177,10 +177,15 @@ def test_kept_receiver_checks_the_layout_once_and_still_refuses_a_changed_one():
         assert set(got) == set(first) and all(torch.equal(got[n].view(torch.uint8).reshape(-1),
                                                           first[n].view(torch.uint8).reshape(-1)) for n in got)
     assert len(checks) == 1  # checked on the first update only
-    meta = sender.program().metas[0]
+    frozen = sender.program().metas[0]
+    with pytest.raises(TypeError, match="immutable"):  # the program's layouts cannot change in place
+        frozen["total"] = 0
+    meta = {k: [list(x) for x in v] if k == "shapes" else list(v) if isinstance(v, tuple) else v
+            for k, v in frozen.items()}
+    sender.program().metas[0] = meta  # a sender that changed its layout: a new, mutable one
     i = next(i for i, sh in enumerate(meta["shapes"]) if len(sh) == 2 and sh[0] != sh[1])
     shape = meta["shapes"][i]
-    meta["shapes"][i] = shape[::-1]  # a sender that changed its layout: the same bytes, another shape
+    meta["shapes"][i] = shape[::-1]  # the same bytes, another shape
     sender.send(prep)
     with pytest.raises(WeightUpdateMismatch, match="the plan says"):
         rx.receive_raw()

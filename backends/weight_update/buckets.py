@@ -130,8 +130,9 @@ def check_bucket_meta(meta, size: int) -> None:
     packed = "offsets" not in meta
     keys = ("names", "dtypes", "shapes", "nbytes") + (() if packed else ("offsets",))
     cols = [meta.get(k) for k in keys]
-    if not all(isinstance(c, list) for c in cols) or len({len(c) for c in cols}) != 1:
-        got = ", ".join(f"{k}: {len(c) if isinstance(c, list) else type(c).__name__}" for k, c in zip(keys, cols))
+    if not all(isinstance(c, (list, tuple)) for c in cols) or len({len(c) for c in cols}) != 1:
+        got = ", ".join(f"{k}: {len(c) if isinstance(c, (list, tuple)) else type(c).__name__}"
+                        for k, c in zip(keys, cols))
         raise WeightUpdateMismatch(f"bucket metadata lists do not line up ({got})", _SAME_POLICYC)
     if not packed and (meta.get("total") != size or size % 4):  # its fingerprint reads whole int32 words
         raise WeightUpdateMismatch(f"GPU-program bucket of {size} bytes declares {meta.get('total')!r}",
@@ -146,7 +147,7 @@ def check_bucket_meta(meta, size: int) -> None:
         want = itemsize.get(dt) if isinstance(dt, str) else None
         if want is None:
             raise WeightUpdateError(f"bucket tensor '{n}' has unsupported dtype {dt!r}")
-        ok = type(shape) is list and type(nb) is int and type(off) is int and nb >= 0 and off >= 0
+        ok = type(shape) in (list, tuple) and type(nb) is int and type(off) is int and nb >= 0 and off >= 0
         for d in shape if ok else ():
             if type(d) is not int or d < 0:
                 ok = False

@@ -22,12 +22,36 @@ def layout_index(metas: list) -> tuple:
     return idxs, where
 
 
+class FrozenLayout(dict):
+    """A GPU-program bucket layout as the update program builds it once: a dict whose values are tuples (shapes
+    tuples of tuples) and which refuses every change. A receiver that has checked one such object knows, from its
+    identity alone, that the next update's layout is the same: with ~65k tensors in a 30B-parameter NVFP4 update,
+    comparing the layouts value by value cost ~2 ms of host time per update."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a GPU-program bucket layout is immutable: build a new one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
+
+    def __reduce__(self):  # pickling (torch.distributed object collectives) without __setitem__
+        return (FrozenLayout, (dict(self),))
+
+
 def _copy_layout(metas: list) -> list:
     """A copy of bucket layouts that later changes to the sender's objects cannot reach (the in-process transport
-    hands over the sender's own dicts); elements are shared, so comparing with the next update's layouts is mostly
-    identity checks."""
-    return [{k: ([list(x) for x in v] if k == "shapes" else list(v) if isinstance(v, list) else v)
+    hands over the sender's own dicts; a FrozenLayout cannot change and is kept as is); elements are shared, so
+    comparing with the next update's layouts is mostly identity checks."""
+    return [m if type(m) is FrozenLayout else
+            {k: ([list(x) for x in v] if k == "shapes" else list(v) if isinstance(v, list) else v)
              for k, v in m.items()} for m in metas]
+
+
+def same_layout(known: list, metas: list) -> bool:
+    """The bucket layouts `metas` equal the checked copy `known`: by identity where both are the same FrozenLayout
+    objects (they cannot have changed), else value by value."""
+    if len(known) == len(metas) and all(type(a) is FrozenLayout and a is b for a, b in zip(known, metas)):
+        return True
+    return known == metas
 
 
 class _BucketViews(dict):

@@ -10,7 +10,7 @@ from precision_dsl.plan import Plan
 from precision_dsl.backends.quantize import read_quantized
 from precision_dsl.backends.weight_update.buckets import _digest, check_bucket_meta, unpack_bucket
 from precision_dsl.backends.weight_update.errors import WeightUpdateAborted, WeightUpdateError, WeightUpdateMismatch
-from precision_dsl.backends.weight_update.program import _BucketViews, _copy_layout, layout_index
+from precision_dsl.backends.weight_update.program import _BucketViews, _copy_layout, layout_index, same_layout
 from precision_dsl.backends.weight_update.transports import InProcessTransport
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class WeightReceiver:
                 raise
         program_only = bool(metas) and not self.raw  # every tensor came in GPU-program buckets
         # the same layout as an update already checked (list equality: identity first, then by value)
-        known = program_only and self._layout is not None and self._layout[0] == metas
+        known = program_only and self._layout is not None and same_layout(self._layout[0], metas)
         try:
             self._check_layouts(metas, bufs, known)
             if metas:

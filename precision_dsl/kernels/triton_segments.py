@@ -11,10 +11,14 @@ that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on 
     triton_nvfp4._amax_kernel, reduced per row first so a program may straddle groups) + a non-finite element
     count (the update refuses NaN/Inf weights; folded into the pass that reads the weights anyway).
   * `_nvfp4_seg_kernel`: triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with G read per row's group and S_dec
-    written once per member.
-  * `_nvfp4_seg_fused_kernel`: both of the above in ONE launch and (mostly) one HBM read of the weights: a
-    persistent work queue whose amax tiles of an L2-sized chunk of groups are dequeued before that chunk's quantize
-    tiles, so the quantize tiles re-read the chunk from L2 (see `nvfp4_segment_fused`).
+    written once per member (row tiles: any member shape).
+  * item kernels (`nvfp4_segment_items`, the weight update's default): the contiguous segment as a flat run of
+    items of IB 16-element blocks that never straddle a member (so each item has ONE group: one atomic, one G
+    load), no padded lanes for any K: `_seg_amax_items_kernel` then `_nvfp4_seg_items_kernel` (which also fills
+    the ModelOpt input_scale).
+  * `_nvfp4_seg_onepass_kernel` (`nvfp4_segment_fused`): both item passes in ONE launch that reads the weights
+    from HBM once - a persistent grid that takes the amax of chunk c (whole groups) before it quantizes chunk c-1
+    from L2, programs waiting for each other once per chunk.
   * `_multi_check_copy_kernel`: `_check_copy_kernel` over MANY small tensors in one launch (the norms, routers and
     small attention weights of a bucket), driven by a per-block table built once: a bucket's small pieces no
     longer cost a launch each.
@@ -127,34 +131,42 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 
 
 @triton.jit
+def _span(c, p, P, IPC, N_ITEMS):
+    """Program p's items [lo, hi) of chunk c: a contiguous run of ceil(items / P) (fewer at the end)."""
+    j0 = c * IPC
+    j1 = tl.minimum(j0 + IPC, N_ITEMS)
+    per = (j1 - j0 + P - 1) // P
+    lo = tl.minimum(j0 + p * per, j1)
+    return lo, tl.minimum(lo + per, j1), j1 - j0
+
+
+@triton.jit
 def _nvfp4_seg_onepass_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, sdec_ptr, isc_ptr, bad_ptr, done_ptr,
                               N_ITEMS, IPC, IPG, IPM, N_CHUNKS, IN_DTYPE: tl.constexpr, IB: tl.constexpr,
                               HAS_ISC: tl.constexpr):
     """The amax and the quantize pass of a segment in ONE launch that reads the weights from HBM once.
 
     The segment's items are cut into chunks of whole groups (IPC items, sized so that two chunks stay in L2);
-    program p of P (a persistent grid, every program resident at once) owns items j = p (mod P) of every chunk and
-    runs, for c = 0 .. N_CHUNKS:  amax of its items of chunk c -> count them done for c (release, after a CTA
-    barrier) -> wait (acquire) until all of chunk c-1's items are done -> quantize its items of chunk c-1, which it
-    read one chunk earlier, so they come from L2. The wait is for work every program finished before waiting for
-    chunk c-2, so there is no cycle, and it is normally already satisfied (the programs do equal work). Each loop
-    issues the next item's loads (masked off past the chunk) before working on the current one, so they are in
-    flight during the math.
+    program p of P (a persistent grid, every program resident at once) owns a contiguous run of every chunk's items
+    (_span) and runs, for c = 0 .. N_CHUNKS:  amax of its run of chunk c -> count it done for c (release, after a
+    CTA barrier) -> wait (acquire) until all of chunk c-1's items are done -> quantize its run of chunk c-1, which
+    it read one chunk earlier, so it comes from L2. The wait is for work every program finished before waiting
+    for chunk c-2, so there is no cycle, and it is normally already satisfied (the programs do equal work). One
+    release and one wait per program and chunk; each loop issues the next item's loads (masked off past the run)
+    before working on the current one, so they are in flight during the math.
     Under the interpreter the host launches one program, which then does every item in order."""
     p = tl.program_id(0)
     P = tl.num_programs(0)
     c = p * 0
     while c <= N_CHUNKS:
         if c < N_CHUNKS:
-            j0 = c * IPC
-            j1 = tl.minimum(j0 + IPC, N_ITEMS)
-            j = j0 + (p - j0 % P + P) % P
-            mine = tl.maximum(j1 - j + P - 1, 0) // P
-            if mine > 0:
+            j, hi, _n = _span(c, p, P, IPC, N_ITEMS)
+            if j < hi:
+                mine = hi - j
                 u = tl.load(xp_ptr + _item_words(j, IB))
-                while j < j1:
-                    jn = j + P
-                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < j1, other=0)  # none past the chunk
+                while j < hi:
+                    jn = j + 1
+                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < hi, other=0)  # none past the run
                     a_bits, nf = _words_amax(u, IN_DTYPE)
                     tl.atomic_max(bits_ptr + j // IPG, a_bits, sem="relaxed")
                     if nf > 0:
@@ -164,28 +176,26 @@ def _nvfp4_seg_onepass_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, sdec_ptr, i
                 tl.debug_barrier()
                 tl.atomic_add(done_ptr + c, mine, sem="release")
         if c > 0:
-            cq = c - 1
-            j0 = cq * IPC
-            j1 = tl.minimum(j0 + IPC, N_ITEMS)
-            j = j0 + (p - j0 % P + P) % P
-            if j < j1:
+            j, hi, need = _span(c - 1, p, P, IPC, N_ITEMS)
+            if j < hi:
                 u = tl.load(xp_ptr + _item_words(j, IB))
                 # spin on plain volatile loads (no read-modify-write traffic on the counter), then one acquire RMW
                 # orders this program's reads of the group amaxes after the chunk's releases
-                got = tl.load(done_ptr + cq, volatile=True)
-                while got < j1 - j0:
-                    got = tl.load(done_ptr + cq, volatile=True)
-                tl.atomic_add(done_ptr + cq, 0, sem="acquire")
+                got = tl.load(done_ptr + c - 1, volatile=True)
+                while got < need:
+                    got = tl.load(done_ptr + c - 1, volatile=True)
+                tl.atomic_add(done_ptr + c - 1, 0, sem="acquire")
                 tl.debug_barrier()
-                while j < j1:
-                    jn = j + P
-                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < j1, other=0)  # none past the chunk
+                while j < hi:
+                    jn = j + 1
+                    un = tl.load(xp_ptr + _item_words(jn, IB), mask=jn < hi, other=0)
                     # volatile: past L1, which may hold a line of group amaxes read before their chunk was done
                     g = tl.load(bits_ptr + j // IPG, volatile=True).to(tl.float32, bitcast=True)
                     _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB, HAS_ISC)
                     u = un
                     j = jn
         c += 1
+
 
 @triton.jit
 def _nvfp4_seg_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s, RPG, RPM,
@@ -360,7 +370,7 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
                                         num_warps=num_warps, **LAUNCH_OPTS)
 
 
-FUSED_CHUNK_BYTES = 8 << 20  # input bytes per chunk (whole groups, at least one): chunks c and c-1 stay in L2
+FUSED_CHUNK_BYTES = 24 << 20  # input bytes per chunk (whole groups, at least one): chunks c and c-1 stay in L2
 
 
 def _resident_per_sm(compiled, num_warps: int, device) -> int:
