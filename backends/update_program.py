@@ -46,12 +46,15 @@ from precision_dsl.backends.safetensors_io import DTYPE_SIZES
 _ALIGN = 256
 
 # How an NVFP4 segment (1x16 blocks, one second-level scale per member or share-scale group) is quantized:
+#   "predicted": triton_segments.nvfp4_segment_predicted - ONE read of the weights quantizes them with the group
+#            amaxes of the previous update (kept per segment in the Bound) while taking the true ones, and a redo
+#            launch re-quantizes only the groups whose amax changed: the bytes are always the two-pass ones;
 #   "items": triton_segments.nvfp4_segment_items - an amax launch and a quantize launch over the segment as a flat
 #            run of 16-element-block items (no padded lanes for any K, input_scale filled in the same launch);
 #   "fused": triton_segments.nvfp4_segment_fused - both passes in one launch that reads the weights from HBM once;
 #   "tiles": seg_amax + nvfp4_segment on row tiles (any member shape; what the others fall back to).
-NVFP4_KERNELS = ("items", "fused", "tiles")
-NVFP4_KERNEL = "items"
+NVFP4_KERNELS = ("predicted", "items", "fused", "tiles")
+NVFP4_KERNEL = "predicted"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
 
@@ -333,7 +336,7 @@ class UpdateProgram:
             gather = bound.gather[k][si]
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
-            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel)
+            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
 
     def _capture(self, bound: "Bound", targets: list) -> list:
         import torch
@@ -351,7 +354,9 @@ class UpdateProgram:
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str = NVFP4_KERNEL) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str = NVFP4_KERNEL, state=None) -> None:
+        """Fill one segment's regions of bucket buffer `buf` from its bound input x. state: the segment's dict kept
+        across updates (the predicted NVFP4 kernel's group amaxes of the last update)."""
         import torch
 
         from precision_dsl.formats import fp8_block_pow2
@@ -405,6 +410,16 @@ class UpdateProgram:
             sdec = stacked(2, 0).view(torch.float32)
             isc = stacked(3, 0).view(torch.float32)  # ModelOpt input_scale (unused with per-token activations)
             if nvfp4_kernel != "tiles" and ks.item_blocks_for(seg.rows_per_member, k) and x.is_contiguous():
+                if nvfp4_kernel == "predicted":
+                    if state is None:
+                        state = {}
+                    prev = state.get("prev_bits")
+                    if prev is None:  # -1 is no amax: the first update quantizes every group twice
+                        prev = state["prev_bits"] = torch.full((rows // seg.rows_per_group,), -1,
+                                                               dtype=torch.int32, device=dev)
+                    ks.nvfp4_segment_predicted(x, seg.rows_per_group, seg.rows_per_member, data, scale, sdec, bad,
+                                               prev, isc)
+                    return
                 run = ks.nvfp4_segment_fused if nvfp4_kernel == "fused" else ks.nvfp4_segment_items
                 run(x, seg.rows_per_group, seg.rows_per_member, data, scale, sdec, bad, isc)
                 return
@@ -504,6 +519,7 @@ class Bound:
         self.graph_key = None  # the bucket buffers' addresses the graphs were captured with
         self.use_graphs = True
         self.nvfp4_kernel = nvfp4_kernel  # how NVFP4 segments are quantized (UpdateProgram.bind)
+        self.seg_state: dict = {}  # (bucket, segment) -> state kept across updates (predicted NVFP4 amaxes)
         self.runs = 0
         self.handles: list = [None, None]
         self.inputs: list[list] = []

@@ -7,7 +7,9 @@ Modes, side by side in one run (same weights, same receiver):
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
   * direct-items / direct-fused / direct-tiles: the same with that NVFP4 segment kernel (backends/update_program.py
-    NVFP4_KERNELS: the flat item pair, the one-pass kernel that reads the weights once, the row-tile pair);
+    NVFP4_KERNELS; the default is "predicted": one read quantizes with the previous update's group amaxes and only
+    groups whose amax changed are redone - its worst case, every group changed, is timed too and printed beside
+    the row; the flat item pair; the one-pass kernel; the row-tile pair);
   * copy (the previous program): the sender fills two pool buffers, a copy stream moves them into the receiver's
     buffers (direct=False), NVFP4 by seg_amax + nvfp4_segment, a launch per small piece.
 Per model it prints the BF16 update, NVFP4 / MXFP8 as x the BF16 update and x a bare copy of their bytes,
@@ -179,6 +181,21 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     update()  # captures the per-bucket CUDA graphs
     med, ts = _timed(update, reps)
     launches = _launches(update)
+    # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
+    # kept amaxes are invalidated before each timed update (outside the timing)
+    states = [st["prev_bits"] for st in prep.bound.seg_state.values() if "prev_bits" in st]
+    med_redo = None
+    if states:
+        tr_ = []
+        for _ in range(reps):
+            for st in states:
+                st.fill_(-1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            update()
+            torch.cuda.synchronize()
+            tr_.append(time.perf_counter() - t0)
+        med_redo = statistics.median(tr_)
     qprog = WeightSender(plan, _Null(), bucket_bytes=bucket_mb << 20)
     qprog._program = prog
     qprog.send(prep)
@@ -217,13 +234,14 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
            "buckets": len(prog.buckets), "tensors_out": prog.tensors, "segments": n_seg,
            "zero_copy": prep.bound.gathers == 0, "program_build_s": t_prog, "bind_s": t_bind, "update_s": med,
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
-           "launches_per_update": launches,
+           "update_all_redone_s": med_redo, "launches_per_update": launches,
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
            "fingerprints_checked": True}
     print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
           f"x{med / med_bare:4.2f} of bare  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
-          f"{len(prog.buckets)} buckets)", flush=True)
+          f"{len(prog.buckets)} buckets)" + (f"  [every NVFP4 group amax changed: {med_redo * 1e3:.2f} ms = "
+                                             f"x{med_redo / med_bare:4.2f} of bare]" if med_redo else ""), flush=True)
     rx.raw = {}
     holder.clear()
     tr._dst.clear()
@@ -236,10 +254,7 @@ SWEEP = {
     "items": [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=8),
               dict(amax_item_blocks=512, amax_num_warps=4),
               dict(item_blocks=128, num_warps=2, amax_item_blocks=512, amax_num_warps=4)],
-    "fused": [dict(), dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
-              dict(chunk_bytes=12 << 20), dict(chunk_bytes=32 << 20), dict(chunk_bytes=48 << 20),
-              dict(item_blocks=512, num_warps=8, programs_per_sm=2), dict(item_blocks=1024, num_warps=8),
-              dict(item_blocks=1024, num_warps=16, programs_per_sm=1)],
+    "fused": [dict(), dict(chunk_bytes=48 << 20), dict(item_blocks=1024, num_warps=16, programs_per_sm=1)],
 }
 
 
@@ -294,6 +309,18 @@ def kernel_sweep(results, reps=5) -> None:
                       f"{t_tiles / t:.2f}x row tiles), bytes {'same' if same else 'DIFFER'}", flush=True)
                 results.append({"sweep": name, "kernel": kernel, "config": dict(cfg), "s": t, "copy_s": t_copy,
                                 "tiles_s": t_tiles, "same_bytes": same})
+        d1, s1, g1, b1, isc = outs()
+        prev = torch.full((m // rpg,), -1, dtype=torch.int32, device="cuda")
+        pred = lambda: ks.nvfp4_segment_predicted(x, rpg, rpm, d1, s1, g1, b1, prev, isc)  # noqa: E731
+        pred()
+        t_pred, _ = _timed(pred, reps)  # steady state: the weights (hence every group amax) as in the last call
+        same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0.view(torch.int32), g1.view(torch.int32))
+        t_worst, _ = _timed(lambda: (prev.fill_(-1), pred()), reps)  # every group redone
+        print(f"[sweep {name}] predicted: {t_pred * 1e3:.3f} ms ({t_copy / t_pred:.0%} of copy, {t_tiles / t_pred:.2f}x "
+              f"row tiles) with every group amax as predicted, {t_worst * 1e3:.3f} ms ({t_copy / t_worst:.0%}) with "
+              f"none, bytes {'same' if same else 'DIFFER'}", flush=True)
+        results.append({"sweep": name, "kernel": "predicted", "config": {}, "s": t_pred, "all_redone_s": t_worst,
+                        "copy_s": t_copy, "tiles_s": t_tiles, "same_bytes": same})
         print(f"[sweep] resident programs per SM of the one-pass kernel: {ks._RESIDENT}", flush=True)
         del x
         torch.cuda.empty_cache()

@@ -3,7 +3,7 @@ every bucket straight into the receiver's kept buffers (no pool buffer, no secon
 
 Checked: the received tensors are views of the transport's own buffers, byte for byte what the converter's
 `checkpoint_tensors` writes (and what the copying mode delivers), over several updates with the weights changed in
-place; small high-precision pieces share one launch per bucket (same bytes as a launch each); an update aborted
+place (all of them, one expert only, none: the predicted NVFP4 kernel's every-group, one-group and no redo); small high-precision pieces share one launch per bucket (same bytes as a launch each); an update aborted
 after it overwrote the buffers (NaN counted on the GPU) leaves the receiver STALE - receive_raw raises, the weights
 it returned before refuse every lookup - until a complete update lands; without check_equal no fingerprint pass
 runs (one memory) and a full-check receiver refuses that; with check_equal the sender's fingerprints, taken when
@@ -62,11 +62,14 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
     prep = sender.prepare_program(weights.items())
     rx = WeightReceiver(plan, tr, check_equal=True)
     out = {}
-    for step in range(3):
-        if step:
-            with torch.no_grad():
+    for step in range(5):
+        with torch.no_grad():
+            if step in (1, 2):
                 for x in weights.values():
-                    x.mul_(-1.5)  # the trainer's update, in place
+                    x.mul_(-1.5)  # the trainer's update, in place: every (NVFP4 group) amax moves
+            elif step == 3:
+                weights[VICTIM].mul_(2.0)  # one expert's amax moves, every other one's stays (predicted: one redo)
+            # step 4: nothing changed (every predicted amax right)
         sender.send(prep)
         raw = rx.receive_raw()
         ref = base._reference(plan, weights)

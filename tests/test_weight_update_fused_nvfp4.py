@@ -1,6 +1,7 @@
 """The item kernels of the NVFP4 weight update (triton_segments.nvfp4_segment_items: the amax and the quantize
-launch over a segment as a flat run of block items; nvfp4_segment_fused: both passes in one persistent launch that
-reads the weights from HBM once) give exactly the bytes of the row-tile pair (seg_amax + nvfp4_segment, itself
+launch over a segment as a flat run of block items; nvfp4_segment_predicted: one read that quantizes with the
+previous update's group amaxes plus a redo of the groups whose amax changed - first update, unchanged weights, one
+group changed; nvfp4_segment_fused: both passes in one persistent launch that reads the weights from HBM once) give exactly the bytes of the row-tile pair (seg_amax + nvfp4_segment, itself
 tested against the reference in tests/test_kernels_interpret.py and tests/test_weight_update_gpu.py): every group
 amax, data / scale / S_dec byte, the input_scale fill and the non-finite count.
 
@@ -98,7 +99,37 @@ def run_case(i: int, case: tuple, dev: str) -> dict:
         gbits, gbad, gdata, gscale, gsdec = outs()
         fn(x, rpg, rpm, gdata, gscale, gsdec, gbad, **kw)
         checks[f"{name}.workspace"] = same(gdata, data) and same(gscale, scale) and same(gsdec, sdec)
+    # the predicted kernel: a first update (no amax known), the same weights again (every prediction right), then
+    # weights with one group's amax changed and the others' unchanged (a redo of exactly the changed group)
+    prev = torch.full((m // rpg,), -1, dtype=torch.int32, device=dev)
+    for step in ("first", "same"):
+        pbits, pbad, pdata, pscale, psdec = outs()
+        isc = torch.zeros(m // rpm, device=dev)
+        ks.nvfp4_segment_predicted(x, rpg, rpm, pdata, pscale, psdec, pbad, prev, isc, amax_bits=pbits,
+                                   **item_launch_q(item_launch))
+        checks.update({f"predicted.{step}.amax": same(bits, pbits), f"predicted.{step}.prev": same(bits, prev),
+                       f"predicted.{step}.bad": int(bad.item()) == int(pbad.item()),
+                       f"predicted.{step}.data": same(data, pdata), f"predicted.{step}.scale": same(scale, pscale),
+                       f"predicted.{step}.sdec": same(sdec, psdec),
+                       f"predicted.{step}.input_scale": bool((isc == 1).all())})
+    if special != "nonfinite" and m // rpg > 1:
+        y = x.clone()
+        y[0, 0] = y[:rpg].float().abs().max() * 2  # group 0's amax changes, the others' do not
+        rbits, rbad, rdata, rscale, rsdec = outs()
+        ks.seg_amax(y, rpg, rbits, rbad)
+        ks.nvfp4_segment(y, rbits.view(torch.float32), rpg, rpm, rdata, rscale, rsdec)
+        pbits, pbad, pdata, pscale, psdec = outs()
+        ks.nvfp4_segment_predicted(y, rpg, rpm, pdata, pscale, psdec, pbad, prev, amax_bits=pbits,
+                                   **item_launch_q(item_launch))
+        checks.update({"predicted.changed.data": same(rdata, pdata), "predicted.changed.scale": same(rscale, pscale),
+                       "predicted.changed.sdec": same(rsdec, psdec), "predicted.changed.prev": same(rbits, prev),
+                       "predicted.changed.group0_moved": not same(rbits[:1], bits[:1])})
     return checks
+
+
+def item_launch_q(launch: dict) -> dict:
+    """The quantize-launch keys of an item launch (the predicted kernel has no separate amax launch)."""
+    return {k: v for k, v in launch.items() if k in ("item_blocks", "num_warps")}
 
 
 # per-tensor NVFP4 by the one-pass kernel (triton_nvfp4.per_tensor(one_pass=True)): (M, K, dtype)

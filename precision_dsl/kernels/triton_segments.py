@@ -131,6 +131,37 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 
 
 @triton.jit
+def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, IPG,
+                                IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """ONE read of item j: its amax into the group's bits (as _seg_amax_items_kernel) and its quantization with the
+    group amax of the previous update (prev_ptr, fp32 bits). The bytes are final wherever the group amax did not
+    change; _nvfp4_seg_redo_kernel redoes the groups where it did."""
+    j = tl.program_id(0)
+    u = tl.load(xp_ptr + _item_words(j, IB))
+    a_bits, nf = _words_amax(u, IN_DTYPE)
+    grp = j // IPG
+    tl.atomic_max(bits_ptr + grp, a_bits, sem="relaxed")
+    if nf > 0:
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+    g = tl.load(prev_ptr + grp).to(tl.float32, bitcast=True)
+    _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB, HAS_ISC)
+
+
+@triton.jit
+def _nvfp4_seg_redo_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, IPG, IPM,
+                           IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """Item j again, with its group's true amax, only where that differs from the predicted one (two int loads and
+    an exit everywhere else)."""
+    j = tl.program_id(0)
+    grp = j // IPG
+    b = tl.load(bits_ptr + grp)
+    if b != tl.load(prev_ptr + grp):
+        u = tl.load(xp_ptr + _item_words(j, IB))
+        _quant_item(u, j, b.to(tl.float32, bitcast=True), data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB,
+                    HAS_ISC)
+
+
+@triton.jit
 def _span(c, p, P, IPC, N_ITEMS):
     """Program p's items [lo, hi) of chunk c: a contiguous run of ceil(items / P) (fewer at the end)."""
     j0 = c * IPC
@@ -368,6 +399,37 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
     _nvfp4_seg_items_kernel[(n_items,)](xp, data, scale, bits.view(torch.float32), sdec, isc, ipg, ipm,
                                         IN_DTYPE=code, IB=ib, HAS_ISC=input_scale is not None,
                                         num_warps=num_warps, **LAUNCH_OPTS)
+
+
+def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, prev_bits,
+                            input_scale=None, *, amax_bits=None, item_blocks=None, num_warps=4):
+    """seg_amax + nvfp4_segment from ONE read of the weights whenever their group amaxes are those of the previous
+    update: prev_bits (int32 [M / rows_per_group], kept by the caller across updates; any value that is no amax,
+    e.g. -1, on the first) holds the group amaxes (fp32 bits) of the last call. _nvfp4_seg_predicted_kernel reads
+    each item once, takes its amax and quantizes it with the predicted group amax; _nvfp4_seg_redo_kernel then
+    re-quantizes, with the true amax, exactly the groups whose amax changed, and prev_bits becomes the true amaxes.
+    The bytes are always those of the two-pass kernels (the prediction only decides how much is read twice); a
+    bf16 weight's max |x| is a bf16 value, which an optimizer step rarely moves. Layout rules, input_scale and
+    amax_bits as nvfp4_segment_items."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code
+
+    m, k = x2.shape
+    if not (m and k):
+        return
+    ib = item_blocks or item_blocks_for(rows_per_member, k)
+    xp, n_items, ipg, ipm = _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), ib)
+    if prev_bits.shape != (m // rows_per_group,) or prev_bits.dtype != torch.int32:
+        raise ValueError(f"prev_bits must be int32 [{m // rows_per_group}] (one per group)")
+    bits = amax_bits if amax_bits is not None else torch.zeros(m // rows_per_group, dtype=torch.int32,
+                                                               device=x2.device)
+    isc = input_scale if input_scale is not None else sdec
+    meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=ib, HAS_ISC=input_scale is not None, num_warps=num_warps,
+                **LAUNCH_OPTS)
+    _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta)
+    _nvfp4_seg_redo_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm, **meta)
+    prev_bits.copy_(bits)
 
 
 FUSED_CHUNK_BYTES = 24 << 20  # input bytes per chunk (whole groups, at least one): chunks c and c-1 stay in L2
