@@ -334,6 +334,17 @@ class UpdateProgram:
                 continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
+            if gather is not None and seg.kind == "mxfp8" and _flat_members(gather, x):
+                # rowwise 1x32 blocks never span rows, so each member is quantized on its own, straight into its
+                # regions: no staging copy (q/k/v projections are separate tensors)
+                from precision_dsl.kernels import triton_mxfp8
+
+                for i, xi in enumerate(gather):
+                    d, sc = seg.regions[(i, 0)], seg.regions[(i, 1)]
+                    triton_mxfp8.quantize_rows_flat(xi, buf[d.offset:d.offset + d.nbytes].view(-1, seg.k),
+                                                    buf[sc.offset:sc.offset + sc.nbytes].view(-1, seg.k // 32),
+                                                    bad=bad)
+                continue
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
             self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
@@ -555,6 +566,11 @@ class Bound:
         # per bucket: its small high-precision pieces in one launch, or None (group_small=False: a launch each)
         self.hp_groups = [_hp_group(b.segments, ins, SMALL_HP_ELEMS) if group_small else None
                           for b, ins in zip(prog.buckets, self.inputs)]
+
+
+def _flat_members(members: list, staging) -> bool:
+    """Gathered members the flat kernels can read in place: contiguous, of the staging buffer's dtype."""
+    return all(xi.is_contiguous() and xi.dtype == staging.dtype for xi in members)
 
 
 def _back_to_back(xs: list) -> bool:
