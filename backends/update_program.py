@@ -16,11 +16,14 @@ Direct mode (trainer and rollout on one GPU, `InProcessTransport(persistent=True
 receiver's own buffer of every bucket (`gpu_destination`) and the program quantizes / packs straight into it - no
 pool buffer and no second copy (for BF16 the pack copy is the only copy); the receiver's weights are overwritten in
 place, so an update aborted part-way leaves them torn and the receiver refuses them until a complete update lands
-(weight_update.receiver.WeightReceiver.stale). NVFP4 segments take two item kernels, the group amaxes then the
-quantization, over the segment as a flat run of 16-element-block items (`triton_segments.nvfp4_segment_items`; the
-row-tile pair padded K = 768 rows to 1024 lanes and ran at 37-55% of a copy on the H200, the items at 63-70%); the
-one-launch kernel that reads the weights from HBM once (`nvfp4_segment_fused`, `bind(nvfp4_kernel="fused")`) is
-byte-identical but slower there (its cross-program waits cost more than the second read; benchmarks/RESULTS.md).
+(weight_update.receiver.WeightReceiver.stale). NVFP4 segments are quantized over the segment as a flat run of
+16-element-block items (no padded lanes for any K; the row-tile kernels padded K = 768 rows to 1024 lanes). By
+default ("predicted", `triton_segments.nvfp4_segment_predicted`) one read of the weights quantizes them with the
+group amaxes of the previous update, kept per segment, while taking the true ones, and a redo launch re-quantizes
+only the groups whose amax moved - the bytes are always the two-pass ones, the weights are read twice only where a
+step moved a group's max |bf16(w)| (benchmarks/amax_stability.py; every group on the first update). "items" is the
+two-pass pair (amax, then quantize), "fused" a one-launch kernel that reads the weights once and is slower on the
+H200 (its cross-program waits cost more than the second read), "tiles" the row-tile pair (benchmarks/RESULTS.md).
 Rowwise MXFP8 segments take the flat 1x32 kernel (`triton_mxfp8.quantize_rows_flat`). A bucket's small high-precision pieces (norms, routers, small attention
 weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
 

@@ -12,10 +12,13 @@ that tensor alone (tests/test_weight_update_gpu.py checks this byte for byte on 
     count (the update refuses NaN/Inf weights; folded into the pass that reads the weights anyway).
   * `_nvfp4_seg_kernel`: triton_nvfp4._nvfp4_tensor_kernel (1x16 blocks) with G read per row's group and S_dec
     written once per member (row tiles: any member shape).
-  * item kernels (`nvfp4_segment_items`, the weight update's default): the contiguous segment as a flat run of
+  * item kernels (`nvfp4_segment_items`): the contiguous segment as a flat run of
     items of IB 16-element blocks that never straddle a member (so each item has ONE group: one atomic, one G
     load), no padded lanes for any K: `_seg_amax_items_kernel` then `_nvfp4_seg_items_kernel` (which also fills
     the ModelOpt input_scale).
+  * `_nvfp4_seg_predicted_kernel` + `_nvfp4_seg_redo_kernel` (`nvfp4_segment_predicted`, the update's default):
+    one read of each item takes its amax AND quantizes it with the group amax of the previous update; the redo
+    re-quantizes (second read) only the groups whose amax changed. Same bytes as the two-pass kernels always.
   * `_nvfp4_seg_onepass_kernel` (`nvfp4_segment_fused`): both item passes in ONE launch that reads the weights
     from HBM once - a persistent grid that takes the amax of chunk c (whole groups) before it quantizes chunk c-1
     from L2, programs waiting for each other once per chunk.
