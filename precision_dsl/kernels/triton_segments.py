@@ -98,19 +98,27 @@ def _words_amax(u, IN_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr,
+def _store_item(lo, hi, amax_b, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB: tl.constexpr,
                 HAS_ISC: tl.constexpr):
-    """NVFP4 1x16 of item j (pair words u) with its group's fp32 G; the item that starts a member (IPM items a
-    member) writes the member's S_dec (and the ModelOpt input_scale 1.0 when HAS_ISC)."""
-    lo, hi = unpack_pair(u, IN_DTYPE)
+    """NVFP4 1x16 bytes of item j (fp32 pairs lo / hi [IB, 8], block amaxes [IB]) with its group's fp32 G; the item
+    that starts a member (IPM items a member) writes the member's S_dec (and the ModelOpt input_scale 1.0 when
+    HAS_ISC)."""
     s_enc, s_dec = _global_scales(g)
-    sf, packed = _encode_blocks(lo, hi, _block_amax(lo, hi), s_enc, s_dec)
+    sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
     tl.store(data_ptr + _item_words(j, IB), packed)
     tl.store(scale_ptr + j.to(tl.int64) * IB + tl.arange(0, IB), sf)
     if j % IPM == 0:
         tl.store(sdec_ptr + j // IPM, s_dec)
         if HAS_ISC:  # ModelOpt input_scale (unused with per-token activations): 1.0 per member
             tl.store(isc_ptr + j // IPM, 1.0)
+
+
+@triton.jit
+def _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr,
+                HAS_ISC: tl.constexpr):
+    """NVFP4 1x16 of item j (pair words u) with its group's fp32 G (see _store_item)."""
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    _store_item(lo, hi, _block_amax(lo, hi), j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB, HAS_ISC)
 
 
 @triton.jit
@@ -136,32 +144,47 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 @triton.jit
 def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, IPG,
                                 IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
-    """ONE read of item j: its amax into the group's bits (as _seg_amax_items_kernel) and its quantization with the
-    group amax of the previous update (prev_ptr, fp32 bits). The bytes are final wherever the group amax did not
-    change; _nvfp4_seg_redo_kernel redoes the groups where it did."""
+    """ONE read of item j: its quantization with the group amax of the previous update (prev_ptr, fp32 bits) and,
+    from the block amaxes that quantization computes anyway, its amax into the group's bits. The bytes are final
+    wherever the group amax did not change; _nvfp4_seg_redo_kernel redoes the groups where it did.
+
+    The kernel is issue-bound, so nothing is done per element for the amax or the NaN/Inf count beyond what the
+    quantization needs: the item amax is the max of its (NaN-ignoring) block amaxes - for finite inputs bit for bit
+    seg_amax's integer-magnitude amax - and non-finite elements are found by one add per element: the item's sum
+    is NaN if an element is NaN, its amax is inf if one is +-inf (a sum that is NaN for another reason, +inf + -inf
+    after an overflow, only sends the item through the exact count). Items flagged count exactly. With NaN present
+    the group amax ignores it (seg_amax's would be NaN): the update is refused then, its bytes are never used."""
     j = tl.program_id(0)
     u = tl.load(xp_ptr + _item_words(j, IB))
-    a_bits, nf = _words_amax(u, IN_DTYPE)
-    grp = j // IPG
-    tl.atomic_max(bits_ptr + grp, a_bits, sem="relaxed")
-    if nf > 0:
-        tl.atomic_add(bad_ptr, nf, sem="relaxed")
-    g = tl.load(prev_ptr + grp).to(tl.float32, bitcast=True)
-    _quant_item(u, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB, HAS_ISC)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    amax_b = _block_amax(lo, hi)
+    a_item = tl.max(amax_b, axis=0)
+    tl.atomic_max(bits_ptr + j // IPG, a_item.to(tl.int32, bitcast=True), sem="relaxed")
+    chk = tl.sum(tl.sum(lo + hi, axis=1), axis=0)
+    if (chk != chk) | (a_item == float("inf")):
+        nf = tl.sum(tl.sum(((lo - lo) != 0).to(tl.int32) + ((hi - hi) != 0).to(tl.int32), axis=1), axis=0)
+        if nf > 0:
+            tl.atomic_add(bad_ptr, nf, sem="relaxed")
+    g = tl.load(prev_ptr + j // IPG).to(tl.float32, bitcast=True)
+    _store_item(lo, hi, amax_b, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB, HAS_ISC)
 
 
 @triton.jit
-def _nvfp4_seg_redo_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, IPG, IPM,
+def _nvfp4_seg_redo_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, IPG, IPM, S,
                            IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
-    """Item j again, with its group's true amax, only where that differs from the predicted one (two int loads and
-    an exit everywhere else)."""
-    j = tl.program_id(0)
-    grp = j // IPG
+    """Program (group, s): when the group's true amax differs from the predicted one, re-quantize its items
+    s, s + S, ... with the true amax; else exit after two int loads (a grid of groups x S, not of items, so an
+    update whose predictions were right costs next to nothing here)."""
+    grp = tl.program_id(0)
     b = tl.load(bits_ptr + grp)
     if b != tl.load(prev_ptr + grp):
-        u = tl.load(xp_ptr + _item_words(j, IB))
-        _quant_item(u, j, b.to(tl.float32, bitcast=True), data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IN_DTYPE, IB,
-                    HAS_ISC)
+        g = b.to(tl.float32, bitcast=True)
+        t = tl.program_id(1)
+        while t < IPG:
+            j = grp * IPG + t
+            _quant_item(tl.load(xp_ptr + _item_words(j, IB)), j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM,
+                        IN_DTYPE, IB, HAS_ISC)
+            t += S
 
 
 @triton.jit
@@ -404,6 +427,9 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
                                         num_warps=num_warps, **LAUNCH_OPTS)
 
 
+REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
+
+
 def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, prev_bits,
                             input_scale=None, *, amax_bits=None, item_blocks=None, num_warps=4):
     """seg_amax + nvfp4_segment from ONE read of the weights whenever their group amaxes are those of the previous
@@ -431,7 +457,9 @@ def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data,
     meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=ib, HAS_ISC=input_scale is not None, num_warps=num_warps,
                 **LAUNCH_OPTS)
     _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta)
-    _nvfp4_seg_redo_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm, **meta)
+    per_group = min(ipg, REDO_PROGRAMS_PER_GROUP)
+    _nvfp4_seg_redo_kernel[(m // rows_per_group, per_group)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm,
+                                                             per_group, **meta)
     prev_bits.copy_(bits)
 
 
