@@ -256,6 +256,8 @@ SWEEP = {
               dict(item_blocks=128, num_warps=2, amax_item_blocks=512, amax_num_warps=4)],
     "fused": [dict(), dict(chunk_bytes=48 << 20), dict(item_blocks=1024, num_warps=16, programs_per_sm=1)],
 }
+PREDICTED_SWEEP = [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=4),
+                   dict(item_blocks=512, num_warps=8), dict(item_blocks=256, num_warps=8)]
 
 
 def kernel_sweep(results, reps=5) -> None:
@@ -309,18 +311,20 @@ def kernel_sweep(results, reps=5) -> None:
                       f"{t_tiles / t:.2f}x row tiles), bytes {'same' if same else 'DIFFER'}", flush=True)
                 results.append({"sweep": name, "kernel": kernel, "config": dict(cfg), "s": t, "copy_s": t_copy,
                                 "tiles_s": t_tiles, "same_bytes": same})
-        d1, s1, g1, b1, isc = outs()
-        prev = torch.full((m // rpg,), -1, dtype=torch.int32, device="cuda")
-        pred = lambda: ks.nvfp4_segment_predicted(x, rpg, rpm, d1, s1, g1, b1, prev, isc)  # noqa: E731
-        pred()
-        t_pred, _ = _timed(pred, reps)  # steady state: the weights (hence every group amax) as in the last call
-        same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0.view(torch.int32), g1.view(torch.int32))
-        t_worst, _ = _timed(lambda: (prev.fill_(-1), pred()), reps)  # every group redone
-        print(f"[sweep {name}] predicted: {t_pred * 1e3:.3f} ms ({t_copy / t_pred:.0%} of copy, {t_tiles / t_pred:.2f}x "
-              f"row tiles) with every group amax as predicted, {t_worst * 1e3:.3f} ms ({t_copy / t_worst:.0%}) with "
-              f"none, bytes {'same' if same else 'DIFFER'}", flush=True)
-        results.append({"sweep": name, "kernel": "predicted", "config": {}, "s": t_pred, "all_redone_s": t_worst,
-                        "copy_s": t_copy, "tiles_s": t_tiles, "same_bytes": same})
+        for cfg in PREDICTED_SWEEP:
+            d1, s1, g1, b1, isc = outs()
+            prev = torch.full((m // rpg,), -1, dtype=torch.int32, device="cuda")
+            pred = lambda c=cfg: ks.nvfp4_segment_predicted(x, rpg, rpm, d1, s1, g1, b1, prev, isc, **c)  # noqa: E731
+            pred()
+            t_pred, _ = _timed(pred, reps)  # steady state: the weights (hence every group amax) as in the last call
+            same = torch.equal(d0, d1) and torch.equal(s0, s1) and torch.equal(g0.view(torch.int32),
+                                                                               g1.view(torch.int32))
+            t_worst, _ = _timed(lambda: (prev.fill_(-1), pred()), reps)  # every group redone
+            print(f"[sweep {name}] predicted {cfg or 'default'}: {t_pred * 1e3:.3f} ms ({t_copy / t_pred:.0%} of copy, "
+                  f"{t_tiles / t_pred:.2f}x row tiles) with every group amax as predicted, {t_worst * 1e3:.3f} ms "
+                  f"({t_copy / t_worst:.0%}) with none, bytes {'same' if same else 'DIFFER'}", flush=True)
+            results.append({"sweep": name, "kernel": "predicted", "config": dict(cfg), "s": t_pred,
+                            "all_redone_s": t_worst, "copy_s": t_copy, "tiles_s": t_tiles, "same_bytes": same})
         print(f"[sweep] resident programs per SM of the one-pass kernel: {ks._RESIDENT}", flush=True)
         del x
         torch.cuda.empty_cache()

@@ -150,21 +150,25 @@ def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr,
 
     The kernel is issue-bound, so nothing is done per element for the amax or the NaN/Inf count beyond what the
     quantization needs: the item amax is the max of its (NaN-ignoring) block amaxes - for finite inputs bit for bit
-    seg_amax's integer-magnitude amax - and non-finite elements are found by one add per element: the item's sum
-    is NaN if an element is NaN, its amax is inf if one is +-inf (a sum that is NaN for another reason, +inf + -inf
-    after an overflow, only sends the item through the exact count). Items flagged count exactly. With NaN present
+    seg_amax's integer-magnitude amax - and non-finite elements are found by one add per element: a block's sum
+    is NaN if an element is NaN, its amax is inf if one is +-inf, and a NaN-sum block enters the item max as inf
+    (a sum that is NaN for another reason, +inf + -inf after an overflow, only sends the item through the exact
+    count). Items whose max is inf count exactly and take the true max. With NaN present
     the group amax ignores it (seg_amax's would be NaN): the update is refused then, its bytes are never used."""
     j = tl.program_id(0)
     u = tl.load(xp_ptr + _item_words(j, IB))
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = _block_amax(lo, hi)
-    a_item = tl.max(amax_b, axis=0)
-    tl.atomic_max(bits_ptr + j // IPG, a_item.to(tl.int32, bitcast=True), sem="relaxed")
-    chk = tl.sum(tl.sum(lo + hi, axis=1), axis=0)
-    if (chk != chk) | (a_item == float("inf")):
+    # a block whose sum is NaN is flagged as amax inf, so ONE cross-warp max gives the item amax and the screen
+    sum_b = tl.sum(lo + hi, axis=1)
+    flag_b = tl.where(sum_b == sum_b, amax_b, float("inf"))
+    a_item = tl.max(flag_b, axis=0)
+    if a_item == float("inf"):  # an element is NaN or +-inf (or a block sum went NaN by overflow): exact
+        a_item = tl.max(amax_b, axis=0)
         nf = tl.sum(tl.sum(((lo - lo) != 0).to(tl.int32) + ((hi - hi) != 0).to(tl.int32), axis=1), axis=0)
         if nf > 0:
             tl.atomic_add(bad_ptr, nf, sem="relaxed")
+    tl.atomic_max(bits_ptr + j // IPG, a_item.to(tl.int32, bitcast=True), sem="relaxed")
     g = tl.load(prev_ptr + j // IPG).to(tl.float32, bitcast=True)
     _store_item(lo, hi, amax_b, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB, HAS_ISC)
 
