@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,25 @@ def nan_ignoring_max() -> None:
     from triton.runtime import interpreter
 
     interpreter.InterpreterBuilder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+
+
+def model_the_hardware() -> None:
+    """All three patches: the interpreter's fp8 casts, bf16 widening and max as the H200 computes them."""
+    exact_fp8_cast()
+    exact_bf16_widening()
+    nan_ignoring_max()
+
+
+def interpreted_rows(script, *args: str, timeout: int = 1200, extra_env: dict | None = None) -> list[dict]:
+    """Run `script` in a child process under Triton's interpreter (TRITON_INTERPRET=1, no CUDA device; PYTHONPATH
+    puts this checkout's precision_dsl first, not whichever copy is installed) and return the JSON lines it prints.
+    A child that exits non-zero fails the calling test with the tail of its stderr."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path, **(extra_env or {})}
+    out = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines()]
 
 
 def _same(got, want) -> bool:

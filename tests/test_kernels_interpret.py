@@ -25,10 +25,7 @@ bf16 subnormal tiles (no golden vectors: vs the reference): every kernel that re
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -39,13 +36,7 @@ import triton  # noqa: F401  (in the test extra: a missing interpreter fails, ne
 
 
 def _interpret(*args: str) -> dict:
-    # PYTHONPATH: the child imports this checkout's precision_dsl, not whichever copy is installed
-    path = os.pathsep.join(p for p in (str(ki.REPO), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, str(Path(ki.__file__)), *args], env=env, capture_output=True, text=True,
-                         timeout=1200, cwd=ki.REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {r["case"]: r for r in map(json.loads, out.stdout.splitlines())}
+    return {r["case"]: r for r in ki.interpreted_rows(Path(ki.__file__), *args)}
 
 
 GOLDEN_KINDS = ("nvfp4", "mxfp8", "fp8block")

@@ -17,8 +17,6 @@ second and third updates replayed from CUDA graphs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -185,12 +183,10 @@ CPU_CHECKS = {"direct_bytes[bf16]": lambda: check_direct_bytes("bf16", "cpu"),
 
 
 def test_direct_mode_interpreted():
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path,
-           "POLICYC_INTERPRET_SEGMENTS": "1"}
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    results = {r["case"]: r["checks"] for r in map(json.loads, out.stdout.splitlines())}
+    import kernels_interpreted as ki
+
+    results = {r["case"]: r["checks"] for r in ki.interpreted_rows(__file__, timeout=1500,
+                                                                   extra_env={"POLICYC_INTERPRET_SEGMENTS": "1"})}
     assert set(results) == set(CPU_CHECKS)
     bad = {c: [n for n, ok in checks.items() if not ok] for c, checks in results.items()}
     assert not any(bad.values()), bad

@@ -16,13 +16,14 @@ with the persistent grid's programs really waiting for each other.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels_interpreted as ki  # noqa: E402  (the interpreted child runner and the hardware model)
 
 import triton  # noqa: F401  (in the test extra: a missing interpreter fails, never skips)
 
@@ -176,11 +177,7 @@ def test_item_kernels_refuse_what_they_cannot_tile():
 
 
 def _interpreted() -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {r["case"]: r["checks"] for r in map(json.loads, out.stdout.splitlines())}
+    return {r["case"]: r["checks"] for r in ki.interpreted_rows(__file__, timeout=900)}
 
 
 def test_item_kernels_equal_the_row_tile_path_interpreted():
@@ -208,12 +205,7 @@ def test_item_kernels_equal_the_row_tile_path_gpu(i):
 
 
 if __name__ == "__main__":  # the interpreter child
-    sys.path.insert(0, str(ROOT / "tests"))
-    import kernels_interpreted as ki  # the interpreter patched to model the hardware (fp8 casts, bf16 widening, max)
-
-    ki.exact_fp8_cast()
-    ki.exact_bf16_widening()
-    ki.nan_ignoring_max()
+    ki.model_the_hardware()  # the interpreter's fp8 casts, bf16 widening and max as the H200's
     for i, case in enumerate(CASES):
         print(json.dumps({"case": i, "checks": run_case(i, case, "cpu")}), flush=True)
     for i, case in enumerate(PER_TENSOR):
