@@ -337,9 +337,7 @@ class UpdateProgram:
                 continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
-            if gather is not None and seg.kind == "mxfp8" and _flat_members(gather, x):
-                # rowwise 1x32 blocks never span rows, so each member is quantized on its own, straight into its
-                # regions: no staging copy (q/k/v projections are separate tensors)
+            if gather is not None and x is None:  # MXFP8 members quantized in place (see Bound)
                 from precision_dsl.kernels import triton_mxfp8
 
                 for i, xi in enumerate(gather):
@@ -368,7 +366,7 @@ class UpdateProgram:
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str = NVFP4_KERNEL, state=None) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str, state: dict) -> None:
         """Fill one segment's regions of bucket buffer `buf` from its bound input x. state: the segment's dict kept
         across updates (the predicted NVFP4 kernel's group amaxes of the last update)."""
         import torch
@@ -425,8 +423,6 @@ class UpdateProgram:
             isc = stacked(3, 0).view(torch.float32)  # ModelOpt input_scale (unused with per-token activations)
             if nvfp4_kernel != "tiles" and ks.item_blocks_for(seg.rows_per_member, k) and x.is_contiguous():
                 if nvfp4_kernel == "predicted":
-                    if state is None:
-                        state = {}
                     prev = state.get("prev_bits")
                     if prev is None:  # -1 is no amax: the first update quantizes every group twice
                         prev = state["prev_bits"] = torch.full((rows // seg.rows_per_group,), -1,
@@ -560,6 +556,12 @@ class Bound:
                     per_seg.append(xs)
                     per_gather.append(None)
                     continue
+                if seg.kind == "mxfp8" and not _back_to_back(xs) and _same_contiguous(xs):
+                    # rowwise 1x32 blocks never span rows: each member (e.g. separate q/k/v projections) is
+                    # quantized on its own straight into its regions - no staging buffer, no copy per update
+                    per_seg.append(None)
+                    per_gather.append([x.reshape(-1, seg.k) for x in xs])
+                    continue
                 view, members = _stack_rows(xs, seg.k, torch)
                 per_seg.append(view)
                 per_gather.append(members)
@@ -571,14 +573,15 @@ class Bound:
                           for b, ins in zip(prog.buckets, self.inputs)]
 
 
-def _flat_members(members: list, staging) -> bool:
-    """Gathered members the flat kernels can read in place: contiguous, of the staging buffer's dtype."""
-    return all(xi.is_contiguous() and xi.dtype == staging.dtype for xi in members)
+def _same_contiguous(xs: list) -> bool:
+    """Contiguous tensors of one dtype on one device (each readable in place by a flat kernel)."""
+    x0 = xs[0]
+    return all(x.is_contiguous() and x.dtype == x0.dtype and x.device == x0.device for x in xs)
 
 
 def _back_to_back(xs: list) -> bool:
     x0 = xs[0]
-    if not all(x.is_contiguous() and x.dtype == x0.dtype and x.device == x0.device for x in xs):
+    if not _same_contiguous(xs):
         return False
     if x0.untyped_storage().data_ptr() != xs[-1].untyped_storage().data_ptr():
         return False
