@@ -122,6 +122,12 @@ def interpreted_rows(script, *args: str, timeout: int = 1200, extra_env: dict | 
     return [json.loads(line) for line in out.stdout.splitlines()]
 
 
+def failed_checks(results: dict) -> dict:
+    """{case: [names of its failed checks]} of {case: {check name: ok}}, only the cases with a failure."""
+    return {case: [n for n, ok in checks.items() if not ok] for case, checks in results.items()
+            if not all(checks.values())}
+
+
 def _same(got, want) -> bool:
     import torch
 

@@ -396,7 +396,7 @@ def test_nvfp4_coder_and_edge_inputs_interpreted():
     results = {r["case"]: r["checks"] for r in ki.interpreted_rows(ke.__file__)}
     assert len(results) == 2 + 2 * len(ke.ROW_CASES), sorted(results)
     assert results["e2m1_word"] and all(len(c) >= 1 for c in results.values())
-    bad = {case: [k for k, ok in c.items() if not ok] for case, c in results.items() if not all(c.values())}
+    bad = ki.failed_checks(results)
     assert not bad, f"interpreted NVFP4 coder / kernels differ from the reference: {bad}"
 
 

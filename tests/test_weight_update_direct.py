@@ -9,8 +9,8 @@ it returned before refuse every lookup - until a complete update lands; without 
 runs (one memory) and a full-check receiver refuses that; with check_equal the sender's fingerprints, taken when
 each bucket is filled, catch a bucket overwritten before the receiver looked (aliased receiver buffers).
 
-On CPU the bf16 cases run in a child process under Triton's interpreter (TRITON_INTERPRET=1; the program's
-kernels, interpreted); on CUDA (marked gpu) every case runs compiled, NVFP4 / MXFP8 / FP8-block included, with the
+On CPU the bf16, NVFP4 and MXFP8 byte cases run in a child process under Triton's interpreter (TRITON_INTERPRET=1;
+the program's kernels, interpreted, with the hardware model of tests/kernels_interpreted.py); on CUDA (marked gpu) every case runs compiled, NVFP4 / MXFP8 / FP8-block included, with the
 second and third updates replayed from CUDA graphs.
 """
 
@@ -27,6 +27,7 @@ import triton  # noqa: F401  (in the test extra: a missing interpreter fails, ne
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kernels_interpreted as ki  # noqa: E402  (the interpreted child runner and the hardware model)
 
 GPU_POLICIES = ["bf16", "nvfp4-pertoken-dequant-backward", "mxfp8-e2e", "fp8-blockwise-hopper"]
 VICTIM = "model.layers.3.mlp.experts.5.up_proj.weight"  # late in the update: earlier buckets already landed
@@ -178,18 +179,19 @@ def check_fingerprints(dev: str) -> dict:
 
 
 CPU_CHECKS = {"direct_bytes[bf16]": lambda: check_direct_bytes("bf16", "cpu"),
+              # the predicted NVFP4 segment kernel across updates, and MXFP8 members quantized in place
+              "direct_bytes[nvfp4]": lambda: check_direct_bytes("nvfp4-pertoken-dequant-backward", "cpu"),
+              "direct_bytes[mxfp8]": lambda: check_direct_bytes("mxfp8-e2e", "cpu"),
               "abort_stale": lambda: check_abort_leaves_receiver_stale("cpu"),
               "fingerprints": lambda: check_fingerprints("cpu")}
 
 
 def test_direct_mode_interpreted():
-    import kernels_interpreted as ki
-
     results = {r["case"]: r["checks"] for r in ki.interpreted_rows(__file__, timeout=1500,
                                                                    extra_env={"POLICYC_INTERPRET_SEGMENTS": "1"})}
     assert set(results) == set(CPU_CHECKS)
-    bad = {c: [n for n, ok in checks.items() if not ok] for c, checks in results.items()}
-    assert not any(bad.values()), bad
+    bad = ki.failed_checks(results)
+    assert not bad, bad
 
 
 
@@ -216,5 +218,6 @@ def test_fingerprints_gpu():
 
 
 if __name__ == "__main__":  # the interpreter child
+    ki.model_the_hardware()  # the interpreter's fp8 casts, bf16 widening and max as the H200's
     for case, fn in CPU_CHECKS.items():
         print(json.dumps({"case": case, "checks": fn()}), flush=True)
