@@ -258,14 +258,17 @@ class UpdateProgram:
         return off
 
     # -- binding ---------------------------------------------------------------------------------------------------
-    def bind(self, tensors: dict, group_small: bool = True, nvfp4_kernel: str = NVFP4_KERNEL) -> "Bound":
+    def bind(self, tensors: dict, group_small: bool = True, nvfp4_kernel: str = NVFP4_KERNEL,
+             bucket_launches: bool = True) -> "Bound":
         """tensors: {hf_name: CUDA tensor}. Per segment, a 2-D [rows, K] (quantized) or flat (hp) view of the
         stacked members: zero-copy when they are consecutive views of one buffer, else a gather each run.
         group_small: a bucket's small high-precision pieces share one launch; nvfp4_kernel: how NVFP4 segments
-        are quantized, one of NVFP4_KERNELS (segments the item kernels cannot tile take "tiles")."""
+        are quantized, one of NVFP4_KERNELS (segments the item kernels cannot tile take "tiles"); bucket_launches:
+        a bucket's predicted-NVFP4 segments share one launch (and one redo), and so do its rowwise MXFP8 inputs
+        (kernels/triton_bucket.py), instead of a launch (NVFP4: four) per segment."""
         if nvfp4_kernel not in NVFP4_KERNELS:
             raise ValueError(f"nvfp4_kernel must be one of {NVFP4_KERNELS}, not {nvfp4_kernel!r}")
-        return Bound(self, tensors, group_small, nvfp4_kernel)
+        return Bound(self, tensors, group_small, nvfp4_kernel, bucket_launches)
 
     # -- one update ------------------------------------------------------------------------------------------------
     def run(self, bound: "Bound", send, check_equal: bool = False, fingerprint_stride: int = 1, dest=None):
@@ -332,8 +335,14 @@ class UpdateProgram:
         group = bound.hp_groups[k]
         if group is not None:  # the bucket's high-precision pieces: one copy + check launch per dtype
             group.launch(buf, bad)
+        launches, covered = bound.bucket_launches[k]
+        for si in covered:  # staged members of segments a bucket launch quantizes: gathered first
+            if bound.gather[k][si] is not None and bound.inputs[k][si] is not None:
+                torch.cat(bound.gather[k][si], dim=0, out=bound.inputs[k][si])
+        for launch in launches:
+            launch.launch(buf, bad)
         for si, seg in enumerate(b.segments):
-            if group is not None and si in group.segments:
+            if (group is not None and si in group.segments) or si in covered:
                 continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
@@ -520,7 +529,7 @@ class Bound:
     """The trainer's tensors arranged per bucket and segment (see UpdateProgram.bind)."""
 
     def __init__(self, prog: UpdateProgram, tensors: dict, group_small: bool = True,
-                 nvfp4_kernel: str = NVFP4_KERNEL):
+                 nvfp4_kernel: str = NVFP4_KERNEL, bucket_launches: bool = True):
         import torch
 
         self.pool = None
@@ -571,6 +580,42 @@ class Bound:
         # per bucket: its small high-precision pieces in one launch, or None (group_small=False: a launch each)
         self.hp_groups = [_hp_group(b.segments, ins, SMALL_HP_ELEMS) if group_small else None
                           for b, ins in zip(prog.buckets, self.inputs)]
+        # per bucket: (bucket launches, indices of the segments they quantize)
+        self.bucket_launches = [_bucket_launches(b.segments, ins, gat, nvfp4_kernel, dev) if bucket_launches
+                                else ([], set()) for b, ins, gat in zip(prog.buckets, self.inputs, self.gather)]
+        for k, (launches, _) in enumerate(self.bucket_launches):
+            for i, launch in enumerate(launches):
+                if hasattr(launch, "prev_bits"):  # kept group amaxes (UpdateProgram._fill's per-segment state)
+                    self.seg_state[(k, "bucket", i)] = {"prev_bits": launch.prev_bits}
+
+
+def _bucket_launches(seg_list: list, inputs: list, gathers: list, nvfp4_kernel: str, dev):
+    """The bucket launches of one bucket (kernels/triton_bucket.py) and the segments they quantize: every NVFP4
+    segment the predicted item kernel takes with BUCKET_ITEM_BLOCKS-block items, every rowwise MXFP8 input that is
+    contiguous (a stacked segment, a staging buffer, or each in-place member); one launch per input dtype (and
+    NVFP4 item size: triton_segments.item_blocks_for, 256 blocks for the real expert shapes)."""
+    from precision_dsl.kernels import triton_bucket as kb
+    from precision_dsl.kernels import triton_segments as ks
+
+    nv: dict = {}
+    mx: dict = {}
+    covered: set = set()
+    for si, (seg, x, gather) in enumerate(zip(seg_list, inputs, gathers)):
+        ib = ks.item_blocks_for(seg.rows_per_member, seg.k) if seg.kind == "nvfp4" else 0
+        if ib and nvfp4_kernel == "predicted" and x is not None and x.is_contiguous():
+            r = [seg.regions[(0, j)].offset for j in range(4)]
+            nv.setdefault((x.dtype, ib), []).append((x, seg.rows_per_group, seg.rows_per_member, *r))
+            covered.add(si)
+        elif seg.kind == "mxfp8" and x is None and gather is not None:  # in-place members, each its own input
+            for i, xi in enumerate(gather):
+                mx.setdefault(xi.dtype, []).append((xi, seg.regions[(i, 0)].offset, seg.regions[(i, 1)].offset))
+            covered.add(si)
+        elif seg.kind == "mxfp8" and x is not None and x.is_contiguous():
+            mx.setdefault(x.dtype, []).append((x, seg.regions[(0, 0)].offset, seg.regions[(0, 1)].offset))
+            covered.add(si)
+    launches = [kb.NVFP4BucketLaunch(e, ib, dev) for (_, ib), e in nv.items()]
+    launches += [kb.MXFP8BucketLaunch(e, dev) for e in mx.values()]
+    return launches, covered
 
 
 def _same_contiguous(xs: list) -> bool:

@@ -6,6 +6,9 @@ Modes, side by side in one run (same weights, same receiver):
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
+  * direct-segments: the same kernels with a launch per segment instead of one per bucket (kernels/
+    triton_bucket.py: a bucket's NVFP4 segments in one predicted launch + one redo + one roll, its MXFP8 inputs in
+    one launch);
   * direct-items / direct-fused / direct-tiles: the same with that NVFP4 segment kernel (backends/update_program.py
     NVFP4_KERNELS; the default is "predicted": one read quantizes with the previous update's group amaxes and only
     groups whose amax changed are redone - its worst case, every group changed, is timed too and printed beside
@@ -148,7 +151,39 @@ class _Clock:
         return time.perf_counter() - self.t0 > self.limit_s
 
 
-def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
+def timeline(fn) -> dict:
+    """Where the wall time of one call goes on the GPU (torch profiler, CPU + CUDA activity): the call's wall
+    time, the union of its kernel / memset / memcpy intervals (busy), the idle time before the first and after
+    the last of them (host work the GPU waits for: setup, the final check, the receiver) and the idle gaps
+    between them (launch gaps inside graphs, host starvation), with the largest gaps and what surrounds them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("timeline.call"):
+            fn()
+            torch.cuda.synchronize()
+    evs = prof.events()
+    call = [e for e in evs if e.name == "timeline.call" and e.device_type != torch.autograd.DeviceType.CUDA]
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "timeline.call")
+    if not call or not gpu:
+        return {}
+    t0, t1 = call[0].time_range.start, call[0].time_range.end
+    busy, gaps, end, prev = 0.0, [], gpu[0][0], gpu[0][2]
+    for s, e, name in gpu:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        if e > end:
+            busy += e - max(s, end)
+            end, prev = e, name
+    gaps.sort(reverse=True)
+    return {"wall_us": t1 - t0, "busy_us": busy, "head_us": gpu[0][0] - t0, "tail_us": t1 - end,
+            "gaps_us": sum(g for g, _, _ in gaps), "gaps": len(gaps), "gaps_over_5us": sum(g > 5 for g, _, _ in gaps),
+            "gpu_events": len(gpu), "largest": [(round(g, 1), a[:40], b[:40]) for g, a, b in gaps[:4]]}
+
+
+def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timelines=False):
     """One mode's update row: median update (send + receive_raw), quantize-only, launches; the receiver's
     buffers are released before returning (the 48-layer model holds one received copy at a time)."""
     import torch
@@ -167,7 +202,11 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     if mode != "direct":  # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the
         # receiver, a launch per small piece, the row-tile NVFP4 kernels)
         kernel = mode.split("-", 1)[1] if mode.startswith("direct-") else "tiles"
-        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct, nvfp4_kernel=kernel), prep.tensors)
+        per_segment = kernel == "segments"  # the default kernels, a launch (NVFP4: four) per segment
+        prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct,
+                                        nvfp4_kernel="predicted" if per_segment else kernel,
+                                        bucket_launches=not per_segment and mode.startswith("direct-")),
+                              prep.tensors)
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -209,6 +248,13 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
         ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
         print(f"[{label}] {pname} {mode} kernels: " + "; ".join(
             f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in ka), flush=True)
+    tl_ = timeline(update) if timelines else None
+    if tl_:
+        print(f"[{label}] {pname} {mode} timeline: wall {tl_['wall_us'] / 1e3:.2f} ms = GPU busy "
+              f"{tl_['busy_us'] / 1e3:.2f} + idle before the first kernel {tl_['head_us'] / 1e3:.2f} + between "
+              f"kernels {tl_['gaps_us'] / 1e3:.2f} ({tl_['gaps']} gaps, {tl_['gaps_over_5us']} over 5 us) + after "
+              f"the last {tl_['tail_us'] / 1e3:.2f}; {tl_['gpu_events']} GPU events; largest gaps "
+              f"{tl_['largest']}", flush=True)
     # bare copy of the same bytes, same buckets, into the same receiver buffers through the same transport
     src = torch.empty(prog.max_bucket, dtype=torch.uint8, device=weights[next(iter(weights))].device).random_(0, 255)
     sizes = [b.nbytes for b in prog.buckets]
@@ -236,7 +282,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
            "update_all_redone_s": med_redo, "launches_per_update": launches,
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
-           "fingerprints_checked": True}
+           "fingerprints_checked": True, "timeline": tl_}
     print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
           f"x{med / med_bare:4.2f} of bare  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
@@ -330,7 +376,8 @@ def kernel_sweep(results, reps=5) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy")):
+def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy"),
+                timelines=False):
     import torch
 
     from precision_dsl.arch import load_architecture
@@ -354,7 +401,7 @@ def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, mode
                 if clock.over():
                     print(f"[{label}] {pname} {mode}: skipped (time limit)", flush=True)
                     continue
-                row = _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
+                row = _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timelines)
                 row["params"] = n_params
                 by_mode[mode][pname] = row
                 results.append(row)
@@ -379,9 +426,11 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
-                    "direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy")
+                    "direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
+    ap.add_argument("--timeline", action="store_true", help="per row: one update's wall time split into GPU "
+                    "busy and GPU idle (before the first kernel, between kernels, after the last)")
     ap.add_argument("--kernel-sweep", action="store_true",
                     help="first: the NVFP4 segment kernels' launch shapes side by side")
     args = ap.parse_args()
@@ -392,14 +441,16 @@ def main():
     results: list = []
     if args.kernel_sweep:
         kernel_sweep(results)
-    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes)
+    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes,
+                args.timeline)
     args.out.write_text(json.dumps(results, indent=1))
     if not args.skip_30b:
         layers = args.layers
         while layers >= 8 and not clock.over():
             try:
                 bench_model(f"qwen3-30b-a3b-shaped ({layers} layers)", dict(QWEN3_30B, num_hidden_layers=layers),
-                            max(3, args.reps - 2), args.bucket_mb, results, clock, args.kernels, modes)
+                            max(3, args.reps - 2), args.bucket_mb, results, clock, args.kernels, modes,
+                            args.timeline)
                 break
             except torch.cuda.OutOfMemoryError as err:
                 print(f"OOM at {layers} layers: {str(err)[:120]}", flush=True)

@@ -178,13 +178,12 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
 
 
 @triton.jit
-def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_RCP: tl.constexpr,
-                            E5M2: tl.constexpr, IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
-    """Rowwise (1x32) MXFP8 of a contiguous [M, K] tensor seen as a flat run of 32-element blocks, IB blocks per
-    program: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes for any
-    K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are data[32b:32b+32] and
-    its E8M0 is scale[b]. EVEN: N_BLOCKS % IB == 0 (no masks)."""
-    j = tl.program_id(0)
+def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
+                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
+    """Rowwise (1x32) MXFP8 of item j (IB 32-element blocks) of a contiguous [M, K] tensor seen as a flat run of
+    32-element blocks: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes
+    for any K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are
+    data[32b:32b+32] and its E8M0 is scale[b]. EVEN: N_BLOCKS % IB == 0 (no masks)."""
     blk = j.to(tl.int64) * IB + tl.arange(0, IB)
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     if EVEN:
@@ -203,6 +202,14 @@ def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_
     else:
         tl.store(data_ptr + offs, q, mask=(blk < N_BLOCKS)[:, None])
         tl.store(scale_ptr + blk, e.to(tl.uint8), mask=blk < N_BLOCKS)
+
+
+@triton.jit
+def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_RCP: tl.constexpr,
+                            E5M2: tl.constexpr, IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
+    """_mxfp8_row_item of item program_id(0)."""
+    _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, tl.program_id(0), N_BLOCKS, FMAX_RCP, E5M2, IB, EVEN,
+                    COUNT_BAD)
 
 
 ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements, 4 warps)

@@ -142,11 +142,11 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 
 
 @triton.jit
-def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, IPG,
-                                IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+def _predicted_item(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, j, IPG, IPM,
+                    IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
     """ONE read of item j: its quantization with the group amax of the previous update (prev_ptr, fp32 bits) and,
     from the block amaxes that quantization computes anyway, its amax into the group's bits. The bytes are final
-    wherever the group amax did not change; _nvfp4_seg_redo_kernel redoes the groups where it did.
+    wherever the group amax did not change; _redo_group redoes the groups where it did.
 
     The kernel is issue-bound, so nothing is done per element for the amax or the NaN/Inf count beyond what the
     quantization needs: the item amax is the max of its (NaN-ignoring) block amaxes - for finite inputs bit for bit
@@ -155,7 +155,6 @@ def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr,
     (a sum that is NaN for another reason, +inf + -inf after an overflow, only sends the item through the exact
     count). Items whose max is inf count exactly and take the true max. With NaN present
     the group amax ignores it (seg_amax's would be NaN): the update is refused then, its bytes are never used."""
-    j = tl.program_id(0)
     u = tl.load(xp_ptr + _item_words(j, IB))
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = _block_amax(lo, hi)
@@ -174,21 +173,35 @@ def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr,
 
 
 @triton.jit
-def _nvfp4_seg_redo_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, IPG, IPM, S,
-                           IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
-    """Program (group, s): when the group's true amax differs from the predicted one, re-quantize its items
-    s, s + S, ... with the true amax; else exit after two int loads (a grid of groups x S, not of items, so an
-    update whose predictions were right costs next to nothing here)."""
-    grp = tl.program_id(0)
+def _nvfp4_seg_predicted_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, IPG,
+                                IPM, IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """_predicted_item of item program_id(0) of one segment."""
+    _predicted_item(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, tl.program_id(0),
+                    IPG, IPM, IN_DTYPE, IB, HAS_ISC)
+
+
+@triton.jit
+def _redo_group(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, grp, t, IPG, IPM, S,
+                IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """When group grp's true amax (bits) differs from the predicted one (prev), re-quantize its items t, t + S, ...
+    with the true amax; else return after two int loads."""
     b = tl.load(bits_ptr + grp)
     if b != tl.load(prev_ptr + grp):
         g = b.to(tl.float32, bitcast=True)
-        t = tl.program_id(1)
         while t < IPG:
             j = grp * IPG + t
             _quant_item(tl.load(xp_ptr + _item_words(j, IB)), j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM,
                         IN_DTYPE, IB, HAS_ISC)
             t += S
+
+
+@triton.jit
+def _nvfp4_seg_redo_kernel(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, IPG, IPM, S,
+                           IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
+    """Program (group, s): _redo_group (a grid of groups x S, not of items, so an update whose predictions were
+    right costs next to nothing here)."""
+    _redo_group(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, tl.program_id(0),
+                tl.program_id(1), IPG, IPM, S, IN_DTYPE, IB, HAS_ISC)
 
 
 @triton.jit

@@ -1,0 +1,230 @@
+"""Bucket launches for the live weight update: every quantized segment of one bucket in ONE kernel launch.
+
+A weight-update bucket holds several segments (a layer's expert gate/up, its down_proj, its q/k/v/o projections),
+each a separate input tensor quantized into its own regions of the bucket buffer. One launch per segment costs, on
+top of the kernel, a launch gap and a wave tail (the last partial wave of programs, during which most SMs idle)
+each; on a 1.34B model whose segments are 2-67 MB that is a third of the update. Here the programs of all of a
+bucket's segments form one grid: program p finds its segment in a small table built once at bind time (the
+segments' first program and their input / output offsets), then runs exactly the per-item code of the
+one-segment kernels (`triton_segments._predicted_item` / `_redo_group`, `triton_mxfp8._mxfp8_row_item`) on that
+segment's pointers, so the bytes are those of the one-segment kernels by construction (and tested against them).
+
+Inputs are addressed from one base tensor (the first segment's input; the others as element offsets from it, one
+address space), outputs as byte offsets into the bucket buffer, so the table does not depend on which buffer a
+launch fills (a receiver's new buffers need no new table).
+
+  * `NVFP4BucketLaunch`: the predicted NVFP4 kernel (one read quantizes with the previous update's group amaxes
+    while taking the true ones; see triton_segments.nvfp4_segment_predicted) over all of a bucket's NVFP4 item
+    segments, then one redo launch over all their groups, then one launch that keeps the true amaxes as the next
+    prediction and zeroes the accumulators (`_roll_kernel`: no memset and no copy per segment).
+  * `MXFP8BucketLaunch`: the flat rowwise 1x32 MXFP8 kernel over all of a bucket's contiguous MXFP8 inputs (stacked
+    segments and the separate q/k/v members alike).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_mxfp8 import _mxfp8_row_item
+from .triton_segments import _predicted_item, _redo_group
+
+MAX_SEGMENTS = 32  # table rows one launch searches (a vector load per program); more segments -> more launches
+_BIG = 1 << 62  # start of the table rows past the last one
+
+
+@triton.jit
+def _row_of(table_ptr, NSEG, key, COL: tl.constexpr, W: tl.constexpr, MAXS: tl.constexpr):
+    """The table row whose column COL (ascending, row 0 holds 0) is the last one <= key: one vector load."""
+    r = tl.arange(0, MAXS)
+    starts = tl.load(table_ptr + r * W + COL, mask=r < NSEG, other=_BIG)
+    return tl.sum((starts <= key).to(tl.int32), axis=0) - 1
+
+
+# NVFP4 table columns (int64): first item, first group, input offset (pair words from the base), data, scale (bytes
+# into the bucket), S_dec, input_scale (fp32 words into the bucket), items per group, items per member
+
+
+@triton.jit
+def _nv_row(table_ptr, row, ALIGNED: tl.constexpr):
+    base = table_ptr + row * 9
+    x_off = tl.load(base + 2)
+    d_off = tl.load(base + 3)
+    s_off = tl.load(base + 4)
+    if ALIGNED:  # every input and output starts on 16 bytes (checked when the table is built): vector accesses
+        x_off = tl.multiple_of(x_off, 4)
+        d_off = tl.multiple_of(d_off, 16)
+        s_off = tl.multiple_of(s_off, 16)
+    return (tl.load(base), tl.load(base + 1), x_off, d_off, s_off, tl.load(base + 5), tl.load(base + 6),
+            tl.load(base + 7), tl.load(base + 8))
+
+
+@triton.jit
+def _nvfp4_bucket_predicted_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, bad_ptr, table_ptr, NSEG,
+                                   IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr,
+                                   MAXS: tl.constexpr):
+    p = tl.program_id(0)
+    row = _row_of(table_ptr, NSEG, p, 0, 9, MAXS)
+    first, g0, x_off, d_off, s_off, sd_off, is_off, ipg, ipm = _nv_row(table_ptr, row, ALIGNED)
+    _predicted_item(xp_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bits_ptr + g0, prev_ptr + g0,
+                    buf32_ptr + sd_off, buf32_ptr + is_off, bad_ptr, p - first, ipg, ipm, IN_DTYPE, IB, True)
+
+
+@triton.jit
+def _nvfp4_bucket_redo_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, table_ptr, NSEG, S,
+                              IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr, MAXS: tl.constexpr):
+    grp = tl.program_id(0)
+    row = _row_of(table_ptr, NSEG, grp, 1, 9, MAXS)
+    _first, g0, x_off, d_off, s_off, sd_off, is_off, ipg, ipm = _nv_row(table_ptr, row, ALIGNED)
+    _redo_group(xp_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bits_ptr + g0, prev_ptr + g0, buf32_ptr + sd_off,
+                buf32_ptr + is_off, grp - g0, tl.program_id(1), ipg, ipm, S, IN_DTYPE, IB, True)
+
+
+@triton.jit
+def _roll_kernel(bits_ptr, prev_ptr, N, BLOCK: tl.constexpr):
+    """prev = bits (the true group amaxes become the next update's prediction), bits = 0 (the next update's
+    atomic-max accumulators): after the redo launch, which is the last reader of both."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    tl.store(prev_ptr + offs, tl.load(bits_ptr + offs, mask=m), mask=m)
+    tl.store(bits_ptr + offs, tl.zeros([BLOCK], tl.int32), mask=m)
+
+
+# MXFP8 table columns (int64): first item, input offset (elements from the base), data, scale (bytes into the
+# bucket), 32-element blocks
+
+
+@triton.jit
+def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, NSEG, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
+                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr, MAXS: tl.constexpr):
+    p = tl.program_id(0)
+    row = _row_of(table_ptr, NSEG, p, 0, 5, MAXS)
+    base = table_ptr + row * 5
+    x_off = tl.load(base + 1)
+    d_off = tl.load(base + 2)
+    s_off = tl.load(base + 3)
+    if ALIGNED:
+        x_off = tl.multiple_of(x_off, 8)
+        d_off = tl.multiple_of(d_off, 16)
+        s_off = tl.multiple_of(s_off, 16)
+    _mxfp8_row_item(x_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bad_ptr, p - tl.load(base), tl.load(base + 4),
+                    FMAX_RCP, E5M2, IB, EVEN, True)
+
+
+# ----------------------------------------------------------------------------------------------- host side
+def _offset_from(base, x, unit: int) -> int:
+    """Offset of x's first byte from base's, in units of `unit` bytes (both in one address space)."""
+    d = x.data_ptr() - base.data_ptr()
+    if d % unit:
+        raise ValueError(f"input not {unit}-byte aligned with the bucket launch's base tensor")
+    return d // unit
+
+
+def _chunks(entries: list, n: int) -> list:
+    return [entries[i:i + n] for i in range(0, len(entries), n)]
+
+
+class NVFP4BucketLaunch:
+    """The predicted NVFP4 kernel over several segments of one bucket: entries [(x2 contiguous [M, K] of one
+    dtype, rows_per_group, rows_per_member, data_off, scale_off, sdec_off, isc_off)] - offsets in bytes into the
+    bucket buffer - all tiled by items of `item_blocks` 16-element blocks (triton_segments.item_blocks_for).
+    Keeps the group amaxes across updates (`prev_bits`, -1 = none: every group is redone on the first launch)."""
+
+    def __init__(self, entries: list, item_blocks: int, device, max_segments: int = MAX_SEGMENTS):
+        import torch
+
+        from ._common import in_dtype_code, pair_view
+
+        if not entries:
+            raise ValueError("a bucket launch needs at least one segment")
+        x0 = entries[0][0]
+        self.code = in_dtype_code(x0.dtype)
+        self.ib = item_blocks
+        self.base = pair_view(x0.reshape(-1, x0.shape[-1]))
+        word = self.base.element_size()
+        self.tables = []  # (table, rows, items, first group, groups) per launch of at most MAX_SEGMENTS segments
+        groups = 0
+        for part in _chunks(entries, min(max_segments, MAX_SEGMENTS)):
+            rows, items, g_first = [], 0, groups
+            for x2, rpg, rpm, d_off, s_off, sd_off, is_off in part:
+                m, k = x2.shape
+                nb = k // 16
+                if x2.dtype != x0.dtype or not x2.is_contiguous() or (rpm * nb) % item_blocks or rpg % rpm \
+                        or m % rpg or sd_off % 4 or is_off % 4:
+                    raise ValueError(f"segment [{m}, {k}] does not fit a bucket launch of {item_blocks}-block items")
+                rows.append((items, groups - g_first, _offset_from(x0, x2, word), d_off, s_off, sd_off // 4,
+                             is_off // 4, rpg * nb // item_blocks, rpm * nb // item_blocks))
+                items += m * nb // item_blocks
+                groups += m // rpg
+            self.tables.append((torch.tensor(rows, dtype=torch.int64, device=device), len(rows), items, g_first,
+                                groups - g_first))
+        self.groups = groups
+        self.aligned = all(e[0].data_ptr() % 16 == 0 and e[3] % 16 == 0 and e[4] % 16 == 0 for e in entries)
+        self.bits = torch.zeros(groups, dtype=torch.int32, device=device)  # accumulators, zero between launches
+        self.prev_bits = torch.full((groups,), -1, dtype=torch.int32, device=device)
+        self._armed = False  # launches enqueued whose roll (re-zeroing bits) was not
+
+    def launch(self, buf, bad, *, num_warps: int = 4) -> None:
+        """Quantize every entry into the bucket buffer `buf` (uint8), NaN/Inf counted into bad (int32 [1])."""
+        import torch
+
+        from ._common import LAUNCH_OPTS
+        from .triton_segments import REDO_PROGRAMS_PER_GROUP
+
+        if self._armed:  # an earlier launch was cut off between its kernels: accumulators may hold its maxima
+            self.bits.zero_()
+        self._armed = True
+        buf32 = buf.view(torch.float32)
+        meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, MAXS=MAX_SEGMENTS, num_warps=num_warps,
+                    **LAUNCH_OPTS)
+        for table, nseg, items, g0, n_groups in self.tables:
+            bits, prev = self.bits[g0:], self.prev_bits[g0:]
+            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, nseg, **meta)
+            _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
+                self.base, buf, buf32, bits, prev, table, nseg, REDO_PROGRAMS_PER_GROUP, **meta)
+        _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
+                                                        num_warps=4)
+        self._armed = False
+
+
+MXFP8_ITEM_BLOCKS = 64  # 32-element blocks per program (as triton_mxfp8.quantize_rows_flat)
+
+
+class MXFP8BucketLaunch:
+    """Rowwise MXFP8 (1x32, E8M0) of several contiguous inputs of one dtype into one bucket buffer in one launch:
+    entries [(x2 contiguous [M, K], data_off, scale_off)], offsets in bytes into the bucket buffer."""
+
+    def __init__(self, entries: list, device, element: str = "e4m3", item_blocks: int = MXFP8_ITEM_BLOCKS,
+                 max_segments: int = MAX_SEGMENTS):
+        import torch
+
+        if not entries:
+            raise ValueError("a bucket launch needs at least one input")
+        x0 = entries[0][0]
+        self.base = x0.reshape(-1)
+        self.element, self.ib = element, item_blocks
+        es = x0.element_size()
+        self.tables = []
+        self.even = True
+        for part in _chunks(entries, min(max_segments, MAX_SEGMENTS)):
+            rows, items = [], 0
+            for x2, d_off, s_off in part:
+                m, k = x2.shape
+                if x2.dtype != x0.dtype or not x2.is_contiguous() or k % 32:
+                    raise ValueError(f"input [{m}, {k}] does not fit an MXFP8 bucket launch")
+                n_blocks = m * k // 32
+                self.even &= n_blocks % item_blocks == 0
+                rows.append((items, _offset_from(x0, x2, es), d_off, s_off, n_blocks))
+                items += triton.cdiv(n_blocks, item_blocks)
+            self.tables.append((torch.tensor(rows, dtype=torch.int64, device=device), len(rows), items))
+        self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in entries)
+
+    def launch(self, buf, bad, *, num_warps: int = 4) -> None:
+        from ._common import LAUNCH_OPTS
+        from .triton_mxfp8 import FMAX_RCP
+
+        for table, nseg, items in self.tables:
+            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, nseg, FMAX_RCP=FMAX_RCP[self.element],
+                                           E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
+                                           ALIGNED=self.aligned, MAXS=MAX_SEGMENTS, num_warps=num_warps,
+                                           **LAUNCH_OPTS)
