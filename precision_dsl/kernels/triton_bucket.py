@@ -30,7 +30,7 @@ from .triton_mxfp8 import _mxfp8_row_item
 from .triton_segments import _predicted_item, _redo_group
 
 MAX_SEGMENTS = 32  # table rows one launch searches (a vector load per program); more segments -> more launches
-_BIG = 1 << 62  # start of the table rows past the last one
+_BIG = tl.constexpr(1 << 62)  # start of the table rows past the last one
 
 
 @triton.jit
