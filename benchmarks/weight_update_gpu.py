@@ -152,24 +152,24 @@ class _Clock:
 
 
 def timeline(fn) -> dict:
-    """Where the wall time of one call goes on the GPU (torch profiler, CPU + CUDA activity): the call's wall
-    time, the union of its kernel / memset / memcpy intervals (busy), the idle time before the first and after
-    the last of them (host work the GPU waits for: setup, the final check, the receiver) and the idle gaps
-    between them (launch gaps inside graphs, host starvation), with the largest gaps and what surrounds them."""
+    """Where the wall time of one call goes on the GPU (torch profiler, CUDA activity only, so the host is not
+    slowed by tracing its ops): the call's wall time, the union of its kernel / memset / memcpy intervals (busy),
+    the span from the first one's start to the last one's end (wall - span: host time the GPU did not overlap -
+    setup before the first launch, the receiver after the last) and the idle gaps inside the span (launch gaps
+    between kernels and graphs, host starvation), with the largest gaps and what surrounds them."""
     import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("timeline.call"):
-            fn()
-            torch.cuda.synchronize()
-    evs = prof.events()
-    call = [e for e in evs if e.name == "timeline.call" and e.device_type != torch.autograd.DeviceType.CUDA]
-    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
-                 if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "timeline.call")
-    if not call or not gpu:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e6
+    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not gpu:
         return {}
-    t0, t1 = call[0].time_range.start, call[0].time_range.end
     busy, gaps, end, prev = 0.0, [], gpu[0][0], gpu[0][2]
     for s, e, name in gpu:
         if s > end:
@@ -178,7 +178,8 @@ def timeline(fn) -> dict:
             busy += e - max(s, end)
             end, prev = e, name
     gaps.sort(reverse=True)
-    return {"wall_us": t1 - t0, "busy_us": busy, "head_us": gpu[0][0] - t0, "tail_us": t1 - end,
+    span = end - gpu[0][0]
+    return {"wall_us": wall, "busy_us": busy, "span_us": span, "outside_span_us": wall - span,
             "gaps_us": sum(g for g, _, _ in gaps), "gaps": len(gaps), "gaps_over_5us": sum(g > 5 for g, _, _ in gaps),
             "gpu_events": len(gpu), "largest": [(round(g, 1), a[:40], b[:40]) for g, a, b in gaps[:4]]}
 
@@ -211,14 +212,22 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timeli
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
 
+    phases: list = []
+
     def update():
         holder.pop("raw", None)
-        sender.send(prep)
+        t0 = time.perf_counter()
+        sender.send(prep)  # returns after the update's one host synchronisation (every bucket filled)
+        t1 = time.perf_counter()
         holder["raw"] = rx.receive_raw()
+        phases.append((t1 - t0, time.perf_counter() - t1))
 
     update()  # warm-up: Triton compilation, allocator, receiver layout check
     update()  # captures the per-bucket CUDA graphs
+    phases.clear()
     med, ts = _timed(update, reps)
+    send_s = statistics.median(p[0] for p in phases)
+    recv_s = statistics.median(p[1] for p in phases)
     launches = _launches(update)
     # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
     # kept amaxes are invalidated before each timed update (outside the timing)
@@ -251,10 +260,9 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timeli
     tl_ = timeline(update) if timelines else None
     if tl_:
         print(f"[{label}] {pname} {mode} timeline: wall {tl_['wall_us'] / 1e3:.2f} ms = GPU busy "
-              f"{tl_['busy_us'] / 1e3:.2f} + idle before the first kernel {tl_['head_us'] / 1e3:.2f} + between "
-              f"kernels {tl_['gaps_us'] / 1e3:.2f} ({tl_['gaps']} gaps, {tl_['gaps_over_5us']} over 5 us) + after "
-              f"the last {tl_['tail_us'] / 1e3:.2f}; {tl_['gpu_events']} GPU events; largest gaps "
-              f"{tl_['largest']}", flush=True)
+              f"{tl_['busy_us'] / 1e3:.2f} + idle between kernels {tl_['gaps_us'] / 1e3:.2f} ({tl_['gaps']} gaps, "
+              f"{tl_['gaps_over_5us']} over 5 us) + host time outside the GPU span {tl_['outside_span_us'] / 1e3:.2f};"
+              f" {tl_['gpu_events']} GPU events; largest gaps {tl_['largest']}", flush=True)
     # bare copy of the same bytes, same buckets, into the same receiver buffers through the same transport
     src = torch.empty(prog.max_bucket, dtype=torch.uint8, device=weights[next(iter(weights))].device).random_(0, 255)
     sizes = [b.nbytes for b in prog.buckets]
@@ -282,10 +290,10 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timeli
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
            "update_all_redone_s": med_redo, "launches_per_update": launches,
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
-           "fingerprints_checked": True, "timeline": tl_}
+           "fingerprints_checked": True, "timeline": tl_, "send_s": send_s, "receive_s": recv_s}
     print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
-          f"x{med / med_bare:4.2f} of bare  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
+          f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
           f"{len(prog.buckets)} buckets)" + (f"  [every NVFP4 group amax changed: {med_redo * 1e3:.2f} ms = "
                                              f"x{med_redo / med_bare:4.2f} of bare]" if med_redo else ""), flush=True)
     rx.raw = {}

@@ -28,7 +28,7 @@ import triton  # noqa: F401  (in the test extra: a missing interpreter fails, ne
 
 # NVFP4 segments: (rows_per_member, rows_per_group, members, K); item blocks 16 in the interpreter
 NV_SEGMENTS = [(8, 16, 4, 64), (16, 16, 3, 32), (4, 4, 8, 128), (8, 8, 2, 256)]
-GPU_NV_SEGMENTS = [(512, 1024, 16, 1024), (1024, 1024, 8, 512), (768, 1536, 8, 2048), (16, 16, 3, 32)]
+GPU_NV_SEGMENTS = [(512, 1024, 16, 1024), (1024, 1024, 8, 512), (768, 1536, 8, 2048), (64, 128, 4, 512)]
 # MXFP8 inputs [M, K]; (40, 96) has 120 blocks: not a multiple of the 64-block item
 MX_INPUTS = [(32, 64), (40, 96), (64, 128), (16, 32)]
 GPU_MX_INPUTS = [(4096, 2048), (512, 2048), (40, 96), (2048, 4096)]

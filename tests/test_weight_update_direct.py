@@ -78,11 +78,10 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
     out["no_pool"] = prep.bound.pool is None
     out["buckets"] = len(tr._dst) == len(sender.program().buckets) > 2
     out["small_pieces_grouped"] = any(g is not None for g in prep.bound.hp_groups)
-    if policy != "bf16":  # every NVFP4 / MXFP8 segment in its bucket's one launch (kernels/triton_bucket.py)
-        quantized = {(k, si) for k, b in enumerate(sender.program().buckets) for si, seg in enumerate(b.segments)
-                     if seg.kind in ("nvfp4", "mxfp8")}
-        out["bucket_launches"] = bool(quantized) and all(si in prep.bound.bucket_launches[k][1]
-                                                         for k, si in quantized)
+    quantized = {(k, si) for k, b in enumerate(sender.program().buckets) for si, seg in enumerate(b.segments)
+                 if seg.kind in ("nvfp4", "mxfp8")}
+    if quantized:  # every NVFP4 / MXFP8 segment in its bucket's one launch (kernels/triton_bucket.py)
+        out["bucket_launches"] = all(si in prep.bound.bucket_launches[k][1] for k, si in quantized)
     # the same bytes with a launch per piece and through the copying mode (direct=False)
     tr2 = InProcessTransport(persistent=True, direct=False)
     s2 = WeightSender(plan, tr2, bucket_bytes=64 << 10, check_equal=True)

@@ -101,11 +101,13 @@ class InProcessTransport:
         self._dst: dict = {}
         self._k = 0
         self._overwritten = False  # a persistent receiver buffer was (or is being) written since open()
+        self._filled_on = None  # the device buckets were filled in place on (direct mode), for close's event
 
     # sender side
     def open(self, plan_hash: str) -> None:
         self._k = 0
         self._overwritten = False
+        self._filled_on = None  # the device buckets were filled in place on (direct mode), for close's event
         self._q.put(("open", {"plan_hash": plan_hash}, None, None))
 
     def send_bucket(self, meta: dict, tensors: dict[str, torch.Tensor], buf: torch.Tensor) -> None:
@@ -149,11 +151,11 @@ class InProcessTransport:
         own = self._dst.get(k) if self.direct else None
         on_gpu = buf.device.type == "cuda"  # CPU buffers: the Triton interpreter's runs of the program (tests)
         if own is not None and own.data_ptr() == buf.data_ptr() and own.numel() == buf.numel():
-            ev = None
+            # filled in place: the receiver reads it only after 'close', whose one event orders its stream after
+            # the filling of every bucket (no event per bucket: a 30B update has ~100 buckets)
             if on_gpu:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(buf.device))
-            self._q.put(("bucket", meta, own, ev))
+                self._filled_on = buf.device
+            self._q.put(("bucket", meta, own, None))
             return None
         if not on_gpu:
             dst = self._buffer(k, buf)
@@ -174,9 +176,18 @@ class InProcessTransport:
         return _StreamWait(ev)
 
     def close(self, summary: dict) -> None:
+        ev = None
         if self.direct:
             summary = dict(summary, direct=True)  # one memory: the receiver holds the sender's very bytes
-        self._q.put(("close", summary, None, None))
+            dev = self._filled_on
+            if dev is not None:  # every bucket filled in place on the sender's stream: one event after them all
+                import torch
+
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                ev = (ev, dev)
+                self._filled_on = None
+        self._q.put(("close", summary, None, ev))
 
     @property
     def torn(self) -> bool:
@@ -193,7 +204,8 @@ class InProcessTransport:
         if ev is not None:
             import torch
 
-            torch.cuda.current_stream(buf.device).wait_event(ev)
+            ev, dev = ev if isinstance(ev, tuple) else (ev, buf.device)  # (event, device): 'close' carries no buffer
+            torch.cuda.current_stream(dev).wait_event(ev)
         return kind, meta, buf
 
     def handshake(self, plan_hash: str) -> None:

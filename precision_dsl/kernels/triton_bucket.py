@@ -29,16 +29,20 @@ import triton.language as tl
 from .triton_mxfp8 import _mxfp8_row_item
 from .triton_segments import _predicted_item, _redo_group
 
-MAX_SEGMENTS = 32  # table rows one launch searches (a vector load per program); more segments -> more launches
-_BIG = tl.constexpr(1 << 62)  # start of the table rows past the last one
+MAX_SEGMENTS = 64  # table rows one launch searches (log2 of it scalar loads per program); more -> more launches
+_BIG = 1 << 62  # every column of the padding rows: past every key
 
 
 @triton.jit
-def _row_of(table_ptr, NSEG, key, COL: tl.constexpr, W: tl.constexpr, MAXS: tl.constexpr):
-    """The table row whose column COL (ascending, row 0 holds 0) is the last one <= key: one vector load."""
-    r = tl.arange(0, MAXS)
-    starts = tl.load(table_ptr + r * W + COL, mask=r < NSEG, other=_BIG)
-    return tl.sum((starts <= key).to(tl.int32), axis=0) - 1
+def _row_of(table_ptr, key, COL: tl.constexpr, W: tl.constexpr, LOG_ROWS: tl.constexpr):
+    """The table row whose column COL (ascending from 0 in row 0; the table padded to 2^LOG_ROWS rows with _BIG
+    in every column) is the last one <= key: a binary search of LOG_ROWS scalar loads (none for one row), so a
+    program spends a few uniform instructions, not a cross-warp reduction, on finding its segment."""
+    row = key * 0
+    for step in tl.static_range(LOG_ROWS):
+        cand = row + (1 << (LOG_ROWS - 1 - step))
+        row = tl.where(tl.load(table_ptr + cand * W + COL) <= key, cand, row)
+    return row
 
 
 # NVFP4 table columns (int64): first item, first group, input offset (pair words from the base), data, scale (bytes
@@ -48,33 +52,34 @@ def _row_of(table_ptr, NSEG, key, COL: tl.constexpr, W: tl.constexpr, MAXS: tl.c
 @triton.jit
 def _nv_row(table_ptr, row, ALIGNED: tl.constexpr):
     base = table_ptr + row * 9
-    x_off = tl.load(base + 2)
+    x_off = tl.load(base + 2)  # offsets int64 (inputs are separate allocations); counts int32 (cheap division)
     d_off = tl.load(base + 3)
     s_off = tl.load(base + 4)
     if ALIGNED:  # every input and output starts on 16 bytes (checked when the table is built): vector accesses
         x_off = tl.multiple_of(x_off, 4)
         d_off = tl.multiple_of(d_off, 16)
         s_off = tl.multiple_of(s_off, 16)
-    return (tl.load(base), tl.load(base + 1), x_off, d_off, s_off, tl.load(base + 5), tl.load(base + 6),
-            tl.load(base + 7), tl.load(base + 8))
+    return (tl.load(base).to(tl.int32), tl.load(base + 1).to(tl.int32), x_off, d_off, s_off, tl.load(base + 5),
+            tl.load(base + 6), tl.load(base + 7).to(tl.int32), tl.load(base + 8).to(tl.int32))
 
 
 @triton.jit
-def _nvfp4_bucket_predicted_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, bad_ptr, table_ptr, NSEG,
+def _nvfp4_bucket_predicted_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, bad_ptr, table_ptr,
                                    IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr,
-                                   MAXS: tl.constexpr):
+                                   LOG_ROWS: tl.constexpr):
     p = tl.program_id(0)
-    row = _row_of(table_ptr, NSEG, p, 0, 9, MAXS)
+    row = _row_of(table_ptr, p, 0, 9, LOG_ROWS)
     first, g0, x_off, d_off, s_off, sd_off, is_off, ipg, ipm = _nv_row(table_ptr, row, ALIGNED)
     _predicted_item(xp_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bits_ptr + g0, prev_ptr + g0,
                     buf32_ptr + sd_off, buf32_ptr + is_off, bad_ptr, p - first, ipg, ipm, IN_DTYPE, IB, True)
 
 
 @triton.jit
-def _nvfp4_bucket_redo_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, table_ptr, NSEG, S,
-                              IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr, MAXS: tl.constexpr):
+def _nvfp4_bucket_redo_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, table_ptr, S,
+                              IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr,
+                              LOG_ROWS: tl.constexpr):
     grp = tl.program_id(0)
-    row = _row_of(table_ptr, NSEG, grp, 1, 9, MAXS)
+    row = _row_of(table_ptr, grp, 1, 9, LOG_ROWS)
     _first, g0, x_off, d_off, s_off, sd_off, is_off, ipg, ipm = _nv_row(table_ptr, row, ALIGNED)
     _redo_group(xp_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bits_ptr + g0, prev_ptr + g0, buf32_ptr + sd_off,
                 buf32_ptr + is_off, grp - g0, tl.program_id(1), ipg, ipm, S, IN_DTYPE, IB, True)
@@ -95,10 +100,10 @@ def _roll_kernel(bits_ptr, prev_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, NSEG, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr, MAXS: tl.constexpr):
+def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
+                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr, LOG_ROWS: tl.constexpr):
     p = tl.program_id(0)
-    row = _row_of(table_ptr, NSEG, p, 0, 5, MAXS)
+    row = _row_of(table_ptr, p, 0, 5, LOG_ROWS)
     base = table_ptr + row * 5
     x_off = tl.load(base + 1)
     d_off = tl.load(base + 2)
@@ -107,8 +112,8 @@ def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, NSEG, FMAX_RCP: tl.
         x_off = tl.multiple_of(x_off, 8)
         d_off = tl.multiple_of(d_off, 16)
         s_off = tl.multiple_of(s_off, 16)
-    _mxfp8_row_item(x_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bad_ptr, p - tl.load(base), tl.load(base + 4),
-                    FMAX_RCP, E5M2, IB, EVEN, True)
+    _mxfp8_row_item(x_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bad_ptr, p - tl.load(base).to(tl.int32),
+                    tl.load(base + 4), FMAX_RCP, E5M2, IB, EVEN, True)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -122,6 +127,15 @@ def _offset_from(base, x, unit: int) -> int:
 
 def _chunks(entries: list, n: int) -> list:
     return [entries[i:i + n] for i in range(0, len(entries), n)]
+
+
+def _padded_table(rows: list, device):
+    """(int64 table padded to a power of two rows - the padding's columns all _BIG, past every key -, log2 rows)."""
+    import torch
+
+    log = (len(rows) - 1).bit_length()
+    pad = [(_BIG,) * len(rows[0])] * ((1 << log) - len(rows))
+    return torch.tensor(rows + pad, dtype=torch.int64, device=device), log
 
 
 class NVFP4BucketLaunch:
@@ -156,8 +170,9 @@ class NVFP4BucketLaunch:
                              is_off // 4, rpg * nb // item_blocks, rpm * nb // item_blocks))
                 items += m * nb // item_blocks
                 groups += m // rpg
-            self.tables.append((torch.tensor(rows, dtype=torch.int64, device=device), len(rows), items, g_first,
-                                groups - g_first))
+            if items >= 1 << 31:
+                raise ValueError("a bucket launch of 2^31 items or more")
+            self.tables.append((*_padded_table(rows, device), items, g_first, groups - g_first))
         self.groups = groups
         self.aligned = all(e[0].data_ptr() % 16 == 0 and e[3] % 16 == 0 and e[4] % 16 == 0 for e in entries)
         self.bits = torch.zeros(groups, dtype=torch.int32, device=device)  # accumulators, zero between launches
@@ -175,13 +190,13 @@ class NVFP4BucketLaunch:
             self.bits.zero_()
         self._armed = True
         buf32 = buf.view(torch.float32)
-        meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, MAXS=MAX_SEGMENTS, num_warps=num_warps,
-                    **LAUNCH_OPTS)
-        for table, nseg, items, g0, n_groups in self.tables:
+        meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
+        for table, log, items, g0, n_groups in self.tables:
             bits, prev = self.bits[g0:], self.prev_bits[g0:]
-            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, nseg, **meta)
+            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, LOG_ROWS=log,
+                                                     **meta)
             _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
-                self.base, buf, buf32, bits, prev, table, nseg, REDO_PROGRAMS_PER_GROUP, **meta)
+                self.base, buf, buf32, bits, prev, table, REDO_PROGRAMS_PER_GROUP, LOG_ROWS=log, **meta)
         _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
                                                         num_warps=4)
         self._armed = False
@@ -216,15 +231,16 @@ class MXFP8BucketLaunch:
                 self.even &= n_blocks % item_blocks == 0
                 rows.append((items, _offset_from(x0, x2, es), d_off, s_off, n_blocks))
                 items += triton.cdiv(n_blocks, item_blocks)
-            self.tables.append((torch.tensor(rows, dtype=torch.int64, device=device), len(rows), items))
+            if items >= 1 << 31:
+                raise ValueError("a bucket launch of 2^31 items or more")
+            self.tables.append((*_padded_table(rows, device), items))
         self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in entries)
 
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
         from ._common import LAUNCH_OPTS
         from .triton_mxfp8 import FMAX_RCP
 
-        for table, nseg, items in self.tables:
-            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, nseg, FMAX_RCP=FMAX_RCP[self.element],
+        for table, log, items in self.tables:
+            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, FMAX_RCP=FMAX_RCP[self.element],
                                            E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
-                                           ALIGNED=self.aligned, MAXS=MAX_SEGMENTS, num_warps=num_warps,
-                                           **LAUNCH_OPTS)
+                                           ALIGNED=self.aligned, LOG_ROWS=log, num_warps=num_warps, **LAUNCH_OPTS)
