@@ -151,40 +151,7 @@ class _Clock:
         return time.perf_counter() - self.t0 > self.limit_s
 
 
-def timeline(fn) -> dict:
-    """Where the wall time of one call goes on the GPU (torch profiler, CUDA activity only, so the host is not
-    slowed by tracing its ops): the call's wall time, the union of its kernel / memset / memcpy intervals (busy),
-    the span from the first one's start to the last one's end (wall - span: host time the GPU did not overlap -
-    setup before the first launch, the receiver after the last) and the idle gaps inside the span (launch gaps
-    between kernels and graphs, host starvation), with the largest gaps and what surrounds them."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) * 1e6
-    gpu = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                 if e.device_type == torch.autograd.DeviceType.CUDA)
-    if not gpu:
-        return {}
-    busy, gaps, end, prev = 0.0, [], gpu[0][0], gpu[0][2]
-    for s, e, name in gpu:
-        if s > end:
-            gaps.append((s - end, prev, name))
-        if e > end:
-            busy += e - max(s, end)
-            end, prev = e, name
-    gaps.sort(reverse=True)
-    span = end - gpu[0][0]
-    return {"wall_us": wall, "busy_us": busy, "span_us": span, "outside_span_us": wall - span,
-            "gaps_us": sum(g for g, _, _ in gaps), "gaps": len(gaps), "gaps_over_5us": sum(g > 5 for g, _, _ in gaps),
-            "gpu_events": len(gpu), "largest": [(round(g, 1), a[:40], b[:40]) for g, a, b in gaps[:4]]}
-
-
-def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timelines=False):
+def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     """One mode's update row: median update (send + receive_raw), quantize-only, launches; the receiver's
     buffers are released before returning (the 48-layer model holds one received copy at a time)."""
     import torch
@@ -257,12 +224,6 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timeli
         ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
         print(f"[{label}] {pname} {mode} kernels: " + "; ".join(
             f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in ka), flush=True)
-    tl_ = timeline(update) if timelines else None
-    if tl_:
-        print(f"[{label}] {pname} {mode} timeline: wall {tl_['wall_us'] / 1e3:.2f} ms = GPU busy "
-              f"{tl_['busy_us'] / 1e3:.2f} + idle between kernels {tl_['gaps_us'] / 1e3:.2f} ({tl_['gaps']} gaps, "
-              f"{tl_['gaps_over_5us']} over 5 us) + host time outside the GPU span {tl_['outside_span_us'] / 1e3:.2f};"
-              f" {tl_['gpu_events']} GPU events; largest gaps {tl_['largest']}", flush=True)
     # bare copy of the same bytes, same buckets, into the same receiver buffers through the same transport
     src = torch.empty(prog.max_bucket, dtype=torch.uint8, device=weights[next(iter(weights))].device).random_(0, 255)
     sizes = [b.nbytes for b in prog.buckets]
@@ -290,7 +251,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timeli
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
            "update_all_redone_s": med_redo, "launches_per_update": launches,
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
-           "fingerprints_checked": True, "timeline": tl_, "send_s": send_s, "receive_s": recv_s}
+           "fingerprints_checked": True, "send_s": send_s, "receive_s": recv_s}
     print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
           f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
@@ -384,8 +345,7 @@ def kernel_sweep(results, reps=5) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy"),
-                timelines=False):
+def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy")):
     import torch
 
     from precision_dsl.arch import load_architecture
@@ -409,7 +369,7 @@ def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, mode
                 if clock.over():
                     print(f"[{label}] {pname} {mode}: skipped (time limit)", flush=True)
                     continue
-                row = _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, timelines)
+                row = _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
                 row["params"] = n_params
                 by_mode[mode][pname] = row
                 results.append(row)
@@ -437,8 +397,6 @@ def main():
                     "direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
-    ap.add_argument("--timeline", action="store_true", help="per row: one update's wall time split into GPU "
-                    "busy and GPU idle (before the first kernel, between kernels, after the last)")
     ap.add_argument("--kernel-sweep", action="store_true",
                     help="first: the NVFP4 segment kernels' launch shapes side by side")
     args = ap.parse_args()
@@ -449,16 +407,14 @@ def main():
     results: list = []
     if args.kernel_sweep:
         kernel_sweep(results)
-    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes,
-                args.timeline)
+    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes)
     args.out.write_text(json.dumps(results, indent=1))
     if not args.skip_30b:
         layers = args.layers
         while layers >= 8 and not clock.over():
             try:
                 bench_model(f"qwen3-30b-a3b-shaped ({layers} layers)", dict(QWEN3_30B, num_hidden_layers=layers),
-                            max(3, args.reps - 2), args.bucket_mb, results, clock, args.kernels, modes,
-                            args.timeline)
+                            max(3, args.reps - 2), args.bucket_mb, results, clock, args.kernels, modes)
                 break
             except torch.cuda.OutOfMemoryError as err:
                 print(f"OOM at {layers} layers: {str(err)[:120]}", flush=True)

@@ -60,7 +60,7 @@ def _nv_layout(shapes, offset_pad):
     return lay, off
 
 
-def run_nvfp4(shapes, dev, item_blocks, max_segments, unaligned=False) -> dict:
+def run_nvfp4(shapes, dev, item_blocks, max_segments, unaligned=False, solo_bytes=1 << 40) -> dict:
     from precision_dsl.kernels import triton_bucket as kb
     from precision_dsl.kernels import triton_segments as ks
 
@@ -73,9 +73,11 @@ def run_nvfp4(shapes, dev, item_blocks, max_segments, unaligned=False) -> dict:
             x = torch.cat([torch.zeros(2, dtype=x.dtype, device=dev), x.reshape(-1)])[2:].view(rpm * n, k)
         xs.append(x)
     entries = [(x, rpg, rpm, *lay[i]) for i, (x, (rpm, rpg, n, k)) in enumerate(zip(xs, shapes))]
-    launch = kb.NVFP4BucketLaunch(entries, item_blocks, dev, max_segments=max_segments)
-    checks = {"aligned_flag": launch.aligned == (not unaligned), "chunks": len(launch.tables) == -(-len(shapes)
-                                                                                                   // max_segments)}
+    launch = kb.NVFP4BucketLaunch(entries, item_blocks, dev, max_segments=max_segments, solo_bytes=solo_bytes)
+    n_solo = sum(x.numel() * x.element_size() >= solo_bytes for x in xs)
+    checks = {"aligned_flag": launch.aligned == (not unaligned or n_solo == len(xs)),
+              "solo": len(launch.solo) == n_solo,
+              "chunks": len(launch.tables) == -(-(len(shapes) - n_solo) // max_segments)}
     buf = torch.full((total,), 0xAA, dtype=torch.uint8, device=dev)
     untouched = torch.ones(total, dtype=torch.bool)
     for (rpm, rpg, n, k), (d, s, sd, isc) in zip(shapes, lay):
@@ -123,7 +125,7 @@ def run_nvfp4(shapes, dev, item_blocks, max_segments, unaligned=False) -> dict:
     return checks
 
 
-def run_mxfp8(shapes, dev, max_segments) -> dict:
+def run_mxfp8(shapes, dev, max_segments, solo_bytes=1 << 40) -> dict:
     from precision_dsl.kernels import triton_bucket as kb
     from precision_dsl.kernels import triton_mxfp8
 
@@ -133,8 +135,11 @@ def run_mxfp8(shapes, dev, max_segments) -> dict:
         lay.append((off, off + -(-(m * k) // 256) * 256))
         off = lay[-1][1] + -(-(m * k // 32) // 256) * 256
     buf = torch.full((off,), 0xAA, dtype=torch.uint8, device=dev)
-    launch = kb.MXFP8BucketLaunch([(x, d, s) for x, (d, s) in zip(xs, lay)], dev, max_segments=max_segments)
-    checks = {"even_flag": launch.even == all(m * k // 32 % 64 == 0 for m, k in shapes)}
+    launch = kb.MXFP8BucketLaunch([(x, d, s) for x, (d, s) in zip(xs, lay)], dev, max_segments=max_segments,
+                                  solo_bytes=solo_bytes)
+    grouped = [(m, k) for m, k in shapes if m * k * 2 < solo_bytes]
+    checks = {"even_flag": launch.even == all(m * k // 32 % 64 == 0 for m, k in grouped),
+              "solo": len(launch.solo) == len(shapes) - len(grouped)}
     bad = torch.zeros(1, dtype=torch.int32, device=dev)
     launch.launch(buf, bad)
     for i, (x, (m, k), (d, s)) in enumerate(zip(xs, shapes, lay)):
@@ -151,19 +156,29 @@ def run_mxfp8(shapes, dev, max_segments) -> dict:
     return checks
 
 
+# solo: which inputs keep a launch of their own (kernels/triton_bucket.SOLO_BYTES): "none", "some" (the larger
+# ones: segments 2, 3 of NV_SEGMENTS, inputs 0, 2 of the GPU shapes), "all"
+SOLO = {"none": (1 << 40, 1 << 40), "some": (8192, 10 << 20), "all": (0, 0)}  # (interpreted, GPU) solo_bytes
 CASES = [("nvfp4", dict(item_blocks=16, max_segments=32)), ("nvfp4", dict(item_blocks=16, max_segments=3)),
-         ("nvfp4", dict(item_blocks=16, max_segments=32, unaligned=True)), ("mxfp8", dict(max_segments=32)),
-         ("mxfp8", dict(max_segments=2))]
+         ("nvfp4", dict(item_blocks=16, max_segments=32, unaligned=True)),
+         ("nvfp4", dict(item_blocks=16, max_segments=32, solo="some")),
+         ("nvfp4", dict(item_blocks=16, max_segments=32, solo="all")),
+         ("mxfp8", dict(max_segments=32)), ("mxfp8", dict(max_segments=2)),
+         ("mxfp8", dict(max_segments=32, solo="some"))]
 
 
 def run(i: int, dev: str, gpu: bool) -> dict:
     kind, kw = CASES[i]
+    kw = dict(kw, solo_bytes=SOLO[kw.get("solo", "none")][gpu])
+    kw.pop("solo", None)
     if kind == "nvfp4":
         kw = dict(kw, item_blocks=256 if gpu else kw["item_blocks"])
         shapes = GPU_NV_SEGMENTS if gpu and not kw.get("unaligned") else NV_SEGMENTS
         if gpu and kw.get("unaligned"):
             kw["item_blocks"] = 16
         return run_nvfp4(shapes, dev, **kw)
+    if not gpu and kw["solo_bytes"] == 8192:
+        kw["solo_bytes"] = 16 << 10  # MX_INPUTS 2 (64 x 128 bf16) alone
     return run_mxfp8(GPU_MX_INPUTS if gpu else MX_INPUTS, dev, **kw)
 
 

@@ -19,6 +19,8 @@ launch fills (a receiver's new buffers need no new table).
     prediction and zeroes the accumulators (`_roll_kernel`: no memset and no copy per segment).
   * `MXFP8BucketLaunch`: the flat rowwise 1x32 MXFP8 kernel over all of a bucket's contiguous MXFP8 inputs (stacked
     segments and the separate q/k/v members alike).
+Inputs of SOLO_BYTES or more keep a launch of their own with the one-segment kernels (still without a memset or
+copy per segment: their group amaxes live in the bucket's arrays and roll with them).
 """
 
 from __future__ import annotations
@@ -138,13 +140,23 @@ def _padded_table(rows: list, device):
     return torch.tensor(rows + pad, dtype=torch.int64, device=device), log
 
 
+# Inputs of at least this many bytes keep a launch of their own (the one-segment kernels, their pointers as launch
+# arguments): their launch gap and wave tail are a few % of their run time, while the table lookup that starts
+# every program of a bucket launch (a chain of dependent scalar loads) cost the 30B model's 400-800 MB expert
+# segments 5-8% (benchmarks/RESULTS.md, session 17). The 1.34B model's segments (2-67 MB) are all grouped.
+SOLO_BYTES = 256 << 20
+
+
 class NVFP4BucketLaunch:
     """The predicted NVFP4 kernel over several segments of one bucket: entries [(x2 contiguous [M, K] of one
     dtype, rows_per_group, rows_per_member, data_off, scale_off, sdec_off, isc_off)] - offsets in bytes into the
     bucket buffer - all tiled by items of `item_blocks` 16-element blocks (triton_segments.item_blocks_for).
-    Keeps the group amaxes across updates (`prev_bits`, -1 = none: every group is redone on the first launch)."""
+    Segments of at least solo_bytes take the one-segment kernels (triton_segments.predicted_launches), the others
+    share one launch (and one redo launch) per MAX_SEGMENTS; one roll launch ends the bucket. Keeps the group
+    amaxes across updates (`prev_bits`, -1 = none: every group is redone on the first launch)."""
 
-    def __init__(self, entries: list, item_blocks: int, device, max_segments: int = MAX_SEGMENTS):
+    def __init__(self, entries: list, item_blocks: int, device, max_segments: int = MAX_SEGMENTS,
+                 solo_bytes: int = SOLO_BYTES):
         import torch
 
         from ._common import in_dtype_code, pair_view
@@ -156,25 +168,35 @@ class NVFP4BucketLaunch:
         self.ib = item_blocks
         self.base = pair_view(x0.reshape(-1, x0.shape[-1]))
         word = self.base.element_size()
-        self.tables = []  # (table, rows, items, first group, groups) per launch of at most MAX_SEGMENTS segments
         groups = 0
-        for part in _chunks(entries, min(max_segments, MAX_SEGMENTS)):
-            rows, items, g_first = [], 0, groups
-            for x2, rpg, rpm, d_off, s_off, sd_off, is_off in part:
+        self.solo = []  # (entry, first group) launched alone
+        grouped = []  # (entry, first group)
+        for e in entries:
+            x2, rpg, rpm, _d, _s, sd_off, is_off = e
+            m, k = x2.shape
+            nb = k // 16
+            if x2.dtype != x0.dtype or not x2.is_contiguous() or (rpm * nb) % item_blocks or rpg % rpm \
+                    or m % rpg or sd_off % 4 or is_off % 4:
+                raise ValueError(f"segment [{m}, {k}] does not fit a bucket launch of {item_blocks}-block items")
+            (self.solo if x2.numel() * x2.element_size() >= solo_bytes else grouped).append((e, groups))
+            groups += m // rpg
+        self.groups = groups
+        self.tables = []  # (table, log2 rows, items, first group, groups) per launch of <= max_segments segments
+        for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
+            rows, items, g_first = [], 0, part[0][1]
+            for (x2, rpg, rpm, d_off, s_off, sd_off, is_off), g in part:
                 m, k = x2.shape
                 nb = k // 16
-                if x2.dtype != x0.dtype or not x2.is_contiguous() or (rpm * nb) % item_blocks or rpg % rpm \
-                        or m % rpg or sd_off % 4 or is_off % 4:
-                    raise ValueError(f"segment [{m}, {k}] does not fit a bucket launch of {item_blocks}-block items")
-                rows.append((items, groups - g_first, _offset_from(x0, x2, word), d_off, s_off, sd_off // 4,
-                             is_off // 4, rpg * nb // item_blocks, rpm * nb // item_blocks))
+                rows.append((items, g - g_first, _offset_from(x0, x2, word), d_off, s_off, sd_off // 4, is_off // 4,
+                             rpg * nb // item_blocks, rpm * nb // item_blocks))
                 items += m * nb // item_blocks
-                groups += m // rpg
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
-            self.tables.append((*_padded_table(rows, device), items, g_first, groups - g_first))
-        self.groups = groups
-        self.aligned = all(e[0].data_ptr() % 16 == 0 and e[3] % 16 == 0 and e[4] % 16 == 0 for e in entries)
+            last = part[-1]
+            self.tables.append((*_padded_table(rows, device), items, g_first,
+                                last[1] + last[0][0].shape[0] // last[0][1] - g_first))
+        self.aligned = all(e[0][0].data_ptr() % 16 == 0 and e[0][3] % 16 == 0 and e[0][4] % 16 == 0
+                           for e in grouped)
         self.bits = torch.zeros(groups, dtype=torch.int32, device=device)  # accumulators, zero between launches
         self.prev_bits = torch.full((groups,), -1, dtype=torch.int32, device=device)
         self._armed = False  # launches enqueued whose roll (re-zeroing bits) was not
@@ -184,12 +206,20 @@ class NVFP4BucketLaunch:
         import torch
 
         from ._common import LAUNCH_OPTS
-        from .triton_segments import REDO_PROGRAMS_PER_GROUP
+        from .triton_segments import REDO_PROGRAMS_PER_GROUP, predicted_launches
 
         if self._armed:  # an earlier launch was cut off between its kernels: accumulators may hold its maxima
             self.bits.zero_()
         self._armed = True
         buf32 = buf.view(torch.float32)
+        for (x2, rpg, rpm, d_off, s_off, sd_off, is_off), g0 in self.solo:
+            m, k = x2.shape
+            n = m // rpg
+            predicted_launches(x2, rpg, rpm, buf[d_off:d_off + m * k // 2].view(m, k // 2),
+                               buf[s_off:s_off + m * k // 16].view(m, k // 16),
+                               buf32[sd_off // 4:sd_off // 4 + m // rpm], bad, self.bits[g0:g0 + n],
+                               self.prev_bits[g0:g0 + n], buf32[is_off // 4:is_off // 4 + m // rpm],
+                               item_blocks=self.ib, num_warps=num_warps)
         meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
         for table, log, items, g0, n_groups in self.tables:
             bits, prev = self.bits[g0:], self.prev_bits[g0:]
@@ -206,40 +236,45 @@ MXFP8_ITEM_BLOCKS = 64  # 32-element blocks per program (as triton_mxfp8.quantiz
 
 
 class MXFP8BucketLaunch:
-    """Rowwise MXFP8 (1x32, E8M0) of several contiguous inputs of one dtype into one bucket buffer in one launch:
-    entries [(x2 contiguous [M, K], data_off, scale_off)], offsets in bytes into the bucket buffer."""
+    """Rowwise MXFP8 (1x32, E8M0) of several contiguous inputs of one dtype into one bucket buffer: entries
+    [(x2 contiguous [M, K], data_off, scale_off)], offsets in bytes into the bucket buffer; inputs of at least
+    solo_bytes take triton_mxfp8.quantize_rows_flat alone, the others one launch per MAX_SEGMENTS."""
 
     def __init__(self, entries: list, device, element: str = "e4m3", item_blocks: int = MXFP8_ITEM_BLOCKS,
-                 max_segments: int = MAX_SEGMENTS):
-        import torch
-
+                 max_segments: int = MAX_SEGMENTS, solo_bytes: int = SOLO_BYTES):
         if not entries:
             raise ValueError("a bucket launch needs at least one input")
         x0 = entries[0][0]
         self.base = x0.reshape(-1)
         self.element, self.ib = element, item_blocks
         es = x0.element_size()
+        for x2, _d, _s in entries:
+            if x2.dtype != x0.dtype or not x2.is_contiguous() or x2.shape[-1] % 32:
+                raise ValueError(f"input {list(x2.shape)} does not fit an MXFP8 bucket launch")
+        self.solo = [e for e in entries if e[0].numel() * es >= solo_bytes]
+        grouped = [e for e in entries if e[0].numel() * es < solo_bytes]
         self.tables = []
         self.even = True
-        for part in _chunks(entries, min(max_segments, MAX_SEGMENTS)):
+        for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
             rows, items = [], 0
             for x2, d_off, s_off in part:
-                m, k = x2.shape
-                if x2.dtype != x0.dtype or not x2.is_contiguous() or k % 32:
-                    raise ValueError(f"input [{m}, {k}] does not fit an MXFP8 bucket launch")
-                n_blocks = m * k // 32
+                n_blocks = x2.numel() // 32
                 self.even &= n_blocks % item_blocks == 0
                 rows.append((items, _offset_from(x0, x2, es), d_off, s_off, n_blocks))
                 items += triton.cdiv(n_blocks, item_blocks)
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
             self.tables.append((*_padded_table(rows, device), items))
-        self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in entries)
+        self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in grouped)
 
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
         from ._common import LAUNCH_OPTS
-        from .triton_mxfp8 import FMAX_RCP
+        from .triton_mxfp8 import FMAX_RCP, quantize_rows_flat
 
+        for x2, d_off, s_off in self.solo:
+            m, k = x2.shape
+            quantize_rows_flat(x2, buf[d_off:d_off + m * k].view(m, k), buf[s_off:s_off + m * k // 32].view(m, k // 32),
+                               self.element, bad=bad, num_warps=num_warps)
         for table, log, items in self.tables:
             _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, FMAX_RCP=FMAX_RCP[self.element],
                                            E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
