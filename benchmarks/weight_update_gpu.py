@@ -221,7 +221,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             update()
             torch.cuda.synchronize()
-        ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:6]
+        ka = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:8]
         print(f"[{label}] {pname} {mode} kernels: " + "; ".join(
             f"{e.key[:48]} x{e.count} {e.device_time_total / 1e3:.1f} ms" for e in ka), flush=True)
     # bare copy of the same bytes, same buckets, into the same receiver buffers through the same transport

@@ -168,18 +168,24 @@ class NVFP4BucketLaunch:
         self.ib = item_blocks
         self.base = pair_view(x0.reshape(-1, x0.shape[-1]))
         word = self.base.element_size()
-        groups = 0
-        self.solo = []  # (entry, first group) launched alone
-        grouped = []  # (entry, first group)
-        for e in entries:
-            x2, rpg, rpm, _d, _s, sd_off, is_off = e
+        for x2, rpg, rpm, _d, _s, sd_off, is_off in entries:
             m, k = x2.shape
             nb = k // 16
             if x2.dtype != x0.dtype or not x2.is_contiguous() or (rpm * nb) % item_blocks or rpg % rpm \
                     or m % rpg or sd_off % 4 or is_off % 4:
                 raise ValueError(f"segment [{m}, {k}] does not fit a bucket launch of {item_blocks}-block items")
-            (self.solo if x2.numel() * x2.element_size() >= solo_bytes else grouped).append((e, groups))
-            groups += m // rpg
+        # group numbering: the grouped entries' groups first and back to back (a launch's redo grid spans the
+        # groups of its table rows and nothing else), then the solo entries'
+        is_solo = [e[0].numel() * e[0].element_size() >= solo_bytes for e in entries]
+        self.first_group = [0] * len(entries)  # entry i's groups: bits / prev_bits[first_group[i]:][:M_i / rpg_i]
+        groups = 0
+        for want_solo in (False, True):
+            for i, e in enumerate(entries):
+                if is_solo[i] == want_solo:
+                    self.first_group[i] = groups
+                    groups += e[0].shape[0] // e[1]
+        self.solo = [(e, self.first_group[i]) for i, e in enumerate(entries) if is_solo[i]]
+        grouped = [(e, self.first_group[i]) for i, e in enumerate(entries) if not is_solo[i]]
         self.groups = groups
         self.tables = []  # (table, log2 rows, items, first group, groups) per launch of <= max_segments segments
         for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
