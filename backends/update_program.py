@@ -593,7 +593,7 @@ def _bucket_launches(seg_list: list, inputs: list, gathers: list, nvfp4_kernel: 
     """The bucket launches of one bucket (kernels/triton_bucket.py) and the segments they quantize: every NVFP4
     segment the predicted item kernel takes with BUCKET_ITEM_BLOCKS-block items, every rowwise MXFP8 input that is
     contiguous (a stacked segment, a staging buffer, or each in-place member); one launch per input dtype (and
-    NVFP4 item size: triton_segments.item_blocks_for, 256 blocks for the real expert shapes)."""
+    NVFP4 item size: triton_segments.item_blocks_for(.., PREDICTED_ITEM_BLOCKS))."""
     from precision_dsl.kernels import triton_bucket as kb
     from precision_dsl.kernels import triton_segments as ks
 
@@ -601,7 +601,7 @@ def _bucket_launches(seg_list: list, inputs: list, gathers: list, nvfp4_kernel: 
     mx: dict = {}
     covered: set = set()
     for si, (seg, x, gather) in enumerate(zip(seg_list, inputs, gathers)):
-        ib = ks.item_blocks_for(seg.rows_per_member, seg.k) if seg.kind == "nvfp4" else 0
+        ib = ks.item_blocks_for(seg.rows_per_member, seg.k, ks.PREDICTED_ITEM_BLOCKS) if seg.kind == "nvfp4" else 0
         if ib and nvfp4_kernel == "predicted" and x is not None and x.is_contiguous():
             r = [seg.regions[(0, j)].offset for j in range(4)]
             nv.setdefault((x.dtype, ib), []).append((x, seg.rows_per_group, seg.rows_per_member, *r))

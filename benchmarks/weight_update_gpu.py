@@ -265,14 +265,11 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     return row
 
 
-SWEEP = {
-    "items": [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=8),
-              dict(amax_item_blocks=512, amax_num_warps=4),
-              dict(item_blocks=128, num_warps=2, amax_item_blocks=512, amax_num_warps=4)],
-    "fused": [dict(), dict(chunk_bytes=48 << 20), dict(item_blocks=1024, num_warps=16, programs_per_sm=1)],
-}
-PREDICTED_SWEEP = [dict(), dict(item_blocks=128, num_warps=2), dict(item_blocks=512, num_warps=4),
-                   dict(item_blocks=512, num_warps=8), dict(item_blocks=256, num_warps=8)]
+SWEEP = {"items": [dict()], "fused": [dict()]}  # their launch shapes were swept in sessions 15-16 (RESULTS.md)
+PREDICTED_SWEEP = [dict(), dict(item_blocks=256, num_warps=4), dict(item_blocks=512, num_warps=4),
+                   dict(item_blocks=128, num_warps=1), dict(item_blocks=256, num_warps=2),
+                   dict(item_blocks=64, num_warps=1), dict(item_blocks=512, num_warps=8),
+                   dict(item_blocks=1024, num_warps=8)]
 
 
 def kernel_sweep(results, reps=5) -> None:

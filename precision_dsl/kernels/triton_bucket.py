@@ -207,12 +207,15 @@ class NVFP4BucketLaunch:
         self.prev_bits = torch.full((groups,), -1, dtype=torch.int32, device=device)
         self._armed = False  # launches enqueued whose roll (re-zeroing bits) was not
 
-    def launch(self, buf, bad, *, num_warps: int = 4) -> None:
-        """Quantize every entry into the bucket buffer `buf` (uint8), NaN/Inf counted into bad (int32 [1])."""
+    def launch(self, buf, bad, *, num_warps: int | None = None) -> None:
+        """Quantize every entry into the bucket buffer `buf` (uint8), NaN/Inf counted into bad (int32 [1]);
+        num_warps: default triton_segments.PREDICTED_NUM_WARPS (launch shape only)."""
         import torch
 
         from ._common import LAUNCH_OPTS
-        from .triton_segments import REDO_PROGRAMS_PER_GROUP, predicted_launches
+        from .triton_segments import PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_launches
+
+        num_warps = num_warps or PREDICTED_NUM_WARPS
 
         if self._armed:  # an earlier launch was cut off between its kernels: accumulators may hold its maxima
             self.bits.zero_()

@@ -142,34 +142,39 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (max.NaN.f32: one instruction, like the NaN-ignoring max.f32)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _predicted_item(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, j, IPG, IPM,
                     IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
     """ONE read of item j: its quantization with the group amax of the previous update (prev_ptr, fp32 bits) and,
     from the block amaxes that quantization computes anyway, its amax into the group's bits. The bytes are final
     wherever the group amax did not change; _redo_group redoes the groups where it did.
 
-    The kernel is issue-bound, so nothing is done per element for the amax or the NaN/Inf count beyond what the
-    quantization needs: the item amax is the max of its (NaN-ignoring) block amaxes - for finite inputs bit for bit
-    seg_amax's integer-magnitude amax - and non-finite elements are found by one add per element: a block's sum
-    is NaN if an element is NaN, its amax is inf if one is +-inf, and a NaN-sum block enters the item max as inf
-    (a sum that is NaN for another reason, +inf + -inf after an overflow, only sends the item through the exact
-    count). Items whose max is inf count exactly and take the true max. With NaN present
-    the group amax ignores it (seg_amax's would be NaN): the update is refused then, its bytes are never used."""
-    u = tl.load(xp_ptr + _item_words(j, IB))
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    amax_b = _block_amax(lo, hi)
-    # a block whose sum is NaN is flagged as amax inf, so ONE cross-warp max gives the item amax and the screen
-    sum_b = tl.sum(lo + hi, axis=1)
-    flag_b = tl.where(sum_b == sum_b, amax_b, float("inf"))
-    a_item = tl.max(flag_b, axis=0)
-    if a_item == float("inf"):  # an element is NaN or +-inf (or a block sum went NaN by overflow): exact
-        a_item = tl.max(amax_b, axis=0)
-        nf = tl.sum(tl.sum(((lo - lo) != 0).to(tl.int32) + ((hi - hi) != 0).to(tl.int32), axis=1), axis=0)
-        if nf > 0:
-            tl.atomic_add(bad_ptr, nf, sem="relaxed")
-    tl.atomic_max(bits_ptr + j // IPG, a_item.to(tl.int32, bitcast=True), sem="relaxed")
+    The kernel is issue-bound, so nothing is done per element for the amax or the NaN/Inf screen beyond what the
+    quantization needs: the block amaxes are taken with the NaN-PROPAGATING max (max.NaN.f32, the same one
+    instruction), so a block holding a NaN has amax NaN and one holding +-inf has amax inf, and the one cross-warp
+    max of the item is NaN or inf exactly when an element is non-finite. For finite inputs these block amaxes are
+    bit for bit _block_amax's (the NaN-ignoring max.f32, then max(., 0): |x| >= +0 already), hence the bytes and
+    the item amax those of the two-pass kernels. A non-finite item counts its NaN/Inf elements exactly and takes
+    the NaN-ignoring item amax; its bytes are not the reference's, but an update with a non-finite element is
+    refused (the count is > 0), so they are never used."""
+    words = _item_words(j, IB)
+    lo, hi = unpack_pair(tl.load(xp_ptr + words), IN_DTYPE)
+    amax_b = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)
+    a_item = tl.reduce(amax_b, 0, _max_nan)
     g = tl.load(prev_ptr + j // IPG).to(tl.float32, bitcast=True)
     _store_item(lo, hi, amax_b, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB, HAS_ISC)
+    if not (a_item < float("inf")):  # NaN or +-inf in the item (rare): read again, so the hot path's registers
+        # hold nothing for this branch; exact count, NaN-ignoring amax
+        lo, hi = unpack_pair(tl.load(xp_ptr + words), IN_DTYPE)
+        a_item = tl.max(_block_amax(lo, hi), axis=0)
+        nf = tl.sum(tl.sum(((lo - lo) != 0).to(tl.int32) + ((hi - hi) != 0).to(tl.int32), axis=1), axis=0)
+        tl.atomic_add(bad_ptr, nf, sem="relaxed")
+    tl.atomic_max(bits_ptr + j // IPG, a_item.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
@@ -444,11 +449,16 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
                                         num_warps=num_warps, **LAUNCH_OPTS)
 
 
+# The predicted kernel's launch shape: items of PREDICTED_ITEM_BLOCKS 16-element blocks (the largest power of two
+# <= it that tiles a member: item_blocks_for), PREDICTED_NUM_WARPS warps a program - chosen on the H200 by
+# `python benchmarks/weight_update_gpu.py --kernel-sweep` (benchmarks/RESULTS.md); the bytes do not depend on it.
+PREDICTED_ITEM_BLOCKS = 256
+PREDICTED_NUM_WARPS = 4
 REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
 
 
 def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, prev_bits,
-                            input_scale=None, *, amax_bits=None, item_blocks=None, num_warps=4):
+                            input_scale=None, *, amax_bits=None, item_blocks=None, num_warps=None):
     """seg_amax + nvfp4_segment from ONE read of the weights whenever their group amaxes are those of the previous
     update: prev_bits (int32 [M / rows_per_group], kept by the caller across updates; any value that is no amax,
     e.g. -1, on the first) holds the group amaxes (fp32 bits) of the last call. _nvfp4_seg_predicted_kernel reads
@@ -462,19 +472,19 @@ def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data,
     m, k = x2.shape
     if not (m and k):
         return
-    ib = item_blocks or item_blocks_for(rows_per_member, k)
+    ib = item_blocks or item_blocks_for(rows_per_member, k, PREDICTED_ITEM_BLOCKS)
     _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), ib)
     if prev_bits.shape != (m // rows_per_group,) or prev_bits.dtype != torch.int32:
         raise ValueError(f"prev_bits must be int32 [{m // rows_per_group}] (one per group)")
     bits = amax_bits if amax_bits is not None else torch.zeros(m // rows_per_group, dtype=torch.int32,
                                                                device=x2.device)
     predicted_launches(x2, rows_per_group, rows_per_member, data, scale, sdec, bad, bits, prev_bits, input_scale,
-                       item_blocks=ib, num_warps=num_warps)
+                       item_blocks=ib, num_warps=num_warps or PREDICTED_NUM_WARPS)
     prev_bits.copy_(bits)
 
 
 def predicted_launches(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, bits, prev_bits,
-                       input_scale=None, *, item_blocks: int, num_warps: int = 4) -> None:
+                       input_scale=None, *, item_blocks: int, num_warps: int = PREDICTED_NUM_WARPS) -> None:
     """The two launches of nvfp4_segment_predicted (quantize with prev_bits while taking the true group amaxes
     into bits - zero on entry -, then the redo of the groups whose amax moved), leaving bits and prev_bits to the
     caller (a weight-update bucket keeps them for several segments and rolls them in one launch)."""
