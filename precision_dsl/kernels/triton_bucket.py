@@ -4,10 +4,10 @@ A weight-update bucket holds several segments (a layer's expert gate/up, its dow
 each a separate input tensor quantized into its own regions of the bucket buffer. One launch per segment costs, on
 top of the kernel, a launch gap and a wave tail (the last partial wave of programs, during which most SMs idle)
 each; on a 1.34B model whose segments are 2-67 MB that is a third of the update. Here the programs of all of a
-bucket's segments form one grid: program p finds its segment in a small table built once at bind time (the
-segments' first program and their input / output offsets), then runs exactly the per-item code of the
-one-segment kernels (`triton_segments._predicted_item` / `_redo_group`, `triton_mxfp8._mxfp8_row_item`) on that
-segment's pointers, so the bytes are those of the one-segment kernels by construction (and tested against them).
+bucket's segments form one grid: program p reads its segment's row from a per-program row map (one int8 load),
+then that row of a small table built once at bind time (the segments' first program and input / output
+offsets), then runs exactly the per-item code of the one-segment kernels (`triton_segments._predicted_item` / `_redo_group`, `triton_mxfp8._mxfp8_row_item`) on
+that segment's pointers, so the bytes are those of the one-segment kernels by construction (and tested against them).
 
 Inputs are addressed from one base tensor (the first segment's input; the others as element offsets from it, one
 address space), outputs as byte offsets into the bucket buffer, so the table does not depend on which buffer a
@@ -31,7 +31,7 @@ import triton.language as tl
 from .triton_mxfp8 import _mxfp8_row_item
 from .triton_segments import _predicted_item, _redo_group
 
-MAX_SEGMENTS = 64  # table rows one launch searches (log2 of it scalar loads per program); more -> more launches
+MAX_SEGMENTS = 64  # table rows of one launch (the redo's binary search: log2 of it scalar loads); more -> more launches
 _BIG = 1 << 62  # every column of the padding rows: past every key
 
 
@@ -66,11 +66,10 @@ def _nv_row(table_ptr, row, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_bucket_predicted_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, bad_ptr, table_ptr,
-                                   IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr,
-                                   LOG_ROWS: tl.constexpr):
+def _nvfp4_bucket_predicted_kernel(xp_ptr, buf_ptr, buf32_ptr, bits_ptr, prev_ptr, bad_ptr, table_ptr, rowmap_ptr,
+                                   IN_DTYPE: tl.constexpr, IB: tl.constexpr, ALIGNED: tl.constexpr):
     p = tl.program_id(0)
-    row = _row_of(table_ptr, p, 0, 9, LOG_ROWS)
+    row = tl.load(rowmap_ptr + p).to(tl.int32)  # one load, then the row's columns in parallel
     first, g0, x_off, d_off, s_off, sd_off, is_off, ipg, ipm = _nv_row(table_ptr, row, ALIGNED)
     _predicted_item(xp_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bits_ptr + g0, prev_ptr + g0,
                     buf32_ptr + sd_off, buf32_ptr + is_off, bad_ptr, p - first, ipg, ipm, IN_DTYPE, IB, True)
@@ -102,10 +101,10 @@ def _roll_kernel(bits_ptr, prev_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr, LOG_ROWS: tl.constexpr):
+def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, rowmap_ptr, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
+                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr):
     p = tl.program_id(0)
-    row = _row_of(table_ptr, p, 0, 5, LOG_ROWS)
+    row = tl.load(rowmap_ptr + p).to(tl.int32)
     base = table_ptr + row * 5
     x_off = tl.load(base + 1)
     d_off = tl.load(base + 2)
@@ -129,6 +128,14 @@ def _offset_from(base, x, unit: int) -> int:
 
 def _chunks(entries: list, n: int) -> list:
     return [entries[i:i + n] for i in range(0, len(entries), n)]
+
+
+def _rowmap(counts: list, device):
+    """int8 [sum(counts)]: the table row of every item of a launch (row r has counts[r] items), so program p finds
+    its row with ONE load instead of a binary search's chain of dependent loads (at most MAX_SEGMENTS < 128 rows)."""
+    import torch
+
+    return torch.repeat_interleave(torch.arange(len(counts), dtype=torch.int8), torch.tensor(counts)).to(device)
 
 
 def _padded_table(rows: list, device):
@@ -187,19 +194,20 @@ class NVFP4BucketLaunch:
         self.solo = [(e, self.first_group[i]) for i, e in enumerate(entries) if is_solo[i]]
         grouped = [(e, self.first_group[i]) for i, e in enumerate(entries) if not is_solo[i]]
         self.groups = groups
-        self.tables = []  # (table, log2 rows, items, first group, groups) per launch of <= max_segments segments
+        self.tables = []  # (table, log2 rows, row of each item, items, first group, groups) per launch of <= max_segments segments
         for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
-            rows, items, g_first = [], 0, part[0][1]
+            rows, counts, items, g_first = [], [], 0, part[0][1]
             for (x2, rpg, rpm, d_off, s_off, sd_off, is_off), g in part:
                 m, k = x2.shape
                 nb = k // 16
                 rows.append((items, g - g_first, _offset_from(x0, x2, word), d_off, s_off, sd_off // 4, is_off // 4,
                              rpg * nb // item_blocks, rpm * nb // item_blocks))
-                items += m * nb // item_blocks
+                counts.append(m * nb // item_blocks)
+                items += counts[-1]
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
             last = part[-1]
-            self.tables.append((*_padded_table(rows, device), items, g_first,
+            self.tables.append((*_padded_table(rows, device), _rowmap(counts, device), items, g_first,
                                 last[1] + last[0][0].shape[0] // last[0][1] - g_first))
         self.aligned = all(e[0][0].data_ptr() % 16 == 0 and e[0][3] % 16 == 0 and e[0][4] % 16 == 0
                            for e in grouped)
@@ -230,10 +238,9 @@ class NVFP4BucketLaunch:
                                self.prev_bits[g0:g0 + n], buf32[is_off // 4:is_off // 4 + m // rpm],
                                item_blocks=self.ib, num_warps=num_warps)
         meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
-        for table, log, items, g0, n_groups in self.tables:
+        for table, log, rowmap, items, g0, n_groups in self.tables:
             bits, prev = self.bits[g0:], self.prev_bits[g0:]
-            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, LOG_ROWS=log,
-                                                     **meta)
+            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, rowmap, **meta)
             _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
                 self.base, buf, buf32, bits, prev, table, REDO_PROGRAMS_PER_GROUP, LOG_ROWS=log, **meta)
         _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
@@ -265,15 +272,16 @@ class MXFP8BucketLaunch:
         self.tables = []
         self.even = True
         for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
-            rows, items = [], 0
+            rows, counts, items = [], [], 0
             for x2, d_off, s_off in part:
                 n_blocks = x2.numel() // 32
                 self.even &= n_blocks % item_blocks == 0
                 rows.append((items, _offset_from(x0, x2, es), d_off, s_off, n_blocks))
-                items += triton.cdiv(n_blocks, item_blocks)
+                counts.append(triton.cdiv(n_blocks, item_blocks))
+                items += counts[-1]
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
-            self.tables.append((*_padded_table(rows, device), items))
+            self.tables.append((*_padded_table(rows, device), _rowmap(counts, device), items))
         self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in grouped)
 
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
@@ -284,7 +292,7 @@ class MXFP8BucketLaunch:
             m, k = x2.shape
             quantize_rows_flat(x2, buf[d_off:d_off + m * k].view(m, k), buf[s_off:s_off + m * k // 32].view(m, k // 32),
                                self.element, bad=bad, num_warps=num_warps)
-        for table, log, items in self.tables:
-            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, FMAX_RCP=FMAX_RCP[self.element],
+        for table, _log, rowmap, items in self.tables:
+            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, rowmap, FMAX_RCP=FMAX_RCP[self.element],
                                            E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
-                                           ALIGNED=self.aligned, LOG_ROWS=log, num_warps=num_warps, **LAUNCH_OPTS)
+                                           ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)

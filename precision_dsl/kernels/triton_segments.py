@@ -453,7 +453,7 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
 # <= it that tiles a member: item_blocks_for), PREDICTED_NUM_WARPS warps a program - chosen on the H200 by
 # `python benchmarks/weight_update_gpu.py --kernel-sweep` (benchmarks/RESULTS.md); the bytes do not depend on it.
 PREDICTED_ITEM_BLOCKS = 256
-PREDICTED_NUM_WARPS = 4
+PREDICTED_NUM_WARPS = 2
 REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
 
 
