@@ -342,6 +342,24 @@ def kernel_sweep(results, reps=5) -> None:
         torch.cuda.empty_cache()
 
 
+def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
+    """_measure; a mode "<mode>@<item blocks>x<warps>" runs <mode> with that launch shape of the predicted NVFP4
+    kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS) instead of the default, side by side."""
+    from precision_dsl.kernels import triton_segments as ks
+
+    base, _, shape = mode.partition("@")
+    if not shape:
+        return _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
+    saved = ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS
+    ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = (int(v) for v in shape.split("x"))
+    try:
+        row = _measure(label, pname, plan, weights, base, reps, bucket_mb, kernels)
+    finally:
+        ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = saved
+    row["mode"] = mode
+    return row
+
+
 def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy")):
     import torch
 
@@ -366,7 +384,7 @@ def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, mode
                 if clock.over():
                     print(f"[{label}] {pname} {mode}: skipped (time limit)", flush=True)
                     continue
-                row = _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
+                row = _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
                 row["params"] = n_params
                 by_mode[mode][pname] = row
                 results.append(row)
@@ -391,7 +409,8 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
-                    "direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy")
+                    "direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
+                    "any of them @<item blocks>x<warps> (e.g. direct@256x4): with that predicted-kernel launch shape")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",
