@@ -241,10 +241,6 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     for cfg in nv["amax"]:
         add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) amax {_label(cfg)}",
             lambda t, c=cfg: knv.per_tensor(t, knv.tensor_amax(t, **c)), b_ten, "ours")
-    add("nvfp4 per-tensor incl. amax", "ours per_tensor(x) (amax pass, then the quantize pass backwards)",
-        lambda t: knv.per_tensor(t), b_ten, "ours")
-    add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel) amax default, forwards",
-        lambda t: knv.per_tensor(t, knv.tensor_amax(t), reverse=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",
         lambda t: knv.per_tensor(t, one_pass=True), b_ten, "ours")
     if not only_nvfp4:

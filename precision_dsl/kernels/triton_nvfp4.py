@@ -171,29 +171,19 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
 @triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
-                         REVERSE: tl.constexpr = False):
+                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16]).
     EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates).
     K_MAJOR: program axis 0 over the block columns, axis 1 over the row stripes. Programs start in axis-0-first
     order, so the ones resident at one time read a few whole row stripes (contiguous memory); with axis 0 over the
-    stripes they read one narrow column strip of every row of the tensor at once.
-    REVERSE: the programs walk the tensor from its end (right after the amax pass, which reads it from the start,
-    the first tiles read are the ones most likely still in L2)."""
+    stripes they read one narrow column strip of every row of the tensor at once."""
     if K_MAJOR:
         pid_b = tl.program_id(0)
         pid_m = tl.program_id(1)
-        n_b = tl.num_programs(0)
-        n_m = tl.num_programs(1)
     else:
         pid_m = tl.program_id(0)
         pid_b = tl.program_id(1)
-        n_m = tl.num_programs(0)
-        n_b = tl.num_programs(1)
-    if REVERSE:
-        pid_m = n_m - 1 - pid_m
-        pid_b = n_b - 1 - pid_b
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -524,7 +514,7 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False, reverse=None):
+               k_major=None, thread_rows=True, one_pass=False):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
@@ -532,8 +522,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
-    HBM once); tensors it cannot tile take the two kernels. reverse (1x16; default: on when the amax pass runs
-    here): the quantize pass walks the tensor backwards, starting with the tiles the amax pass read last.
+    HBM once); tensors it cannot tile take the two kernels.
     Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
@@ -581,8 +570,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             return data, scale, sdec, g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major,
-                                   REVERSE=(global_amax is None) if reverse is None else bool(reverse), num_warps=warps, **LAUNCH_OPTS)
+                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
+                                   **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
