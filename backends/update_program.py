@@ -591,9 +591,9 @@ class Bound:
 
 def _bucket_launches(seg_list: list, inputs: list, gathers: list, nvfp4_kernel: str, dev):
     """The bucket launches of one bucket (kernels/triton_bucket.py) and the segments they quantize: every NVFP4
-    segment the predicted item kernel takes with BUCKET_ITEM_BLOCKS-block items, every rowwise MXFP8 input that is
-    contiguous (a stacked segment, a staging buffer, or each in-place member); one launch per input dtype (and
-    NVFP4 item size: triton_segments.item_blocks_for(.., PREDICTED_ITEM_BLOCKS))."""
+    segment the predicted item kernel takes, every rowwise MXFP8 input that is contiguous (a stacked segment, a
+    staging buffer, or each in-place member); one launch per input dtype (and NVFP4 item size:
+    triton_segments.item_blocks_for(.., PREDICTED_ITEM_BLOCKS))."""
     from precision_dsl.kernels import triton_bucket as kb
     from precision_dsl.kernels import triton_segments as ks
 

@@ -6,8 +6,9 @@ top of the kernel, a launch gap and a wave tail (the last partial wave of progra
 each; on a 1.34B model whose segments are 2-67 MB that is a third of the update. Here the programs of all of a
 bucket's segments form one grid: program p reads its segment's row from a per-program row map (one int8 load),
 then that row of a small table built once at bind time (the segments' first program and input / output
-offsets), then runs exactly the per-item code of the one-segment kernels (`triton_segments._predicted_item` / `_redo_group`, `triton_mxfp8._mxfp8_row_item`) on
-that segment's pointers, so the bytes are those of the one-segment kernels by construction (and tested against them).
+offsets), then runs exactly the per-item code of the one-segment kernels (`triton_segments._predicted_item` /
+`_redo_group`, `triton_mxfp8._mxfp8_row_item`) on that segment's pointers, so the bytes are those of the one-segment
+kernels by construction (and tested against them).
 
 Inputs are addressed from one base tensor (the first segment's input; the others as element offsets from it, one
 address space), outputs as byte offsets into the bucket buffer, so the table does not depend on which buffer a
@@ -31,7 +32,7 @@ import triton.language as tl
 from .triton_mxfp8 import _mxfp8_row_item
 from .triton_segments import _predicted_item, _redo_group
 
-MAX_SEGMENTS = 64  # table rows of one launch (the redo's binary search: log2 of it scalar loads); more -> more launches
+MAX_SEGMENTS = 64  # table rows of one launch (the redo's binary search: log2 of it loads); more -> more launches
 _BIG = 1 << 62  # every column of the padding rows: past every key
 
 
@@ -186,15 +187,13 @@ class NVFP4BucketLaunch:
         is_solo = [e[0].numel() * e[0].element_size() >= solo_bytes for e in entries]
         self.first_group = [0] * len(entries)  # entry i's groups: bits / prev_bits[first_group[i]:][:M_i / rpg_i]
         groups = 0
-        for want_solo in (False, True):
-            for i, e in enumerate(entries):
-                if is_solo[i] == want_solo:
-                    self.first_group[i] = groups
-                    groups += e[0].shape[0] // e[1]
+        for i in sorted(range(len(entries)), key=lambda i: is_solo[i]):  # stable: grouped, then solo, each in order
+            self.first_group[i] = groups
+            groups += entries[i][0].shape[0] // entries[i][1]
         self.solo = [(e, self.first_group[i]) for i, e in enumerate(entries) if is_solo[i]]
         grouped = [(e, self.first_group[i]) for i, e in enumerate(entries) if not is_solo[i]]
         self.groups = groups
-        self.tables = []  # (table, log2 rows, row of each item, items, first group, groups) per launch of <= max_segments segments
+        self.tables = []  # (table, log2 rows, row of each item, first group, groups) per launch of <= max_segments
         for part in _chunks(grouped, min(max_segments, MAX_SEGMENTS)):
             rows, counts, items, g_first = [], [], 0, part[0][1]
             for (x2, rpg, rpm, d_off, s_off, sd_off, is_off), g in part:
@@ -207,7 +206,7 @@ class NVFP4BucketLaunch:
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
             last = part[-1]
-            self.tables.append((*_padded_table(rows, device), _rowmap(counts, device), items, g_first,
+            self.tables.append((*_padded_table(rows, device), _rowmap(counts, device), g_first,
                                 last[1] + last[0][0].shape[0] // last[0][1] - g_first))
         self.aligned = all(e[0][0].data_ptr() % 16 == 0 and e[0][3] % 16 == 0 and e[0][4] % 16 == 0
                            for e in grouped)
@@ -223,7 +222,7 @@ class NVFP4BucketLaunch:
         from ._common import LAUNCH_OPTS
         from .triton_segments import PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_launches
 
-        num_warps = num_warps or PREDICTED_NUM_WARPS
+        num_warps = num_warps or PREDICTED_NUM_WARPS  # read at launch time (the benchmark's @shape modes set it)
 
         if self._armed:  # an earlier launch was cut off between its kernels: accumulators may hold its maxima
             self.bits.zero_()
@@ -238,9 +237,10 @@ class NVFP4BucketLaunch:
                                self.prev_bits[g0:g0 + n], buf32[is_off // 4:is_off // 4 + m // rpm],
                                item_blocks=self.ib, num_warps=num_warps)
         meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
-        for table, log, rowmap, items, g0, n_groups in self.tables:
+        for table, log, rowmap, g0, n_groups in self.tables:
             bits, prev = self.bits[g0:], self.prev_bits[g0:]
-            _nvfp4_bucket_predicted_kernel[(items,)](self.base, buf, buf32, bits, prev, bad, table, rowmap, **meta)
+            _nvfp4_bucket_predicted_kernel[(rowmap.numel(),)](self.base, buf, buf32, bits, prev, bad, table, rowmap,
+                                                              **meta)
             _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
                 self.base, buf, buf32, bits, prev, table, REDO_PROGRAMS_PER_GROUP, LOG_ROWS=log, **meta)
         _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
@@ -258,6 +258,8 @@ class MXFP8BucketLaunch:
 
     def __init__(self, entries: list, device, element: str = "e4m3", item_blocks: int = MXFP8_ITEM_BLOCKS,
                  max_segments: int = MAX_SEGMENTS, solo_bytes: int = SOLO_BYTES):
+        import torch
+
         if not entries:
             raise ValueError("a bucket launch needs at least one input")
         x0 = entries[0][0]
@@ -281,7 +283,8 @@ class MXFP8BucketLaunch:
                 items += counts[-1]
             if items >= 1 << 31:
                 raise ValueError("a bucket launch of 2^31 items or more")
-            self.tables.append((*_padded_table(rows, device), _rowmap(counts, device), items))
+            # (table, row of each item): no padding, nothing searches it
+            self.tables.append((torch.tensor(rows, dtype=torch.int64, device=device), _rowmap(counts, device)))
         self.aligned = all(e[0].data_ptr() % 16 == 0 and e[1] % 16 == 0 and e[2] % 16 == 0 for e in grouped)
 
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
@@ -292,7 +295,7 @@ class MXFP8BucketLaunch:
             m, k = x2.shape
             quantize_rows_flat(x2, buf[d_off:d_off + m * k].view(m, k), buf[s_off:s_off + m * k // 32].view(m, k // 32),
                                self.element, bad=bad, num_warps=num_warps)
-        for table, _log, rowmap, items in self.tables:
-            _mxfp8_bucket_kernel[(items,)](self.base, buf, bad, table, rowmap, FMAX_RCP=FMAX_RCP[self.element],
+        for table, rowmap in self.tables:
+            _mxfp8_bucket_kernel[(rowmap.numel(),)](self.base, buf, bad, table, rowmap, FMAX_RCP=FMAX_RCP[self.element],
                                            E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
                                            ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)

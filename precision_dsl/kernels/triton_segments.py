@@ -479,12 +479,12 @@ def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data,
     bits = amax_bits if amax_bits is not None else torch.zeros(m // rows_per_group, dtype=torch.int32,
                                                                device=x2.device)
     predicted_launches(x2, rows_per_group, rows_per_member, data, scale, sdec, bad, bits, prev_bits, input_scale,
-                       item_blocks=ib, num_warps=num_warps or PREDICTED_NUM_WARPS)
+                       item_blocks=ib, num_warps=num_warps)
     prev_bits.copy_(bits)
 
 
 def predicted_launches(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, bits, prev_bits,
-                       input_scale=None, *, item_blocks: int, num_warps: int = PREDICTED_NUM_WARPS) -> None:
+                       input_scale=None, *, item_blocks: int, num_warps: int | None = None) -> None:
     """The two launches of nvfp4_segment_predicted (quantize with prev_bits while taking the true group amaxes
     into bits - zero on entry -, then the redo of the groups whose amax moved), leaving bits and prev_bits to the
     caller (a weight-update bucket keeps them for several segments and rolls them in one launch)."""
@@ -494,7 +494,7 @@ def predicted_launches(x2, rows_per_group: int, rows_per_member: int, data, scal
     xp, n_items, ipg, ipm = _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), item_blocks)
     isc = input_scale if input_scale is not None else sdec
     meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=item_blocks, HAS_ISC=input_scale is not None,
-                num_warps=num_warps, **LAUNCH_OPTS)
+                num_warps=num_warps or PREDICTED_NUM_WARPS, **LAUNCH_OPTS)
     _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta)
     per_group = min(ipg, REDO_PROGRAMS_PER_GROUP)
     _nvfp4_seg_redo_kernel[(m // rows_per_group, per_group)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm,
