@@ -6,6 +6,8 @@ Modes, side by side in one run (same weights, same receiver):
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
+  * direct-serial: the same with every launch on one stream (the default runs the copies of the high-precision
+    pieces beside the quantize launches, on two streams: backends/update_program.py UpdateProgram.run);
   * direct-segments: the same kernels with a launch per segment instead of one per bucket (kernels/
     triton_bucket.py: a bucket's NVFP4 segments in one predicted launch + one redo + one roll, its MXFP8 inputs in
     one launch);
@@ -17,7 +19,9 @@ Modes, side by side in one run (same weights, same receiver):
     buffers (direct=False), NVFP4 by seg_amax + nvfp4_segment, a launch per small piece.
 Per model it prints the BF16 update, NVFP4 / MXFP8 as x the BF16 update and x a bare copy of their bytes,
 quantize-only, launches per update (CUDA kernels + memsets counted by the torch profiler, and per bucket) and the
-verdicts against the colocated-update goals (<= 0.8x BF16; NVFP4 <= 3x, MXFP8 <= 2x bare). `--time-limit` stops starting
+verdicts against the colocated-update goals (<= 0.8x BF16; NVFP4 <= 3x, MXFP8 <= 2x bare). For the 1.34B model the
+three policies' updates are then also timed round-robin (`--interleave` rounds), so a drift of clocks or HBM between
+the separate measurements cannot move their ratios. `--time-limit` stops starting
 new measurements after that many seconds (what was measured is written); the 30B-shaped model steps its layer
 count down on OOM.
 
@@ -151,9 +155,11 @@ class _Clock:
         return time.perf_counter() - self.t0 > self.limit_s
 
 
-def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
+def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=None):
     """One mode's update row: median update (send + receive_raw), quantize-only, launches; the receiver's
-    buffers are released before returning (the 48-layer model holds one received copy at a time)."""
+    buffers are released before returning (the 48-layer model holds one received copy at a time), unless `keep`
+    (a dict) is given: then keep[pname] = the update function, its sender and receiver kept alive for the
+    interleaved timing (bench_model)."""
     import torch
 
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
@@ -167,7 +173,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
     t_prog = time.perf_counter() - t0
     t0 = time.perf_counter()
     prep = sender.prepare_program(weights.items())
-    if mode != "direct":  # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the
+    if mode not in ("direct", "direct-serial"):  # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the
         # receiver, a launch per small piece, the row-tile NVFP4 kernels)
         kernel = mode.split("-", 1)[1] if mode.startswith("direct-") else "tiles"
         per_segment = kernel == "segments"  # the default kernels, a launch (NVFP4: four) per segment
@@ -175,6 +181,8 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
                                         nvfp4_kernel="predicted" if per_segment else kernel,
                                         bucket_launches=not per_segment and mode.startswith("direct-")),
                               prep.tensors)
+    if mode == "direct-serial":  # every launch on one stream, bucket after bucket (no lanes)
+        prep.bound.lanes = False
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -257,6 +265,9 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
           f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
           f"{len(prog.buckets)} buckets)" + (f"  [every NVFP4 group amax changed: {med_redo * 1e3:.2f} ms = "
                                              f"x{med_redo / med_bare:4.2f} of bare]" if med_redo else ""), flush=True)
+    if keep is not None:
+        keep[pname] = update
+        return row
     rx.raw = {}
     holder.clear()
     tr._dst.clear()
@@ -342,25 +353,59 @@ def kernel_sweep(results, reps=5) -> None:
         torch.cuda.empty_cache()
 
 
-def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels):
+def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=None):
     """_measure; a mode "<mode>@<item blocks>x<warps>" runs <mode> with that launch shape of the predicted NVFP4
     kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS) instead of the default, side by side."""
     from precision_dsl.kernels import triton_segments as ks
 
     base, _, shape = mode.partition("@")
     if not shape:
-        return _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
+        return _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep)
     saved = ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS
     ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = (int(v) for v in shape.split("x"))
     try:
-        row = _measure(label, pname, plan, weights, base, reps, bucket_mb, kernels)
+        row = _measure(label, pname, plan, weights, base, reps, bucket_mb, kernels, keep)
     finally:
         ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = saved
     row["mode"] = mode
     return row
 
 
-def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy")):
+def interleaved(label, mode, kept: dict, rows: dict, rounds: int) -> None:
+    """The kept updates of one mode timed round-robin (BF16, NVFP4, MXFP8, BF16, ...), so that a drift of the GPU's
+    clocks or of HBM between the separate measurements cannot move the ratios: each row gets update_interleaved_s
+    and the quantized ones vs_bf16_interleaved (the ratio goal 1 is judged by where it was measured)."""
+    import torch
+
+    ts: dict = {p: [] for p in kept}
+    for _ in range(rounds):
+        for p, fn in kept.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            ts[p].append(time.perf_counter() - t0)
+    med = {p: statistics.median(v) for p, v in ts.items()}
+    for p, m in med.items():
+        rows[p]["update_interleaved_s"] = m
+        rows[p]["update_interleaved_all_s"] = ts[p]
+    if "bf16" not in med:
+        return
+    parts = [f"bf16 {med['bf16'] * 1e3:.3f} ms"]
+    for p in ("nvfp4", "mxfp8"):
+        if p in med:
+            r = rows[p]
+            r["vs_bf16_interleaved"] = med[p] / med["bf16"]
+            r["interleaved_over_bare"] = med[p] / r["bare_copy_s"]
+            g_bf16, g_bare = GOALS[p]
+            ok = r["vs_bf16_interleaved"] <= g_bf16 and r["interleaved_over_bare"] <= g_bare
+            parts.append(f"{p} {med[p] * 1e3:.3f} ms = {r['vs_bf16_interleaved']:.2f}x BF16, "
+                         f"{r['interleaved_over_bare']:.2f}x bare ({'met' if ok else 'NOT met'})")
+    print(f"[{label} {mode}] interleaved, {rounds} rounds: " + "; ".join(parts), flush=True)
+
+
+def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, modes=("direct", "copy"),
+                interleave_rounds=0):
     import torch
 
     from precision_dsl.arch import load_architecture
@@ -377,6 +422,7 @@ def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, mode
     print(f"[{label}] {n_params / 1e9:.2f}B params, {len(arch.tensors)} tensors, weights made in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
     by_mode: dict = {m: {} for m in modes}
+    kept: dict = {m: {} for m in modes}
     try:
         for pname, pfile in POLICIES.items():
             plan = resolve(ROOT / "policies" / f"{pfile}.policy", arch)
@@ -384,11 +430,16 @@ def bench_model(label, cfg, reps, bucket_mb, results, clock, kernels=False, mode
                 if clock.over():
                     print(f"[{label}] {pname} {mode}: skipped (time limit)", flush=True)
                     continue
-                row = _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels)
+                row = _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels,
+                                           kept[mode] if interleave_rounds else None)
                 row["params"] = n_params
                 by_mode[mode][pname] = row
                 results.append(row)
+        for mode in modes:
+            if interleave_rounds and len(kept[mode]) > 1 and not clock.over():
+                interleaved(label, mode, kept[mode], by_mode[mode], interleave_rounds)
     finally:
+        kept.clear()
         del weights
         torch.cuda.empty_cache()
     for mode in modes:
@@ -409,8 +460,11 @@ def main():
     ap.add_argument("--bucket-mb", type=int, default=512)
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
-                    "direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
+                    "direct-serial (every launch on one stream), direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
                     "any of them @<item blocks>x<warps> (e.g. direct@256x4): with that predicted-kernel launch shape")
+    ap.add_argument("--interleave", type=int, default=21, help="rounds of the 1.34B model's interleaved timing "
+                    "(every policy's update kept, timed round-robin; 0: off; the 30B model's receivers do not fit "
+                    "three at a time)")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",
@@ -423,7 +477,8 @@ def main():
     results: list = []
     if args.kernel_sweep:
         kernel_sweep(results)
-    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes)
+    bench_model("qwen3-moe-1.3b", MOE_1B, args.reps, args.bucket_mb, results, clock, args.kernels, modes,
+                args.interleave)
     args.out.write_text(json.dumps(results, indent=1))
     if not args.skip_30b:
         layers = args.layers

@@ -73,6 +73,20 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
         raw = rx.receive_raw()
         ref = base._reference(plan, weights)
         out[f"step{step}.bytes"] = not _same(raw, ref)
+    # without check_equal nothing is fingerprinted per bucket: on CUDA the copies and the quantize launches then
+    # run on two streams (UpdateProgram.run's lanes), eagerly on the first of these updates, from graphs after (on
+    # CPU there is one stream: the steps above ran the same lanes one after the other)
+    sender.check_equal = rx.check_equal = False
+    for step in range(3 if dev == "cuda" else 0):
+        if step == 1:
+            with torch.no_grad():
+                for x in weights.values():
+                    x.mul_(-1.5)
+        sender.send(prep)
+        raw = rx.receive_raw()
+        out[f"lanes.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
+    if dev == "cuda":
+        out["lanes"] = prep.bound.quant_stream is not None
     ptrs = {b.data_ptr() for b in tr._dst.values()}
     out["views_of_receiver_buffers"] = all(raw[n].untyped_storage().data_ptr() in ptrs for n in list(raw)[:50])
     out["no_pool"] = prep.bound.pool is None
