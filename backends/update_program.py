@@ -58,6 +58,10 @@ _ALIGN = 256
 #   "tiles": seg_amax + nvfp4_segment on row tiles (any member shape; what the others fall back to).
 NVFP4_KERNELS = ("predicted", "items", "fused", "tiles")
 NVFP4_KERNEL = "predicted"
+# The copy lane's large copies: programs per SM (each 8 warps striding over 4096-element blocks) and the lane on the
+# high-priority stream (UpdateProgram.run); measured side by side by benchmarks/weight_update_gpu.py's direct+ modes.
+COPY_LANE_PROGRAMS_PER_SM = 1
+LANE_PRIORITY = "copy"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
 
@@ -303,39 +307,49 @@ class UpdateProgram:
             targets = [bound.pool[k % 2][:b.nbytes] for k, b in enumerate(self.buckets)]
         else:
             bound.pool = None  # direct: the receiver's buffers are the only bucket memory
-        key = tuple(t.data_ptr() for t in targets)
-        if bound.graph_key != key:
-            bound.graphs = None
         bad = bound.bad
         bad.zero_()
         fps = torch.zeros(len(self.buckets), dtype=torch.int64, device=dev) if check_equal else None
         handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
-        if bound.graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
-            bound.graphs = self._capture(bound, targets)
-            bound.graph_key = key
-        graphs = bound.graphs or [None] * len(self.buckets)
         # Two lanes (direct mode, nothing fingerprinted per bucket): every bucket writes its own receiver buffer
-        # and the receiver reads none before the update closes, so the copies of the high-precision pieces run on
-        # the current stream while the quantize launches run on a high-priority side stream, joined at the end.
-        # The quantize kernels are bound by instructions, not by HBM (the predicted NVFP4 kernel moves ~2.9 TB/s
-        # on an H200); the copies are bound by HBM and fill what the quantize kernels leave of it.
+        # and the receiver reads none before the update closes, so the copies of the high-precision pieces (bound
+        # by HBM) run on one stream while the quantize launches (bound by instructions: the predicted NVFP4 kernel
+        # moves ~2.9 TB/s on an H200) run on another, joined at the end. The copies then stride over their blocks
+        # with `copy_programs_per_sm` programs per SM (their registers leave room for the quantize kernels'
+        # programs: the predicted NVFP4 kernel's fill an SM's register file alone), and the lane named by
+        # `lane_priority` runs on a high-priority stream (the block scheduler serves it first).
         lanes = bound.pool is None and fps is None and dev.type == "cuda" and bound.lanes
+        copy_programs = None
+        if lanes and bound.copy_programs_per_sm:
+            copy_programs = bound.copy_programs_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
+        key = (tuple(t.data_ptr() for t in targets), copy_programs)
+        if bound.graph_key is not None and bound.graph_key[0] != key[0]:
+            bound.graph_cache.clear()  # new bucket buffers: every graph wrote the old ones
+        bound.graph_key = key
+        graphs = bound.graph_cache.get(key)
+        if graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
+            graphs = bound.graph_cache[key] = self._capture(bound, targets, copy_programs)
+        bound.graphs = graphs
+        graphs = graphs or [None] * len(self.buckets)
         if lanes:
             for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
                 if h is not None:
                     h.wait()
             cur = torch.cuda.current_stream(dev)
-            if bound.quant_stream is None:
+            side = bound.lane_streams.get(bound.lane_priority)  # the prioritised lane's (quantize's when none is)
+            if side is None:
                 lo, hi = torch.cuda.Stream.priority_range()
-                bound.quant_stream = torch.cuda.Stream(dev, priority=hi)
-            qs = bound.quant_stream
-            qs.wait_stream(cur)  # after bad.zero_() and whatever wrote the trainer's weights
-            with torch.cuda.stream(qs):
+                side = bound.lane_streams[bound.lane_priority] = torch.cuda.Stream(
+                    dev, priority=lo if bound.lane_priority == "none" else hi)
+            side_lane = "copy" if bound.lane_priority == "copy" else "quant"
+            other = "quant" if side_lane == "copy" else "copy"
+            side.wait_stream(cur)  # after bad.zero_() and whatever wrote the trainer's weights
+            with torch.cuda.stream(side):
                 for k, b in enumerate(self.buckets):
-                    self._lane(k, b, bound, targets[k], bad, dev, "quant", graphs[k])
+                    self._lane(k, b, bound, targets[k], bad, dev, side_lane, graphs[k], copy_programs)
             for k, b in enumerate(self.buckets):
-                self._lane(k, b, bound, targets[k], bad, dev, "copy", graphs[k])
-            cur.wait_stream(qs)
+                self._lane(k, b, bound, targets[k], bad, dev, other, graphs[k], copy_programs)
+            cur.wait_stream(side)
             for k, b in enumerate(self.buckets):  # direct mode: each send only passes the message
                 handles[k % 2] = send(k, self.metas[k], targets[k])
             bound.runs += 1
@@ -345,26 +359,27 @@ class UpdateProgram:
             if handles[slot] is not None:
                 handles[slot].wait()
             buf = targets[k]
-            self._lane(k, b, bound, buf, bad, dev, "copy", graphs[k])
-            self._lane(k, b, bound, buf, bad, dev, "quant", graphs[k])
+            self._lane(k, b, bound, buf, bad, dev, "copy", graphs[k], copy_programs)
+            self._lane(k, b, bound, buf, bad, dev, "quant", graphs[k], copy_programs)
             if fps is not None:
                 ks.fingerprint(buf, fps[k:k + 1], fingerprint_stride)
             handles[slot] = send(k, self.metas[k], buf)
         bound.runs += 1
         return bad, fps
 
-    def _lane(self, k, b, bound, buf, bad, dev, lane: str, graphs) -> None:
+    def _lane(self, k, b, bound, buf, bad, dev, lane: str, graphs, copy_programs) -> None:
         """Run one lane of bucket k: from its CUDA graph when captured, else eagerly."""
         if graphs is not None:
             g = graphs[lane]
             if g is not None:
                 g.replay()
             return
-        self._fill_bucket(k, b, bound, buf, bad, dev, lane)
+        self._fill_bucket(k, b, bound, buf, bad, dev, lane, copy_programs)
 
-    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str = "all") -> None:
+    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str = "all", copy_programs=None) -> None:
         """Fill bucket k's regions of buf. lane: "copy" (its high-precision segments: copies), "quant" (every
-        other segment: gathers and quantize launches) or "all"; the two write disjoint regions."""
+        other segment: gathers and quantize launches) or "all"; the two write disjoint regions. copy_programs:
+        the large copies' grid (ks.check_copy's programs), None for one program per block."""
         import torch
 
         copies, quant = lane in ("all", "copy"), lane in ("all", "quant")
@@ -396,9 +411,10 @@ class UpdateProgram:
                 continue
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
-            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
+            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}),
+                       copy_programs)
 
-    def _capture(self, bound: "Bound", targets: list) -> list:
+    def _capture(self, bound: "Bound", targets: list, copy_programs) -> list:
         import torch
 
         torch.cuda.synchronize(bound.device)
@@ -414,7 +430,7 @@ class UpdateProgram:
                     continue
                 g = lanes[lane] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    self._fill_bucket(k, b, bound, targets[k], bound.bad, bound.device, lane)
+                    self._fill_bucket(k, b, bound, targets[k], bound.bad, bound.device, lane, copy_programs)
             graphs.append(lanes)
         torch.cuda.synchronize(bound.device)
         return graphs
@@ -425,7 +441,7 @@ class UpdateProgram:
             return bound.hp_groups[k] is not None or any(seg.kind == "hp" for seg in b.segments)
         return any(seg.kind != "hp" for seg in b.segments)
 
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str, state: dict) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str, state: dict, copy_programs=None) -> None:
         """Fill one segment's regions of bucket buffer `buf` from its bound input x. state: the segment's dict kept
         across updates (the predicted NVFP4 kernel's group amaxes of the last update)."""
         import torch
@@ -446,12 +462,12 @@ class UpdateProgram:
 
         if seg.kind == "hp":
             if not isinstance(x, list):  # zero-copy flat view of all members: one pass
-                ks.check_copy(x, stacked(0, 0), bad)
+                ks.check_copy(x, stacked(0, 0), bad, copy_programs)
                 return
             for i, t in enumerate(seg.members):
                 want = getattr(torch, _TORCH_DT[seg.regions[(i, 0)].dtype])
                 xi = x[i] if x[i].dtype == want else x[i].to(want)
-                ks.check_copy(xi, region(i, 0), bad)
+                ks.check_copy(xi, region(i, 0), bad, copy_programs)
             return
         if seg.kind == "ref":
             from precision_dsl.backends.quantize import checkpoint_tensors
@@ -584,11 +600,16 @@ class Bound:
 
         self.pool = None
         self.bad = None
-        self.graphs = None  # per-bucket CUDA graphs, captured on the second run (the first compiles the kernels)
-        self.graph_key = None  # the bucket buffers' addresses the graphs were captured with
+        self.graphs = None  # the last run's per-bucket CUDA graphs ({lane: graph}; None: eager)
+        self.graph_cache: dict = {}  # (bucket buffer addresses, copy grid) -> graphs, captured from the second run
+        self.graph_key = None  # the last run's key (new bucket buffers drop every graph)
         self.use_graphs = True
-        self.lanes = True  # direct mode: copies and quantize launches on two streams (UpdateProgram.run)
-        self.quant_stream = None
+        # direct mode: copies and quantize launches on two streams (UpdateProgram.run): the copies' programs per SM
+        # (0: one per block) and which lane's stream has the high priority ("quant", "copy" or "none")
+        self.lanes = True
+        self.copy_programs_per_sm = COPY_LANE_PROGRAMS_PER_SM
+        self.lane_priority = LANE_PRIORITY
+        self.lane_streams: dict = {}
         self.nvfp4_kernel = nvfp4_kernel  # how NVFP4 segments are quantized (UpdateProgram.bind)
         self.seg_state: dict = {}  # (bucket, segment) -> state kept across updates (predicted NVFP4 amaxes)
         self.runs = 0

@@ -112,7 +112,7 @@ def _ptr_type(t) -> str:
     import torch
 
     return "*" + {torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.float32: "fp32",
-                  torch.int16: "i16", torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
+                  torch.int16: "i16", torch.int8: "i8", torch.bfloat16: "bf16", torch.float16: "fp16"}[t.dtype]
 
 
 def compile_launch(fn, grid, args, kwargs):
