@@ -60,8 +60,8 @@ NVFP4_KERNELS = ("predicted", "items", "fused", "tiles")
 NVFP4_KERNEL = "predicted"
 # The copy lane's large copies: programs per SM (each 8 warps striding over 4096-element blocks) and the lane on the
 # high-priority stream (UpdateProgram.run); measured side by side by benchmarks/weight_update_gpu.py's direct+ modes.
-COPY_LANE_PROGRAMS_PER_SM = 1
-LANE_PRIORITY = "copy"
+COPY_LANE_PROGRAMS_PER_SM = 0
+LANE_PRIORITY = "quant"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
 
 
@@ -200,6 +200,8 @@ class UpdateProgram:
         self.max_bucket = max((b.nbytes for b in self.buckets), default=0)
         self.tensors = sum(len(b.regions) for b in self.buckets)
         self.bytes = sum(r.nbytes for b in self.buckets for r in b.regions)
+        # anything besides copies (a BF16 update is copies only: one lane, nothing to run beside it)
+        self.quantizes = any(seg.kind != "hp" for b in self.buckets for seg in b.segments)
 
     # -- static layout ---------------------------------------------------------------------------------------------
     def _bucket(self, units: list) -> Bucket:
@@ -311,14 +313,14 @@ class UpdateProgram:
         bad.zero_()
         fps = torch.zeros(len(self.buckets), dtype=torch.int64, device=dev) if check_equal else None
         handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
-        # Two lanes (direct mode, nothing fingerprinted per bucket): every bucket writes its own receiver buffer
-        # and the receiver reads none before the update closes, so the copies of the high-precision pieces (bound
-        # by HBM) run on one stream while the quantize launches (bound by instructions: the predicted NVFP4 kernel
-        # moves ~2.9 TB/s on an H200) run on another, joined at the end. The copies then stride over their blocks
-        # with `copy_programs_per_sm` programs per SM (their registers leave room for the quantize kernels'
-        # programs: the predicted NVFP4 kernel's fill an SM's register file alone), and the lane named by
-        # `lane_priority` runs on a high-priority stream (the block scheduler serves it first).
-        lanes = bound.pool is None and fps is None and dev.type == "cuda" and bound.lanes
+        # Two lanes (direct mode, nothing fingerprinted per bucket, something quantized): every bucket writes its own
+        # receiver buffer and the receiver reads none before the update closes, so the copies of the high-precision
+        # pieces (bound by HBM) run on one stream while the quantize launches (bound by instructions: the predicted
+        # NVFP4 kernel moves ~2.9 TB/s on an H200) run on another, joined at the end. With copy_programs_per_sm the
+        # copies stride over their blocks with that many programs per SM (registers left for the quantize kernels'
+        # programs, which alone fill an SM's register file); the lane named by lane_priority ("quant", "copy";
+        # "none": neither) runs on a high-priority stream, whose programs the block scheduler places first.
+        lanes = bound.pool is None and fps is None and dev.type == "cuda" and bound.lanes and self.quantizes
         copy_programs = None
         if lanes and bound.copy_programs_per_sm:
             copy_programs = bound.copy_programs_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count

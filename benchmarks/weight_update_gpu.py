@@ -150,6 +150,36 @@ def _launches(fn) -> int:
         return -1
 
 
+HOST_PROFILE = False  # --host-profile
+
+
+def _gpu_span(fn) -> tuple:
+    """(GPU span, GPU busy) of one call in seconds, from the torch profiler's CUDA activity: first kernel start to
+    last kernel end, and the union of the kernels' intervals (span - busy: gaps between kernels; an update's wall
+    time - span: host time before its first kernel and after its last). (None, None) when it cannot trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    except Exception:
+        return None, None
+    if not iv:
+        return None, None
+    busy, (cs, ce) = 0, iv[0]
+    for s, e in iv[1:]:
+        if s > ce:
+            busy, cs, ce = busy + ce - cs, s, e
+        else:
+            ce = max(ce, e)
+    busy += ce - cs
+    return (iv[-1][1] - iv[0][0]) * 1e-6 if len(iv) else None, busy * 1e-6
+
+
 class _Clock:
     def __init__(self, limit_s):
         self.t0, self.limit_s = time.perf_counter(), limit_s
@@ -212,6 +242,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     send_s = statistics.median(p[0] for p in phases)
     recv_s = statistics.median(p[1] for p in phases)
     launches = _launches(update)
+    span, busy = _gpu_span(update)
     # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
     # kept amaxes are invalidated before each timed update (outside the timing)
     states = [st["prev_bits"] for st in prep.bound.seg_state.values() if "prev_bits" in st]
@@ -231,6 +262,20 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     qprog._program = prog
     qprog.send(prep)
     med_q, _ = _timed(lambda: qprog.send(prep), reps)
+    if HOST_PROFILE:  # where the host time of an update goes (per update, own time)
+        import cProfile
+        import pstats
+
+        torch.cuda.synchronize()
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(20):
+            update()
+        pr.disable()
+        st = pstats.Stats(pr)
+        rows_ = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:10]
+        print(f"[{label}] {pname} {mode} host per update: total {st.total_tt / 20 * 1e3:.3f} ms; " + "; ".join(
+            f"{Path(f).name}:{ln} {fn} {tt / 20 * 1e6:.0f} us" for (f, ln, fn), (_, _, tt, _, _) in rows_), flush=True)
     if kernels:  # where the GPU time of one update goes, per kernel (torch profiler, CUDA activity)
         from torch.profiler import ProfilerActivity, profile
 
@@ -267,10 +312,12 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
            "update_all_redone_s": med_redo, "launches_per_update": launches,
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
-           "fingerprints_checked": True, "send_s": send_s, "receive_s": recv_s}
+           "fingerprints_checked": True, "send_s": send_s, "receive_s": recv_s, "gpu_span_s": span,
+           "gpu_busy_s": busy}
     print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
-          f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
+          f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f}; GPU span "
+          f"{(span or 0) * 1e3:.2f}, busy {(busy or 0) * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
           f"{len(prog.buckets)} buckets)" + (f"  [every NVFP4 group amax changed: {med_redo * 1e3:.2f} ms = "
                                              f"x{med_redo / med_bare:4.2f} of bare]" if med_redo else ""), flush=True)
     if keep is not None:
@@ -474,12 +521,16 @@ def main():
                     "(every policy's update kept, timed round-robin; 0: off; the 30B model's receivers do not fit "
                     "three at a time)")
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of 20 updates per row "
+                    "(top functions by own time)")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--kernel-sweep", action="store_true",
                     help="first: the NVFP4 segment kernels' launch shapes side by side")
     args = ap.parse_args()
     import torch
 
+    global HOST_PROFILE
+    HOST_PROFILE = args.host_profile
     clock = _Clock(args.time_limit)
     modes = tuple(m for m in args.modes.split(",") if m)
     results: list = []
