@@ -240,7 +240,11 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     # given" rows; the two kernels run one after the other, so their times add)
     for cfg in nv["amax"]:
         add("nvfp4 per-tensor incl. amax", f"ours (amax kernel + quantize kernel) amax {_label(cfg)}",
-            lambda t, c=cfg: knv.per_tensor(t, knv.tensor_amax(t, **c)), b_ten, "ours")
+            lambda t, c=cfg: knv.per_tensor(t, knv.tensor_amax(t, **c, pdl=False)), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours default (amax kernel + quantize kernel, programmatic dependent launch)",
+        lambda t: knv.per_tensor(t), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
+        lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",
         lambda t: knv.per_tensor(t, one_pass=True), b_ten, "ours")
     if not only_nvfp4:

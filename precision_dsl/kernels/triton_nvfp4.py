@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from ._common import FLT_MAX, e2m1_word, f32_const, rcp_rn, unpack_pair
 
 RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
@@ -154,10 +156,15 @@ def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr
 
 @triton.jit
 def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                      EVEN: tl.constexpr):
+                      EVEN: tl.constexpr, PDL: tl.constexpr = False):
     """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
     then one warp + one cross-warp step) instead of a row reduction followed by a column reduction.
-    EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0)."""
+    EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0).
+    PDL (launched with launch_pdl right after the accumulator's zero-fill, see tensor_amax): the kernel may start
+    before that fill has finished, so it reads and reduces x first (x was complete before the fill started) and
+    waits for the fill (griddepcontrol.wait) only before its atomic; it lets the next kernel launch at once."""
+    if PDL:
+        gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if EVEN:
         u = tl.load(xp_ptr + offs)
@@ -165,14 +172,20 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
         u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     a = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
+    if PDL:
+        gdc_wait()
     tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False):
+                         BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
+    PDL (launched with launch_pdl right after the amax kernel that writes G, see per_tensor): the kernel may start
+    while that kernel runs, so it loads its x tile and takes the block amaxes first (x is not written by it) and
+    waits for it (griddepcontrol.wait: its writes are then visible) only before it reads G.
     TILE_2D: blocks are 16x16 tiles (BLOCK_M must be 16; scale is [M/16, K/16]).
     EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates).
     K_MAJOR: program axis 0 over the block columns, axis 1 over the row stripes. Programs start in axis-0-first
@@ -197,11 +210,13 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
         u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
                     other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
+    amax_b = _block_amax(lo, hi)  # [BM, BNB]
+    if PDL:
+        gdc_wait()
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
         tl.store(sdec_ptr, s_dec)
-    amax_b = _block_amax(lo, hi)  # [BM, BNB]
     if TILE_2D:
         # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
         sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
@@ -486,9 +501,21 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
 AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
 
 
-def tensor_amax(x2, *, flat_block=None, num_warps=None):
+def pdl_available(device) -> bool:
+    """Programmatic dependent launch (sm_90+, compiled kernels; the interpreter runs programs one by one)."""
+    import os
+
+    import torch
+
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
     """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics.
-    flat_block: pair words per program of `_amax_flat_kernel` (default AMAX_FLAT_BLOCK; 0 = `_amax_kernel`)."""
+    flat_block: pair words per program of `_amax_flat_kernel` (default AMAX_FLAT_BLOCK; 0 = `_amax_kernel`).
+    pdl (flat kernel): launch it with programmatic dependent launch after the accumulator's zero-fill, and let
+    the next launch start early (default: PDL where available; see _amax_flat_kernel)."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
@@ -499,9 +526,11 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
     if m and k and flat_block:  # contiguous x2: one flat run of pair words
         xp = pair_view(x2).reshape(-1)
         n = xp.numel()
+        pdl = pdl_available(x2.device) if pdl is None else bool(pdl) and pdl_available(x2.device)
         _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
-                                                          BLOCK=flat_block, EVEN=n % flat_block == 0,
-                                                          num_warps=num_warps or 8, **LAUNCH_OPTS)
+                                                          BLOCK=flat_block, EVEN=n % flat_block == 0, PDL=pdl,
+                                                          num_warps=num_warps or 8,
+                                                          **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     elif m and k:
         xp = pair_view(x2)
         np_ = xp.shape[1]
@@ -514,12 +543,16 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False):
+               k_major=None, thread_rows=True, one_pass=False, pdl=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
     None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 rows
     per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
+    pdl (1x16 `_nvfp4_tensor_kernel`, without global_amax): the amax and the quantize kernel are launched with
+    programmatic dependent launch (each may start while the one before it drains and waits for it only where it
+    reads what that one wrote); default: where available (pdl_available). With global_amax nothing is launched
+    early: the kernel that wrote it (or x) is the caller's.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
@@ -540,7 +573,9 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             sdec = torch.empty((1,), dtype=torch.float32, device=dev)
             bits = triton_segments.nvfp4_segment_fused(x2, m, m, data, scale, sdec)
             return data, scale, sdec, bits.view(torch.float32)
-    g = tensor_amax(x2) if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32)
+    pdl = global_amax is None and (pdl_available(dev) if pdl is None else bool(pdl) and pdl_available(dev))
+    g = tensor_amax(x2, pdl=pdl) if global_amax is None else global_amax.reshape(1).to(device=dev,
+                                                                                         dtype=torch.float32)
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty(((m // 16) if tile_2d else m, nb), dtype=torch.uint8, device=dev)
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
@@ -568,10 +603,11 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
                                             EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
                                             **LAUNCH_OPTS)
             return data, scale, sdec, g
+        # PDL: the amax kernel, the launch right before this one (nothing between them launches a kernel), wrote g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
-                                   **LAUNCH_OPTS)
+                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, num_warps=warps,
+                                   **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
     return data, scale, sdec, g
