@@ -85,8 +85,8 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
         sender.send(prep)
         raw = rx.receive_raw()
         out[f"lanes.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
-    if dev == "cuda":
-        out["lanes"] = bool(prep.bound.lane_streams)
+    if dev == "cuda":  # two lanes exactly when something is quantized (a BF16 update is copies only)
+        out["lanes"] = bool(prep.bound.lane_streams) == sender.program().quantizes
     ptrs = {b.data_ptr() for b in tr._dst.values()}
     out["views_of_receiver_buffers"] = all(raw[n].untyped_storage().data_ptr() in ptrs for n in list(raw)[:50])
     out["no_pool"] = prep.bound.pool is None
