@@ -27,6 +27,12 @@ H200 (its cross-program waits cost more than the second read), "tiles" the row-t
 Rowwise MXFP8 segments take the flat 1x32 kernel (`triton_mxfp8.quantize_rows_flat`). A bucket's small high-precision pieces (norms, routers, small attention
 weights) are copied and checked by one launch per dtype (`HpGroup`, tables built at bind time) instead of one each.
 
+In direct mode the update runs in two lanes when it quantizes anything: the copies of the high-precision pieces
+(bound by HBM) on the current stream, every bucket's quantize launches (bound by instructions) on a high-priority
+side stream, joined before the sends - the receiver reads no bucket before the update closes, and each bucket has its
+own buffer. On the 30B-shaped model the copies then fill the ~3.5 ms of gaps between the quantize launches (24.6 vs
+27.8 ms for NVFP4 on an H200, benchmarks/RESULTS.md session 19).
+
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
 (`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
 expert weights; otherwise one gather per segment), no host synchronisation until the single check of the on-GPU
@@ -58,8 +64,10 @@ _ALIGN = 256
 #   "tiles": seg_amax + nvfp4_segment on row tiles (any member shape; what the others fall back to).
 NVFP4_KERNELS = ("predicted", "items", "fused", "tiles")
 NVFP4_KERNEL = "predicted"
-# The copy lane's large copies: programs per SM (each 8 warps striding over 4096-element blocks) and the lane on the
-# high-priority stream (UpdateProgram.run); measured side by side by benchmarks/weight_update_gpu.py's direct+ modes.
+# Direct mode's two lanes (UpdateProgram.run): the copy lane's large copies on this many programs per SM (0: one
+# program per block; else triton_segments' strided copy) and the lane on the high-priority stream. H200, session 19
+# (benchmarks/RESULTS.md): full-grid copies with the quantize lane prioritised were the fastest or level with the
+# fastest of seven configurations (benchmarks/weight_update_gpu.py's direct+<P>+<lane> modes measure the others).
 COPY_LANE_PROGRAMS_PER_SM = 0
 LANE_PRIORITY = "quant"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
@@ -398,7 +406,7 @@ class UpdateProgram:
         for si, seg in enumerate(b.segments):
             if (group is not None and si in group.segments) or si in covered:
                 continue
-            if (copies if seg.kind == "hp" else quant) is False:
+            if not (copies if seg.kind == "hp" else quant):
                 continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
