@@ -177,7 +177,7 @@ def _gpu_span(fn) -> tuple:
         else:
             ce = max(ce, e)
     busy += ce - cs
-    return (iv[-1][1] - iv[0][0]) * 1e-6 if len(iv) else None, busy * 1e-6
+    return (iv[-1][1] - iv[0][0]) * 1e-6, busy * 1e-6
 
 
 class _Clock:
@@ -207,8 +207,9 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     t_prog = time.perf_counter() - t0
     t0 = time.perf_counter()
     prep = sender.prepare_program(weights.items())
-    if mode not in ("direct", "direct-serial"):  # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the
-        # receiver, a launch per small piece, the row-tile NVFP4 kernels)
+    if mode not in ("direct", "direct-serial"):
+        # direct-<kernel>: that NVFP4 segment kernel; copy: the previous program (copy into the receiver, a launch
+        # per small piece, the row-tile NVFP4 kernels)
         kernel = mode.split("-", 1)[1] if mode.startswith("direct-") else "tiles"
         per_segment = kernel == "segments"  # the default kernels, a launch (NVFP4: four) per segment
         prep = PreparedUpdate(prog.bind(prep.tensors, group_small=direct,
