@@ -177,7 +177,7 @@ def _gpu_span(fn) -> tuple:
         else:
             ce = max(ce, e)
     busy += ce - cs
-    return (iv[-1][1] - iv[0][0]) * 1e-6, busy * 1e-6
+    return (ce - iv[0][0]) * 1e-6, busy * 1e-6  # ce: the latest end of all
 
 
 class _Clock:
