@@ -64,13 +64,13 @@ _ALIGN = 256
 #   "tiles": seg_amax + nvfp4_segment on row tiles (any member shape; what the others fall back to).
 NVFP4_KERNELS = ("predicted", "items", "fused", "tiles")
 NVFP4_KERNEL = "predicted"
-# Direct mode's two lanes (UpdateProgram.run): the copy lane's large copies on this many programs per SM (0: one
-# program per block; else triton_segments' strided copy) and the lane on the high-priority stream. H200, session 19
-# (benchmarks/RESULTS.md): full-grid copies with the quantize lane prioritised were the fastest or level with the
-# fastest of seven configurations (benchmarks/weight_update_gpu.py's direct+<P>+<lane> modes measure the others).
-COPY_LANE_PROGRAMS_PER_SM = 0
-LANE_PRIORITY = "quant"
 _TORCH_DT = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "U8": "uint8", "F8_E4M3": "float8_e4m3fn"}
+
+
+def _lane_of(seg) -> str:
+    """The lane of direct mode that fills a segment (UpdateProgram.run): "copy" for high-precision copies, "quant"
+    for everything else."""
+    return "copy" if seg.kind == "hp" else "quant"
 
 
 def _align(n: int) -> int:
@@ -209,7 +209,7 @@ class UpdateProgram:
         self.tensors = sum(len(b.regions) for b in self.buckets)
         self.bytes = sum(r.nbytes for b in self.buckets for r in b.regions)
         # anything besides copies (a BF16 update is copies only: one lane, nothing to run beside it)
-        self.quantizes = any(seg.kind != "hp" for b in self.buckets for seg in b.segments)
+        self.quantizes = any(_lane_of(seg) == "quant" for b in self.buckets for seg in b.segments)
 
     # -- static layout ---------------------------------------------------------------------------------------------
     def _bucket(self, units: list) -> Bucket:
@@ -323,43 +323,31 @@ class UpdateProgram:
         handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
         # Two lanes (direct mode, nothing fingerprinted per bucket, something quantized): every bucket writes its own
         # receiver buffer and the receiver reads none before the update closes, so the copies of the high-precision
-        # pieces (bound by HBM) run on one stream while the quantize launches (bound by instructions: the predicted
-        # NVFP4 kernel moves ~2.9 TB/s on an H200) run on another, joined at the end. With copy_programs_per_sm the
-        # copies stride over their blocks with that many programs per SM (registers left for the quantize kernels'
-        # programs, which alone fill an SM's register file); the lane named by lane_priority ("quant", "copy";
-        # "none": neither) runs on a high-priority stream, whose programs the block scheduler places first.
+        # pieces (bound by HBM) run on the current stream while the quantize launches (bound by instructions: the
+        # predicted NVFP4 kernel moves ~2.9 TB/s on an H200) run on a high-priority stream, joined at the end.
         lanes = bound.pool is None and fps is None and dev.type == "cuda" and bound.lanes and self.quantizes
-        copy_programs = None
-        if lanes and bound.copy_programs_per_sm:
-            copy_programs = bound.copy_programs_per_sm * torch.cuda.get_device_properties(dev).multi_processor_count
-        key = (tuple(t.data_ptr() for t in targets), copy_programs)
-        if bound.graph_key is not None and bound.graph_key[0] != key[0]:
-            bound.graph_cache.clear()  # new bucket buffers: every graph wrote the old ones
-        bound.graph_key = key
-        graphs = bound.graph_cache.get(key)
-        if graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
-            graphs = bound.graph_cache[key] = self._capture(bound, targets, copy_programs)
-        bound.graphs = graphs
-        graphs = graphs or [None] * len(self.buckets)
+        key = tuple(t.data_ptr() for t in targets)
+        if bound.graph_key != key:
+            bound.graphs = None
+        if bound.graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
+            bound.graphs = self._capture(bound, targets)
+            bound.graph_key = key
+        graphs = bound.graphs or [None] * len(self.buckets)
         if lanes:
             for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
                 if h is not None:
                     h.wait()
             cur = torch.cuda.current_stream(dev)
-            side = bound.lane_streams.get(bound.lane_priority)  # the prioritised lane's (quantize's when none is)
-            if side is None:
-                lo, hi = torch.cuda.Stream.priority_range()
-                side = bound.lane_streams[bound.lane_priority] = torch.cuda.Stream(
-                    dev, priority=lo if bound.lane_priority == "none" else hi)
-            side_lane = "copy" if bound.lane_priority == "copy" else "quant"
-            other = "quant" if side_lane == "copy" else "copy"
-            side.wait_stream(cur)  # after bad.zero_() and whatever wrote the trainer's weights
-            with torch.cuda.stream(side):
+            if bound.quant_stream is None:
+                bound.quant_stream = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
+            qs = bound.quant_stream
+            qs.wait_stream(cur)  # after bad.zero_() and whatever wrote the trainer's weights
+            with torch.cuda.stream(qs):
                 for k, b in enumerate(self.buckets):
-                    self._lane(k, b, bound, targets[k], bad, dev, side_lane, graphs[k], copy_programs)
+                    self._lane(k, b, bound, targets[k], bad, dev, "quant", graphs[k])
             for k, b in enumerate(self.buckets):
-                self._lane(k, b, bound, targets[k], bad, dev, other, graphs[k], copy_programs)
-            cur.wait_stream(side)
+                self._lane(k, b, bound, targets[k], bad, dev, "copy", graphs[k])
+            cur.wait_stream(qs)
             for k, b in enumerate(self.buckets):  # direct mode: each send only passes the message
                 handles[k % 2] = send(k, self.metas[k], targets[k])
             bound.runs += 1
@@ -369,44 +357,40 @@ class UpdateProgram:
             if handles[slot] is not None:
                 handles[slot].wait()
             buf = targets[k]
-            self._lane(k, b, bound, buf, bad, dev, "copy", graphs[k], copy_programs)
-            self._lane(k, b, bound, buf, bad, dev, "quant", graphs[k], copy_programs)
+            self._lane(k, b, bound, buf, bad, dev, "copy", graphs[k])
+            self._lane(k, b, bound, buf, bad, dev, "quant", graphs[k])
             if fps is not None:
                 ks.fingerprint(buf, fps[k:k + 1], fingerprint_stride)
             handles[slot] = send(k, self.metas[k], buf)
         bound.runs += 1
         return bad, fps
 
-    def _lane(self, k, b, bound, buf, bad, dev, lane: str, graphs, copy_programs) -> None:
+    def _lane(self, k, b, bound, buf, bad, dev, lane: str, graphs) -> None:
         """Run one lane of bucket k: from its CUDA graph when captured, else eagerly."""
         if graphs is not None:
             g = graphs[lane]
             if g is not None:
                 g.replay()
             return
-        self._fill_bucket(k, b, bound, buf, bad, dev, lane, copy_programs)
+        self._fill_bucket(k, b, bound, buf, bad, dev, lane)
 
-    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str = "all", copy_programs=None) -> None:
-        """Fill bucket k's regions of buf. lane: "copy" (its high-precision segments: copies), "quant" (every
-        other segment: gathers and quantize launches) or "all"; the two write disjoint regions. copy_programs:
-        the large copies' grid (ks.check_copy's programs), None for one program per block."""
+    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str) -> None:
+        """Fill one lane of bucket k's regions of buf (_lane_of: "copy" = its high-precision segments, "quant" =
+        every other segment, with the gathers and bucket launches); the two lanes write disjoint regions."""
         import torch
 
-        copies, quant = lane in ("all", "copy"), lane in ("all", "quant")
         group = bound.hp_groups[k]
-        if copies and group is not None:  # the bucket's high-precision pieces: one copy + check launch per dtype
+        if lane == "copy" and group is not None:  # the bucket's small high-precision pieces: one launch per dtype
             group.launch(buf, bad)
         launches, covered = bound.bucket_launches[k]
-        if quant:
+        if lane == "quant":
             for si in covered:  # staged members of segments a bucket launch quantizes: gathered first
                 if bound.gather[k][si] is not None and bound.inputs[k][si] is not None:
                     torch.cat(bound.gather[k][si], dim=0, out=bound.inputs[k][si])
             for launch in launches:
                 launch.launch(buf, bad)
         for si, seg in enumerate(b.segments):
-            if (group is not None and si in group.segments) or si in covered:
-                continue
-            if not (copies if seg.kind == "hp" else quant):
+            if (group is not None and si in group.segments) or si in covered or _lane_of(seg) != lane:
                 continue
             x = bound.inputs[k][si]
             gather = bound.gather[k][si]
@@ -421,10 +405,10 @@ class UpdateProgram:
                 continue
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
-            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}),
-                       copy_programs)
+            self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
 
-    def _capture(self, bound: "Bound", targets: list, copy_programs) -> list:
+    def _capture(self, bound: "Bound", targets: list) -> list:
+        """Per bucket {lane: CUDA graph, or None for a lane without work}; None for a bucket that stays eager."""
         import torch
 
         torch.cuda.synchronize(bound.device)
@@ -435,23 +419,17 @@ class UpdateProgram:
                 continue
             lanes = {}
             for lane in ("copy", "quant"):
-                if not self._has_work(k, b, bound, lane):
+                if not any(_lane_of(seg) == lane for seg in b.segments):
                     lanes[lane] = None  # an empty capture is not a graph
                     continue
                 g = lanes[lane] = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    self._fill_bucket(k, b, bound, targets[k], bound.bad, bound.device, lane, copy_programs)
+                    self._fill_bucket(k, b, bound, targets[k], bound.bad, bound.device, lane)
             graphs.append(lanes)
         torch.cuda.synchronize(bound.device)
         return graphs
 
-    @staticmethod
-    def _has_work(k, b, bound, lane: str) -> bool:
-        if lane == "copy":
-            return bound.hp_groups[k] is not None or any(seg.kind == "hp" for seg in b.segments)
-        return any(seg.kind != "hp" for seg in b.segments)
-
-    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str, state: dict, copy_programs=None) -> None:
+    def _fill(self, seg: Segment, x, buf, bad, dev, nvfp4_kernel: str, state: dict) -> None:
         """Fill one segment's regions of bucket buffer `buf` from its bound input x. state: the segment's dict kept
         across updates (the predicted NVFP4 kernel's group amaxes of the last update)."""
         import torch
@@ -472,12 +450,12 @@ class UpdateProgram:
 
         if seg.kind == "hp":
             if not isinstance(x, list):  # zero-copy flat view of all members: one pass
-                ks.check_copy(x, stacked(0, 0), bad, copy_programs)
+                ks.check_copy(x, stacked(0, 0), bad)
                 return
             for i, t in enumerate(seg.members):
                 want = getattr(torch, _TORCH_DT[seg.regions[(i, 0)].dtype])
                 xi = x[i] if x[i].dtype == want else x[i].to(want)
-                ks.check_copy(xi, region(i, 0), bad, copy_programs)
+                ks.check_copy(xi, region(i, 0), bad)
             return
         if seg.kind == "ref":
             from precision_dsl.backends.quantize import checkpoint_tensors
@@ -610,16 +588,12 @@ class Bound:
 
         self.pool = None
         self.bad = None
-        self.graphs = None  # the last run's per-bucket CUDA graphs ({lane: graph}; None: eager)
-        self.graph_cache: dict = {}  # (bucket buffer addresses, copy grid) -> graphs, captured from the second run
-        self.graph_key = None  # the last run's key (new bucket buffers drop every graph)
+        # per-bucket CUDA graphs ({lane: graph}), captured on the second run (the first compiles the kernels)
+        self.graphs = None
+        self.graph_key = None  # the bucket buffers' addresses the graphs were captured with
         self.use_graphs = True
-        # direct mode: copies and quantize launches on two streams (UpdateProgram.run): the copies' programs per SM
-        # (0: one per block) and which lane's stream has the high priority ("quant", "copy" or "none")
-        self.lanes = True
-        self.copy_programs_per_sm = COPY_LANE_PROGRAMS_PER_SM
-        self.lane_priority = LANE_PRIORITY
-        self.lane_streams: dict = {}
+        self.lanes = True  # direct mode: copies and quantize launches on two streams (UpdateProgram.run)
+        self.quant_stream = None  # the quantize lane's high-priority stream
         self.nvfp4_kernel = nvfp4_kernel  # how NVFP4 segments are quantized (UpdateProgram.bind)
         self.seg_state: dict = {}  # (bucket, segment) -> state kept across updates (predicted NVFP4 amaxes)
         self.runs = 0

@@ -8,9 +8,6 @@ Modes, side by side in one run (same weights, same receiver):
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
   * direct-serial: the same with every launch on one stream (the default runs the copies of the high-precision
     pieces beside the quantize launches, on two streams: backends/update_program.py UpdateProgram.run);
-  * direct+<P>+<lane>: the default with that lane configuration: the copies on P programs per SM (0: a program per
-    block), the named lane ("copy", "quant" or "none") on the high-priority stream (update_program's
-    COPY_LANE_PROGRAMS_PER_SM / LANE_PRIORITY);
   * direct-segments: the same kernels with a launch per segment instead of one per bucket (kernels/
     triton_bucket.py: a bucket's NVFP4 segments in one predicted launch + one redo + one roll, its MXFP8 inputs in
     one launch);
@@ -198,7 +195,6 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
                                                       WeightSender)
 
-    mode, *lane_cfg = mode.split("+")  # direct+<copy programs per SM>+<priority lane>: that lane configuration
     direct = mode.startswith("direct")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
@@ -218,10 +214,6 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
                               prep.tensors)
     if mode == "direct-serial":  # every launch on one stream, bucket after bucket (no lanes)
         prep.bound.lanes = False
-    if lane_cfg:
-        prep.bound.copy_programs_per_sm = int(lane_cfg[0])
-        prep.bound.lane_priority = lane_cfg[1] if len(lane_cfg) > 1 else prep.bound.lane_priority
-        mode = "+".join([mode, *lane_cfg])
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}

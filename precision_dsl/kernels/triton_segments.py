@@ -327,26 +327,6 @@ def _check_copy_bf16_kernel(x_ptr, out_ptr, bad_ptr, N, DO_COPY: tl.constexpr, B
 
 
 @triton.jit
-def _check_copy_bf16_strided_kernel(x_ptr, out_ptr, bad_ptr, N, NPROG: tl.constexpr, DO_COPY: tl.constexpr,
-                                    BLOCK: tl.constexpr):
-    """_check_copy_bf16_kernel on a grid of NPROG programs, each striding over every NPROG-th block: a copy that
-    holds only NPROG programs' registers, so the quantize kernels of the update's other lane stay resident beside
-    it (update_program.UpdateProgram.run)."""
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    nf = 0
-    while start < N:
-        offs = start + tl.arange(0, BLOCK)
-        start += NPROG * BLOCK
-        m = offs < N
-        u = tl.load(x_ptr + offs, mask=m, other=0)
-        if DO_COPY:
-            tl.store(out_ptr + offs, u, mask=m)
-        nf += tl.sum((((u.to(tl.int32) >> 7) & 0xFF) == 0xFF).to(tl.int32), axis=0)
-    if nf > 0:
-        tl.atomic_add(bad_ptr, nf, sem="relaxed")
-
-
-@triton.jit
 def _multi_check_copy_kernel(base_ptr, out_ptr, table_ptr, bad_ptr, KIND: tl.constexpr, ALIGNED: tl.constexpr,
                              BLOCK: tl.constexpr):
     """Program p copies table row p = (source offset from base_ptr, destination offset in out_ptr, count), all in
@@ -593,17 +573,9 @@ def nvfp4_segment_fused(x2, rows_per_group: int, rows_per_member: int, data, sca
 # of the compiled kernel, read once
 _RESIDENT: dict = {}
 
-# The strided copy's program: 4 warps (56 registers a thread: 7 K of an SM's 64 K, so 7 of the predicted NVFP4
-# kernel's 8 programs still fit beside one) moving 8192 elements (64 a thread, 8 16-byte loads in flight) a trip.
-STRIDED_COPY_BLOCK = 8192
-STRIDED_COPY_WARPS = 4
-
-
-def check_copy(x, out, bad, programs: int | None = None):
+def check_copy(x, out, bad):
     """Count non-finite elements of the contiguous float tensor x into bad (int32 [1]); copy its bytes into out
-    (a uint8 buffer of x's byte size) when out is given - one read of x either way. programs (bf16 only): at most
-    that many programs, each striding over the blocks (same bytes; the update's copy lane, see
-    update_program.UpdateProgram.run)."""
+    (a uint8 buffer of x's byte size) when out is given - one read of x either way."""
     import torch
 
     from ._common import LAUNCH_OPTS
@@ -615,11 +587,6 @@ def check_copy(x, out, bad, programs: int | None = None):
     if x.dtype == torch.bfloat16:
         w = x.reshape(-1).view(torch.int16)
         o = out.view(torch.int16) if out is not None else w
-        if programs and programs < triton.cdiv(n, STRIDED_COPY_BLOCK):
-            _check_copy_bf16_strided_kernel[(programs,)](w, o, bad, n, NPROG=programs, DO_COPY=out is not None,
-                                                         BLOCK=STRIDED_COPY_BLOCK, num_warps=STRIDED_COPY_WARPS,
-                                                         **LAUNCH_OPTS)
-            return
         _check_copy_bf16_kernel[(triton.cdiv(n, block),)](w, o, bad, n, DO_COPY=out is not None, BLOCK=block,
                                                           num_warps=8, **LAUNCH_OPTS)
         return
