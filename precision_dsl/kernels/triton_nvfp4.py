@@ -501,13 +501,14 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
 AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
 
 
-def pdl_available(device) -> bool:
-    """Programmatic dependent launch (sm_90+, compiled kernels; the interpreter runs programs one by one)."""
+def use_pdl(pdl, device) -> bool:
+    """Whether to launch with programmatic dependent launch: pdl None (the default) or true, and the device has it
+    (sm_90+, compiled kernels; the interpreter runs programs one by one)."""
     import os
 
     import torch
 
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+    return ((pdl is None or bool(pdl)) and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
@@ -526,7 +527,7 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
     if m and k and flat_block:  # contiguous x2: one flat run of pair words
         xp = pair_view(x2).reshape(-1)
         n = xp.numel()
-        pdl = pdl_available(x2.device) if pdl is None else bool(pdl) and pdl_available(x2.device)
+        pdl = use_pdl(pdl, x2.device)
         _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
                                                           BLOCK=flat_block, EVEN=n % flat_block == 0, PDL=pdl,
                                                           num_warps=num_warps or 8,
@@ -551,7 +552,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
     pdl (1x16 `_nvfp4_tensor_kernel`, without global_amax): the amax and the quantize kernel are launched with
     programmatic dependent launch (each may start while the one before it drains and waits for it only where it
-    reads what that one wrote); default: where available (pdl_available). With global_amax nothing is launched
+    reads what that one wrote); default: where available (use_pdl). With global_amax nothing is launched
     early: the kernel that wrote it (or x) is the caller's.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
@@ -573,7 +574,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             sdec = torch.empty((1,), dtype=torch.float32, device=dev)
             bits = triton_segments.nvfp4_segment_fused(x2, m, m, data, scale, sdec)
             return data, scale, sdec, bits.view(torch.float32)
-    pdl = global_amax is None and (pdl_available(dev) if pdl is None else bool(pdl) and pdl_available(dev))
+    pdl = global_amax is None and use_pdl(pdl, dev)
     g = tensor_amax(x2, pdl=pdl) if global_amax is None else global_amax.reshape(1).to(device=dev,
                                                                                          dtype=torch.float32)
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
