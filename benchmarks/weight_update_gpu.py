@@ -132,8 +132,11 @@ def _timed(fn, reps):
     return statistics.median(ts), ts
 
 
-def _launches(fn) -> int:
-    """CUDA kernels + memsets + memcpys of one call (torch profiler; kernels replayed from CUDA graphs included)."""
+def _gpu_profile(fn) -> tuple:
+    """(launches, GPU span s, GPU busy s) of one call, from the torch profiler's CUDA activity: kernels + memsets +
+    memcpys (kernels replayed from CUDA graphs included); first start to latest end; the union of their intervals
+    (span - busy: gaps between kernels; an update's wall time - span: host time before its first kernel and after
+    its last). (-1, None, None) when the profiler cannot trace here: the timings stand without them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,32 +144,13 @@ def _launches(fn) -> int:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    except Exception as err:  # a profiler that cannot trace here: the timings stand without the count
-        print(f"  (launch count unavailable: {type(err).__name__}: {str(err)[:80]})", flush=True)
-        return -1
-
-
-HOST_PROFILE = False  # --host-profile
-
-
-def _gpu_span(fn) -> tuple:
-    """(GPU span, GPU busy) of one call in seconds, from the torch profiler's CUDA activity: first kernel start to
-    last kernel end, and the union of the kernels' intervals (span - busy: gaps between kernels; an update's wall
-    time - span: host time before its first kernel and after its last). (None, None) when it cannot trace."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        iv = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    except Exception:
-        return None, None
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception as err:
+        print(f"  (GPU profile unavailable: {type(err).__name__}: {str(err)[:80]})", flush=True)
+        return -1, None, None
+    iv = sorted((e.time_range.start, e.time_range.end) for e in events if e.time_range.end > e.time_range.start)
     if not iv:
-        return None, None
+        return len(events), None, None
     busy, (cs, ce) = 0, iv[0]
     for s, e in iv[1:]:
         if s > ce:
@@ -174,7 +158,10 @@ def _gpu_span(fn) -> tuple:
         else:
             ce = max(ce, e)
     busy += ce - cs
-    return (ce - iv[0][0]) * 1e-6, busy * 1e-6  # ce: the latest end of all
+    return len(events), (ce - iv[0][0]) * 1e-6, busy * 1e-6  # ce: the latest end of all
+
+
+HOST_PROFILE = False  # --host-profile
 
 
 class _Clock:
@@ -234,8 +221,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     med, ts = _timed(update, reps)
     send_s = statistics.median(p[0] for p in phases)
     recv_s = statistics.median(p[1] for p in phases)
-    launches = _launches(update)
-    span, busy = _gpu_span(update)
+    launches, span, busy = _gpu_profile(update)
     # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
     # kept amaxes are invalidated before each timed update (outside the timing)
     states = [st["prev_bits"] for st in prep.bound.seg_state.values() if "prev_bits" in st]
@@ -425,18 +411,11 @@ def interleaved(label, mode, kept: dict, rows: dict, rounds: int) -> None:
     and the quantized ones vs_bf16_interleaved. In a round each policy runs one untimed update, then two timed
     ones: timed one at a time round-robin, every 1.34B median came out ~0.15 ms above its back-to-back one (session
     19), a cost of switching between working sets that the back-to-back updates of a colocated run never pay."""
-    import torch
-
     ts: dict = {p: [] for p in kept}
     for _ in range(rounds):
         for p, fn in kept.items():
             fn()
-            for _ in range(2):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn()
-                torch.cuda.synchronize()
-                ts[p].append(time.perf_counter() - t0)
+            ts[p].extend(_timed(fn, 2)[1])
     med = {p: statistics.median(v) for p, v in ts.items()}
     for p, m in med.items():
         rows[p]["update_interleaved_s"] = m
