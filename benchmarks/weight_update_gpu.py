@@ -388,19 +388,22 @@ def kernel_sweep(results, reps=5) -> None:
 
 
 def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=None):
-    """_measure; a mode "<mode>@<item blocks>x<warps>" runs <mode> with that launch shape of the predicted NVFP4
-    kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS) instead of the default, side by side."""
+    """_measure; a mode "<mode>@<item blocks>x<warps>[r<registers>]" runs <mode> with that launch shape of the
+    predicted NVFP4 kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS, PREDICTED_MAXNREG) instead
+    of the default, side by side."""
     from precision_dsl.kernels import triton_segments as ks
 
     base, _, shape = mode.partition("@")
     if not shape:
         return _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep)
-    saved = ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS
+    saved = ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS, ks.PREDICTED_MAXNREG
+    shape, _, regs = shape.partition("r")
     ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = (int(v) for v in shape.split("x"))
+    ks.PREDICTED_MAXNREG = int(regs) if regs else None
     try:
         row = _measure(label, pname, plan, weights, base, reps, bucket_mb, kernels, keep)
     finally:
-        ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS = saved
+        ks.PREDICTED_ITEM_BLOCKS, ks.PREDICTED_NUM_WARPS, ks.PREDICTED_MAXNREG = saved
     row["mode"] = mode
     return row
 
@@ -492,7 +495,8 @@ def main():
     ap.add_argument("--skip-30b", action="store_true")
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
                     "direct-serial (every launch on one stream), direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
-                    "any of them @<item blocks>x<warps> (e.g. direct@256x4): with that predicted-kernel launch shape")
+                    "any of them @<item blocks>x<warps>[r<regs>] (e.g. direct@256x4, direct@256x2r96): with that "
+                    "predicted-kernel launch shape (and ptx maxnreg)")
     ap.add_argument("--interleave", type=int, default=9, help="rounds of the 1.34B model's interleaved timing "
                     "(every policy's update kept, timed round-robin; 0: off; the 30B model's receivers do not fit "
                     "three at a time)")

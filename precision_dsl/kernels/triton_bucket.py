@@ -220,7 +220,7 @@ class NVFP4BucketLaunch:
         import torch
 
         from ._common import LAUNCH_OPTS
-        from .triton_segments import PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_launches
+        from .triton_segments import PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_launches, predicted_opts
 
         num_warps = num_warps or PREDICTED_NUM_WARPS  # read at launch time (the benchmark's @shape modes set it)
 
@@ -240,7 +240,7 @@ class NVFP4BucketLaunch:
         for table, log, rowmap, g0, n_groups in self.tables:
             bits, prev = self.bits[g0:], self.prev_bits[g0:]
             _nvfp4_bucket_predicted_kernel[(rowmap.numel(),)](self.base, buf, buf32, bits, prev, bad, table, rowmap,
-                                                              **meta)
+                                                              **meta, **predicted_opts())
             _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
                 self.base, buf, buf32, bits, prev, table, REDO_PROGRAMS_PER_GROUP, LOG_ROWS=log, **meta)
         _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,

@@ -454,6 +454,14 @@ def nvfp4_segment_items(x2, rows_per_group: int, rows_per_member: int, data, sca
 # `python benchmarks/weight_update_gpu.py --kernel-sweep` (benchmarks/RESULTS.md); the bytes do not depend on it.
 PREDICTED_ITEM_BLOCKS = 256
 PREDICTED_NUM_WARPS = 2
+# ptx .maxnreg of the predicted kernel (None: the compiler's choice, 126 registers at 256 x 2). Fewer registers let
+# more of its programs, or a copy beside them, share an SM (the two-lane update); the benchmark's r<N> modes set it.
+PREDICTED_MAXNREG = None
+
+
+def predicted_opts() -> dict:
+    """Launch options of the predicted kernel beyond LAUNCH_OPTS (read at launch time)."""
+    return {"maxnreg": PREDICTED_MAXNREG} if PREDICTED_MAXNREG else {}
 REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
 
 
@@ -495,7 +503,8 @@ def predicted_launches(x2, rows_per_group: int, rows_per_member: int, data, scal
     isc = input_scale if input_scale is not None else sdec
     meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=item_blocks, HAS_ISC=input_scale is not None,
                 num_warps=num_warps or PREDICTED_NUM_WARPS, **LAUNCH_OPTS)
-    _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta)
+    _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta,
+                                            **predicted_opts())
     per_group = min(ipg, REDO_PROGRAMS_PER_GROUP)
     _nvfp4_seg_redo_kernel[(m // rows_per_group, per_group)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm,
                                                              per_group, **meta)
