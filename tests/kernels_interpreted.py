@@ -405,7 +405,8 @@ def nvfp4_row_variant_checks(x, variant: dict) -> dict:
 
 def nvfp4_segment_cases() -> list[tuple]:
     """(kind, dtype name, parameters) of the interpreted NVFP4 segment / per-row variant cases: every dtype runs the
-    default launch and K = 224; bf16 also the other launch shapes and a one-block row (K = 16)."""
+    default launch and K = 224; bf16 also the other launch shapes and a one-block row (K = 16); every dtype the
+    16x16 kernel's row splits (TILE2D_SPLITS) on an even and a masked shape."""
     out = []
     for dtype in ("bfloat16", "float16", "float32"):
         launches = NVFP4_SEG_LAUNCH if dtype == "bfloat16" else NVFP4_SEG_LAUNCH[:1]
@@ -413,8 +414,23 @@ def nvfp4_segment_cases() -> list[tuple]:
                 for li in range(len(launches))]
         out.append(("non_finite", dtype, ()))
         out += [("row", dtype, (224, vi)) for vi in range(len(NVFP4_ROW_VARIANTS))]
+        out += [("tile2d", dtype, (shape, split)) for shape in TILE2D_SHAPES for split in TILE2D_SPLITS]
     out.append(("row", "bfloat16", (16, 0)))
     return out
+
+
+TILE2D_SHAPES = ((32, 512), (48, 272))  # 32 blocks a row (EVEN at 16 tiles a program); 17 (masked)
+TILE2D_SPLITS = (1, 2, 4)
+
+
+def tile2d_checks(x, split: int) -> dict:
+    """per_tensor 16x16 with the thread_rows kernel at this row split against the reference (data, scale, S_dec)."""
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    ref = nvfp4.quantize(x, scope="tensor", tile_2d=True)
+    d, s, sd, _g = knv.per_tensor(x, tile_2d=True, split=split)
+    return {"data": _same(d, ref.data), "scale": _same(s, ref.scale), "s_dec": _same(sd, ref.global_scale)}
 
 
 def run_nvfp4_segments() -> None:
@@ -436,6 +452,10 @@ def run_nvfp4_segments() -> None:
             bad = torch.zeros(1, dtype=torch.int32)
             ks.seg_amax(x, 16, torch.zeros(4, dtype=torch.int32), bad)
             checks, case = {"count": int(bad.item()) == 3}, f"nvfp4_segment::{dtype_name}_non_finite"
+        elif kind == "tile2d":
+            (m, k), split = params
+            checks = tile2d_checks(nvfp4_input(m, k, dtype, 2000 + i), split)
+            case = f"nvfp4_tile2d::{dtype_name}_{m}x{k}_split{split}"
         else:
             k, vi = params
             checks = nvfp4_row_variant_checks(nvfp4_input(8, k, dtype, 2000 + i), NVFP4_ROW_VARIANTS[vi])

@@ -278,10 +278,17 @@ def test_every_tuning_config_gives_the_same_bytes(dtype):
         _assert_bytes(f"per_tensor {cfg} data", d, ref_t.data)
         _assert_bytes(f"per_tensor {cfg} scale", s, ref_t.scale)
     ref_2 = nvfp4.quantize(x, scope="tensor", tile_2d=True)
-    for cfg in (dict(block_nb=16, num_warps=4), dict(block_nb=64, num_warps=8), *knv.TILE2D_CONFIGS):
+    x_odd = _rand((48, 272), dtype, seed=12)  # 17 blocks a row: the masked (not EVEN) path
+    ref_odd = nvfp4.quantize(x_odd, scope="tensor", tile_2d=True)
+    for cfg in (dict(block_nb=16, num_warps=4), dict(block_nb=64, num_warps=8), dict(split=2, num_warps=1),
+                *knv.TILE2D_CONFIGS):
         d, s, sd, g = knv.per_tensor(x, tile_2d=True, **cfg)
         _assert_bytes(f"2d {cfg} data", d, ref_2.data)
         _assert_bytes(f"2d {cfg} scale", s, ref_2.scale)
+        if cfg.get("thread_rows", True):
+            d, s, sd, g = knv.per_tensor(x_odd, tile_2d=True, **cfg)
+            _assert_bytes(f"2d {cfg} [48, 272] data", d, ref_odd.data)
+            _assert_bytes(f"2d {cfg} [48, 272] scale", s, ref_odd.scale)
     r, c = mxfp8.quantize(x, "e4m3", axis="row"), mxfp8.quantize(x, "e4m3", axis="col")
     for cfg in (dict(split_ro=8, nkb=4, num_warps=2), dict(split_ro=8, nkb=16, num_warps=8),
                 dict(split_ro=4, nkb=8, num_warps=4), dict(split_ro=16, nkb=8, num_warps=4),

@@ -240,15 +240,17 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
 @triton.jit
 def _nvfp4_tile2d_rows_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                               IN_DTYPE: tl.constexpr, BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False,
-                              K_MAJOR: tl.constexpr = False):
-    """16x16 NVFP4 (as _nvfp4_tensor_kernel with TILE_2D) with every thread holding its pair words of all 16 rows,
-    so the 16-row max is taken in registers and only a block's 4 threads exchange values (two shuffles per tile,
-    none across warps); 32 words per thread when BLOCK_NB = 8 * num_warps.
+                              K_MAJOR: tl.constexpr = False, SPLIT: tl.constexpr = 1):
+    """16x16 NVFP4 (as _nvfp4_tensor_kernel with TILE_2D) with 4 threads a tile, each holding 2 * SPLIT pair words
+    (4 * SPLIT elements) of 16 / SPLIT of its rows, so the tile max is taken in registers and only a tile's 4 threads
+    exchange values (two shuffles per tile, none across warps); 64 elements a thread, BLOCK_NB = 8 * num_warps.
 
-    The tile is [4, BLOCK_NB, 16, 2] = (quarter of a block, block, row, word): the word pair is the contiguous axis
-    (8-byte loads) and Triton's coalescing puts the threads on the remaining axes in axis order (triton 3.6
-    Coalesce: order by contiguity, ties in axis order), i.e. 4 threads per block, 8 blocks per warp, warps over
-    blocks, and the 16 rows in each thread (benchmarks/sass_count.py: 2 shuffles per tile)."""
+    The tile is [4 / SPLIT, SPLIT, BLOCK_NB, 16 / SPLIT, 2 * SPLIT] = (column part, row part, block, row, word):
+    the words are the contiguous axis (one 8 * SPLIT-byte load a row) and Triton's coalescing puts the threads on
+    the remaining axes in axis order (triton 3.6 Coalesce: order by contiguity, ties in axis order), i.e. 4 threads
+    a tile, 8 tiles a warp, warps over tiles, the rows of a row part in each thread (benchmarks/sass_count.py:
+    2 shuffles per tile). SPLIT 1: 16 rows of 4 elements (8-byte loads, 2-byte stores); SPLIT 2: 8 rows of 8
+    (16-byte loads, 4-byte stores): half the memory instructions and row addresses."""
     if K_MAJOR:
         pid_b = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -257,35 +259,39 @@ def _nvfp4_tile2d_rows_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, N
         pid_b = tl.program_id(1)
     stride_xp = tl.multiple_of(stride_xp, 8)
     stride_d = tl.multiple_of(stride_d, 8)
-    rows = pid_m * 16 + tl.arange(0, 16)
+    RH: tl.constexpr = 16 // SPLIT  # rows a thread
+    W: tl.constexpr = 2 * SPLIT  # pair words a thread a row
+    q = tl.arange(0, 4 // SPLIT)
+    h = tl.arange(0, SPLIT)
     nb = pid_b * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    r = tl.arange(0, RH)
+    w = tl.arange(0, W)
+    rows = pid_m * 16 + h[:, None] * RH + r[None, :]  # [SPLIT, RH]
     r64 = rows.to(tl.int64)
-    q = tl.arange(0, 4)
-    w = tl.arange(0, 2)
-    inner = q[:, None, None, None] * 2 + nb[None, :, None, None] * 8 + w[None, None, None, :]
-    x_offs = inner + tl.multiple_of(r64 * stride_xp, 8)[None, None, :, None]
-    d_offs = inner + tl.multiple_of(r64 * stride_d, 8)[None, None, :, None]
+    inner = q[:, None, None, None, None] * W + nb[None, None, :, None, None] * 8 + w[None, None, None, None, :]
+    x_offs = inner + tl.multiple_of(r64 * stride_xp, [8, 8])[None, :, None, :, None]
+    d_offs = inner + tl.multiple_of(r64 * stride_d, [8, 8])[None, :, None, :, None]
     bmask = nb < NB
-    mask4 = bmask[None, :, None, None] & (rows < M)[None, None, :, None]
+    mask5 = bmask[None, None, :, None, None] & (rows < M)[None, :, None, :, None]
     if EVEN:
         u = tl.load(xp_ptr + x_offs)
     else:
-        u = tl.load(xp_ptr + x_offs, mask=mask4, other=0)
+        u = tl.load(xp_ptr + x_offs, mask=mask5, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
         tl.store(sdec_ptr, s_dec)
-    a = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=3), axis=2)  # [4, BNB], in-thread
-    amax_t = tl.maximum(tl.max(a, axis=0), 0.0)  # [BNB]: max.f32 ignores NaN, an all-NaN tile is 0
+    a = tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=4), axis=3)  # [4 / SPLIT, SPLIT, BNB], in-thread
+    amax_t = tl.maximum(tl.max(tl.max(a, axis=1), axis=0), 0.0)  # [BNB]: max.f32 ignores NaN, all-NaN tile -> 0
     sf, enc = _block_scale(amax_t, s_enc, s_dec)
-    packed = _pack_codes(lo, hi, enc[None, :, None, None])
+    packed = _pack_codes(lo, hi, enc[None, None, :, None, None])
     if EVEN:
         tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
         tl.store(data_ptr + d_offs, packed)
     else:
         tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
-        tl.store(data_ptr + d_offs, packed, mask=mask4)
+        tl.store(data_ptr + d_offs, packed, mask=mask5)
 
 
 @triton.jit
@@ -420,9 +426,11 @@ TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warp
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
 # and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
+TILE2D_SPLIT = 1  # row parts of _nvfp4_tile2d_rows_kernel (per_tensor's split=)
 TILE2D_CONFIGS = ({}, dict(thread_rows=False), dict(thread_rows=False, k_major=True),
                   dict(thread_rows=False, block_nb=32, num_warps=4),
-                  dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=True))
+                  dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=True),
+                  dict(split=2), dict(split=4), dict(split=4, num_warps=1), dict(split=4, num_warps=4))
 # amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the default flat kernel
 # (8192 words, 8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
 # slots, ONE wave with 32 words (8 16-byte loads) in flight per thread, so there is no wave tail to remove; what
@@ -544,12 +552,13 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False, pdl=None):
+               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
-    None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 rows
-    per thread; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with TILE_2D.
+    None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 / split
+    rows of 4 * split elements per thread, split default TILE2D_SPLIT; block_nb defaults to 8 * num_warps);
+    False = `_nvfp4_tensor_kernel` with TILE_2D.
     pdl (1x16 `_nvfp4_tensor_kernel`, without global_amax): the amax and the quantize kernel are launched with
     programmatic dependent launch (each may start while the one before it drains and waits for it only where it
     reads what that one wrote); default: where available (use_pdl). With global_amax nothing is launched
@@ -601,8 +610,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         if thread_rows:
             _nvfp4_tile2d_rows_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0),
                                             scale.stride(0), IN_DTYPE=in_dtype_code(x2.dtype), BLOCK_NB=bnb,
-                                            EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, num_warps=warps,
-                                            **LAUNCH_OPTS)
+                                            EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major,
+                                            SPLIT=split or TILE2D_SPLIT, num_warps=warps, **LAUNCH_OPTS)
             return data, scale, sdec, g
         # PDL: the amax kernel, the launch right before this one (nothing between them launches a kernel), wrote g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
