@@ -25,7 +25,6 @@ import random
 import signal
 import time
 from contextlib import redirect_stderr
-from pathlib import Path
 
 import pytest
 
