@@ -174,6 +174,20 @@ def nvfp4_configs(spec=None) -> dict:
     return out
 
 
+def _with_amax_shape(cfg, fn):
+    """fn() with triton_nvfp4's flat amax launch shape (AMAX_FLAT_BLOCK / AMAX_NUM_WARPS) set from cfg
+    (flat_block / num_warps), so per_tensor's own PDL launch pair runs with it."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    saved = knv.AMAX_FLAT_BLOCK, knv.AMAX_NUM_WARPS
+    knv.AMAX_FLAT_BLOCK = cfg.get("flat_block", saved[0])
+    knv.AMAX_NUM_WARPS = cfg.get("num_warps", saved[1])
+    try:
+        return fn()
+    finally:
+        knv.AMAX_FLAT_BLOCK, knv.AMAX_NUM_WARPS = saved
+
+
 def _label(cfg) -> str:
     return "default" if not cfg else ", ".join(f"{k}={v}" for k, v in cfg.items())
 
@@ -243,6 +257,12 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
             lambda t, c=cfg: knv.per_tensor(t, knv.tensor_amax(t, **c, pdl=False)), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours default (amax kernel + quantize kernel, programmatic dependent launch)",
         lambda t: knv.per_tensor(t), b_ten, "ours")
+    # PDL with other amax launch shapes: fewer resident amax programs leave SM room for the quantize kernel's
+    # programs, which PDL starts while the amax kernel drains
+    for cfg in nv["amax"]:
+        if cfg.get("flat_block", knv.AMAX_FLAT_BLOCK) and cfg:
+            add("nvfp4 per-tensor incl. amax", f"ours (PDL) amax {_label(cfg)}",
+                lambda t, c=cfg: _with_amax_shape(c, lambda: knv.per_tensor(t)), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",

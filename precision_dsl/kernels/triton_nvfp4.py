@@ -426,14 +426,14 @@ TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warp
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
 # and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
-# row parts of _nvfp4_tile2d_rows_kernel (per_tensor's split=): H200, session 20, amax given, % of copy at
-# 16384x7168 / 8192x2048 in one run: split 4 90% / 81%, split 2 86% / 82%, split 1 (16 rows of 4 elements a
-# thread, 2-byte stores) 75% / 78%; split 4 with 1 or 4 warps 88% / 81-82% (benchmarks/RESULTS.md)
-TILE2D_SPLIT = 4
 TILE2D_CONFIGS = ({}, dict(thread_rows=False), dict(thread_rows=False, k_major=True),
                   dict(thread_rows=False, block_nb=32, num_warps=4),
                   dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=True),
                   dict(split=1), dict(split=2), dict(split=4, num_warps=1), dict(split=4, num_warps=4))
+# row parts of _nvfp4_tile2d_rows_kernel (per_tensor's split=): H200, session 20, amax given, % of copy at
+# 16384x7168 / 8192x2048 in one run: split 4 90% / 81%, split 2 86% / 82%, split 1 (16 rows of 4 elements a
+# thread, 2-byte stores) 75% / 78%; split 4 with 1 or 4 warps 88% / 81-82% (benchmarks/RESULTS.md)
+TILE2D_SPLIT = 4
 # amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the default flat kernel
 # (8192 words, 8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
 # slots, ONE wave with 32 words (8 16-byte loads) in flight per thread, so there is no wave tail to remove; what
@@ -510,6 +510,7 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
 
 
 AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
+AMAX_NUM_WARPS = 8  # warps per program of the flat amax kernel
 
 
 def use_pdl(pdl, device) -> bool:
@@ -541,7 +542,7 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
         pdl = use_pdl(pdl, x2.device)
         _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
                                                           BLOCK=flat_block, EVEN=n % flat_block == 0, PDL=pdl,
-                                                          num_warps=num_warps or 8,
+                                                          num_warps=num_warps or AMAX_NUM_WARPS,
                                                           **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     elif m and k:
         xp = pair_view(x2)
