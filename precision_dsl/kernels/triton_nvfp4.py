@@ -434,14 +434,17 @@ TILE2D_CONFIGS = ({}, dict(thread_rows=False), dict(thread_rows=False, k_major=T
 # 16384x7168 / 8192x2048 in one run: split 4 90% / 81%, split 2 86% / 82%, split 1 (16 rows of 4 elements a
 # thread, 2-byte stores) 75% / 78%; split 4 with 1 or 4 warps 88% / 81-82% (benchmarks/RESULTS.md)
 TILE2D_SPLIT = 4
-# amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the default flat kernel
-# (8192 words, 8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
+# amax at 8192x2048 (the tiled kernel measured 75% of copy there, 98% at 16384x7168): the flat kernel at
+# 8192 words (8 warps, 32 registers: 8 programs = 64 warps per SM) launches 1024 programs into 132 x 8 = 1056
 # slots, ONE wave with 32 words (8 16-byte loads) in flight per thread, so there is no wave tail to remove; what
 # is left is fixed cost (the zero-fill of the accumulator is a kernel of its own, the start and drain of one wave,
 # 1024 same-address atomics). The rows: fatter programs (16384 words: half the atomics, 512 programs, 64 words
 # per thread), smaller ones at the same 32 words per thread (4096 / 4 warps: 2048 programs in 2112 slots of 16 per
-# SM) and at 16 (2048 / 4 warps, 26 registers: 4096 programs, two waves).
-AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=16384), dict(flat_block=4096, num_warps=4),
+# SM) and at 16 (2048 / 4 warps, 26 registers: 4096 programs, two waves). The default is the fat one since
+# session 20: half the amax programs stay resident, so under PDL the quantize kernel's programs start beside them;
+# per-tensor incl. amax at 8192x2048 took 24.1 / 23.5 us against 24.5 / 24.1 us at 8192 words in two H200 runs, level
+# at 16384x7168 (135.5 against 135.1 us; benchmarks/RESULTS.md, session 20).
+AMAX_CONFIGS = ({}, dict(flat_block=0), dict(flat_block=8192), dict(flat_block=4096, num_warps=4),
                 dict(flat_block=2048, num_warps=4))
 
 
@@ -509,7 +512,7 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None)
     return data, scale, sdec, amax
 
 
-AMAX_FLAT_BLOCK = 8192  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
+AMAX_FLAT_BLOCK = 16384  # pair words per program of the flat amax kernel (0: the [rows, words] tile kernel)
 AMAX_NUM_WARPS = 8  # warps per program of the flat amax kernel
 
 
