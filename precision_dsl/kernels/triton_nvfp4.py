@@ -11,6 +11,9 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
     (no host synchronisation): S_enc/S_dec are derived in every program, identically. K_MAJOR picks the order in
     which programs walk the tensor (row stripes first, or a stripe's block columns first).
+  * `_nvfp4_tile2d_rows_kernel` (default for 16x16): 4 threads a 16x16 tile, each holding 16 / SPLIT rows of
+    4 * SPLIT elements, so the tile max is taken in registers plus two shuffles (SPLIT 4: 16-byte loads, 8-byte
+    stores).
 
 Numerics (see the reference's module docstring for the formulas and _common for the exactness rules):
     S_enc = min(RN(2688/G), FLT_MAX), 1 if G == 0 or S_enc == 0;  S_dec = RN(1/S_enc)
