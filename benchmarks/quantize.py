@@ -260,7 +260,7 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     # PDL with other amax launch shapes: fewer resident amax programs leave SM room for the quantize kernel's
     # programs, which PDL starts while the amax kernel drains
     for cfg in nv["amax"]:
-        if cfg.get("flat_block", knv.AMAX_FLAT_BLOCK) and cfg:
+        if cfg and cfg.get("flat_block") != 0:  # the flat kernel at a shape other than the default
             add("nvfp4 per-tensor incl. amax", f"ours (PDL) amax {_label(cfg)}",
                 lambda t, c=cfg: _with_amax_shape(c, lambda: knv.per_tensor(t)), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",

@@ -210,21 +210,18 @@ def test_bucket_launches_equal_the_segment_kernels_gpu(i):
         assert all(checks.values()), (rep, [n for n, ok in checks.items() if not ok])
 
 
+def test_predicted_kernel_register_cap(monkeypatch):
+    """The predicted NVFP4 kernel is launched with ptx maxnreg 96 (10 programs an SM; session 20's H200 update
+    figures); None turns the cap off. The interpreted bucket cases above run with it (the interpreter drops it)."""
+    from precision_dsl.kernels import triton_segments as ks
+
+    assert ks.PREDICTED_MAXNREG == 96 and ks.predicted_opts() == {"maxnreg": 96}
+    monkeypatch.setattr(ks, "PREDICTED_MAXNREG", None)
+    assert ks.predicted_opts() == {}
+
+
 if __name__ == "__main__":  # the interpreter child
     ki.model_the_hardware()
     for i in range(len(CASES)):
         print(json.dumps({"case": i, "checks": run(i, "cpu", gpu=False)}), flush=True)
 
-
-def test_predicted_kernel_register_cap_is_compiled_only(monkeypatch):
-    """The predicted NVFP4 kernel is compiled with ptx maxnreg 96 (10 programs an SM; session 20's H200 update
-    figures) and the interpreter, which takes no ptx options, gets none; 0 / None turns the cap off."""
-    from precision_dsl.kernels import triton_segments as ks
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert ks.PREDICTED_MAXNREG == 96 and ks.predicted_opts() == {"maxnreg": 96}
-    monkeypatch.setattr(ks, "PREDICTED_MAXNREG", None)
-    assert ks.predicted_opts() == {}
-    monkeypatch.setattr(ks, "PREDICTED_MAXNREG", 96)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert ks.predicted_opts() == {}

@@ -460,16 +460,13 @@ PREDICTED_NUM_WARPS = 2
 # interleaved rounds: NVFP4 update 1.410 ms at 96, 1.438 at 80, 1.496 ms without (0.83x / 0.81x / 0.88x BF16);
 # 30.5B 23.80 / 25.27 / 24.16 ms (benchmarks/RESULTS.md). The benchmark's r<N> modes set it.
 PREDICTED_MAXNREG = 96
+REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
 
 
 def predicted_opts() -> dict:
-    """Launch options of the predicted kernel beyond LAUNCH_OPTS (read at launch time)."""
-    import os
-
-    if not PREDICTED_MAXNREG or os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter takes no ptx options
-        return {}
-    return {"maxnreg": PREDICTED_MAXNREG}
-REDO_PROGRAMS_PER_GROUP = 32  # programs per group of the redo launch (each walks 1/32 of a changed group's items)
+    """Launch options of the predicted kernel beyond LAUNCH_OPTS, read at launch time (the interpreter drops them,
+    as it drops LAUNCH_OPTS)."""
+    return {"maxnreg": PREDICTED_MAXNREG} if PREDICTED_MAXNREG else {}
 
 
 def nvfp4_segment_predicted(x2, rows_per_group: int, rows_per_member: int, data, scale, sdec, bad, prev_bits,
