@@ -329,6 +329,26 @@ class UpdateProgram:
         key = tuple(t.data_ptr() for t in targets)
         if bound.graph_key != key:
             bound.graphs = None
+        wkey = key + (lanes,)
+        if bound.whole is not None and bound.whole_key != wkey:
+            bound.whole = None
+        # one graph of the whole update (direct mode, nothing fingerprinted, no bucket eager): bucket after bucket
+        # within a lane with no launch gap between graphs, the redo / roll tails of the NVFP4 bucket launches on a
+        # third stream beside the next bucket's quantize launch
+        whole = (bound.whole_graph and bound.use_graphs and bound.pool is None and fps is None and dev.type == "cuda"
+                 and bound.runs >= 1 and not any(seg.kind == "ref" for b in self.buckets for seg in b.segments))
+        if whole:
+            for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
+                if h is not None:
+                    h.wait()
+            if bound.whole is None:
+                bound.whole = self._capture_whole(bound, targets, lanes)
+                bound.whole_key = wkey
+            bound.whole.replay()
+            for k, b in enumerate(self.buckets):  # direct mode: each send only passes the message
+                handles[k % 2] = send(k, self.metas[k], targets[k])
+            bound.runs += 1
+            return bad, fps
         if bound.graphs is None and bound.runs >= 1 and bound.use_graphs and dev.type == "cuda":
             bound.graphs = self._capture(bound, targets)
             bound.graph_key = key
@@ -338,9 +358,7 @@ class UpdateProgram:
                 if h is not None:
                     h.wait()
             cur = torch.cuda.current_stream(dev)
-            if bound.quant_stream is None:
-                bound.quant_stream = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
-            qs = bound.quant_stream
+            qs, _ = self._streams(bound, dev)
             qs.wait_stream(cur)  # after bad.zero_() and whatever wrote the trainer's weights
             with torch.cuda.stream(qs):
                 for k, b in enumerate(self.buckets):
@@ -374,9 +392,10 @@ class UpdateProgram:
             return
         self._fill_bucket(k, b, bound, buf, bad, dev, lane)
 
-    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str) -> None:
+    def _fill_bucket(self, k, b, bound, buf, bad, dev, lane: str, tail=None) -> None:
         """Fill one lane of bucket k's regions of buf (_lane_of: "copy" = its high-precision segments, "quant" =
-        every other segment, with the gathers and bucket launches); the two lanes write disjoint regions."""
+        every other segment, with the gathers and bucket launches); the two lanes write disjoint regions. tail: a
+        stream for the NVFP4 bucket launches' redo / roll launches (the caller joins it)."""
         import torch
 
         group = bound.hp_groups[k]
@@ -388,7 +407,10 @@ class UpdateProgram:
                 if bound.gather[k][si] is not None and bound.inputs[k][si] is not None:
                     torch.cat(bound.gather[k][si], dim=0, out=bound.inputs[k][si])
             for launch in launches:
-                launch.launch(buf, bad)
+                if tail is not None and hasattr(launch, "prev_bits"):
+                    launch.launch(buf, bad, tail=tail)
+                else:
+                    launch.launch(buf, bad)
         for si, seg in enumerate(b.segments):
             if (group is not None and si in group.segments) or si in covered or _lane_of(seg) != lane:
                 continue
@@ -406,6 +428,45 @@ class UpdateProgram:
             if gather is not None:  # members not laid out back to back: one copy into the staging rows
                 torch.cat(gather, dim=0, out=x)
             self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
+
+    def _streams(self, bound: "Bound", dev):
+        import torch
+
+        if bound.quant_stream is None:
+            bound.quant_stream = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
+        if bound.tail_stream is None:
+            bound.tail_stream = torch.cuda.Stream(dev)
+        return bound.quant_stream, bound.tail_stream
+
+    def _capture_whole(self, bound: "Bound", targets: list, lanes: bool):
+        """One CUDA graph of every bucket's launches. lanes: the quantize launches on the quantize stream, the
+        NVFP4 bucket launches' redo / roll tails on the tail stream (each after its own bucket's quantize launch,
+        beside the next bucket's), the high-precision copies on the capturing stream, all joined at the end;
+        else every launch on one stream, bucket after bucket (each lane's launches as eager)."""
+        import torch
+
+        dev = bound.device
+        torch.cuda.synchronize(dev)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            cur = torch.cuda.current_stream(dev)
+            if lanes:
+                qs, ts = self._streams(bound, dev)
+                qs.wait_stream(cur)
+                ts.wait_stream(cur)
+                with torch.cuda.stream(qs):
+                    for k, b in enumerate(self.buckets):
+                        self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "quant", tail=ts)
+                for k, b in enumerate(self.buckets):
+                    self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "copy")
+                cur.wait_stream(qs)
+                cur.wait_stream(ts)
+            else:
+                for k, b in enumerate(self.buckets):
+                    self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "copy")
+                    self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "quant")
+        torch.cuda.synchronize(dev)
+        return g
 
     def _capture(self, bound: "Bound", targets: list) -> list:
         """Per bucket {lane: CUDA graph, or None for a lane without work}; None for a bucket that stays eager."""
@@ -594,6 +655,11 @@ class Bound:
         self.use_graphs = True
         self.lanes = True  # direct mode: copies and quantize launches on two streams (UpdateProgram.run)
         self.quant_stream = None  # the quantize lane's high-priority stream
+        self.tail_stream = None  # the whole-update graph's lane of NVFP4 redo / roll launches
+        # the whole update as one CUDA graph (UpdateProgram._capture_whole) where it can be; False: per-bucket graphs
+        self.whole_graph = True
+        self.whole = None
+        self.whole_key = None
         self.nvfp4_kernel = nvfp4_kernel  # how NVFP4 segments are quantized (UpdateProgram.bind)
         self.seg_state: dict = {}  # (bucket, segment) -> state kept across updates (predicted NVFP4 amaxes)
         self.runs = 0

@@ -2,7 +2,8 @@
 
     source benchmarks/device_setup.sh && python3 benchmarks/weight_update_gpu.py --reps 3 --out $OUT/wu.json
 
-Modes, side by side in one run (same weights, same receiver):
+Modes, side by side in one run (same weights, same receiver); any of them "<mode>/bucket": a CUDA graph per bucket
+and lane instead of one graph of the whole update (backends/update_program.py UpdateProgram._capture_whole):
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
@@ -162,6 +163,7 @@ def _gpu_profile(fn) -> tuple:
 
 
 HOST_PROFILE = False  # --host-profile
+TRACE_DIR = None  # --trace
 
 
 class _Clock:
@@ -182,6 +184,8 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     from precision_dsl.backends.weight_update import (InProcessTransport, PreparedUpdate, WeightReceiver,
                                                       WeightSender)
 
+    full_mode = mode
+    mode, _, graph_mode = mode.partition("/")  # "<mode>/bucket": a CUDA graph per bucket, not one per update
     direct = mode.startswith("direct")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
@@ -201,6 +205,8 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
                               prep.tensors)
     if mode == "direct-serial":  # every launch on one stream, bucket after bucket (no lanes)
         prep.bound.lanes = False
+    if graph_mode == "bucket":
+        prep.bound.whole_graph = False
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -222,6 +228,14 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     send_s = statistics.median(p[0] for p in phases)
     recv_s = statistics.median(p[1] for p in phases)
     launches, span, busy = _gpu_profile(update)
+    if TRACE_DIR is not None:  # every kernel of one update with its stream (chrome trace), for the gaps
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            update()
+            torch.cuda.synchronize()
+        TRACE_DIR.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(TRACE_DIR / f"{label.split()[0]}_{pname}_{full_mode.replace('/', '+')}.json"))
     # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
     # kept amaxes are invalidated before each timed update (outside the timing)
     states = [st["prev_bits"] for st in prep.bound.seg_state.values() if "prev_bits" in st]
@@ -285,7 +299,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
     s2.send(prep)
     WeightReceiver(plan, tr, check_equal=True).receive_raw()
     n_seg = sum(len(b.segments) for b in prog.buckets)
-    row = {"model": label, "policy": pname, "mode": mode, "bytes": prog.bytes, "wire_bytes": sum(sizes),
+    row = {"model": label, "policy": pname, "mode": full_mode, "bytes": prog.bytes, "wire_bytes": sum(sizes),
            "buckets": len(prog.buckets), "tensors_out": prog.tensors, "segments": n_seg,
            "zero_copy": prep.bound.gathers == 0, "program_build_s": t_prog, "bind_s": t_bind, "update_s": med,
            "update_all_s": ts, "quantize_s": med_q, "bare_copy_s": med_bare, "update_over_bare": med / med_bare,
@@ -293,7 +307,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
            "launches_per_bucket": launches / len(prog.buckets) if launches >= 0 else None,
            "fingerprints_checked": True, "send_s": send_s, "receive_s": recv_s, "gpu_span_s": span,
            "gpu_busy_s": busy}
-    print(f"[{label}] {pname:6s} {mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
+    print(f"[{label}] {pname:6s} {full_mode:6s} {prog.bytes / 1e9:7.2f} GB  {n_seg:5d} segments  update "
           f"{med * 1e3:8.2f} ms  quantize {med_q * 1e3:7.2f} ms  bare copy {med_bare * 1e3:7.2f} ms  "
           f"x{med / med_bare:4.2f} of bare  (send {send_s * 1e3:.2f} + receive {recv_s * 1e3:.2f}; GPU span "
           f"{(span or 0) * 1e3:.2f}, busy {(busy or 0) * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
@@ -504,13 +518,16 @@ def main():
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of 20 updates per row "
                     "(top functions by own time)")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
+    ap.add_argument("--trace", type=Path, default=None, help="a directory: per row, the chrome trace of one update "
+                    "(every kernel with its stream)")
     ap.add_argument("--kernel-sweep", action="store_true",
                     help="first: the NVFP4 segment kernels' launch shapes side by side")
     args = ap.parse_args()
     import torch
 
-    global HOST_PROFILE
+    global HOST_PROFILE, TRACE_DIR
     HOST_PROFILE = args.host_profile
+    TRACE_DIR = args.trace
     clock = _Clock(args.time_limit)
     modes = tuple(m for m in args.modes.split(",") if m)
     results: list = []

@@ -87,6 +87,18 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
         out[f"lanes.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
     if dev == "cuda":  # two lanes exactly when something is quantized (a BF16 update is copies only)
         out["lanes"] = (prep.bound.quant_stream is not None) == sender.program().quantizes
+        # from the second update on, the whole update replays as ONE graph (NVFP4 redo / roll on a third stream)
+        out["whole_graph"] = prep.bound.whole is not None
+        # a graph per bucket and lane instead (the side-by-side benchmark's "/bucket" modes): the same bytes
+        prep.bound.whole_graph = False
+        for step in range(2):
+            with torch.no_grad():
+                for x in weights.values():
+                    x.mul_(-1.25)
+            sender.send(prep)
+            raw = rx.receive_raw()
+            out[f"bucket_graphs.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
+        out["bucket_graphs"] = prep.bound.graphs is not None
     ptrs = {b.data_ptr() for b in tr._dst.values()}
     out["views_of_receiver_buffers"] = all(raw[n].untyped_storage().data_ptr() in ptrs for n in list(raw)[:50])
     out["no_pool"] = prep.bound.pool is None
@@ -106,8 +118,6 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
     raw2 = WeightReceiver(plan, tr2, check_equal=True).receive_raw()
     out["copy_mode_same"] = not _same(raw2, {n: raw[n] for n in raw})
     out["copy_mode_pool"] = p2.pool is not None
-    if dev == "cuda":
-        out["graphs"] = prep.bound.graphs is not None
     return out
 
 

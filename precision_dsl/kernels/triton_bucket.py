@@ -214,13 +214,18 @@ class NVFP4BucketLaunch:
         self.prev_bits = torch.full((groups,), -1, dtype=torch.int32, device=device)
         self._armed = False  # launches enqueued whose roll (re-zeroing bits) was not
 
-    def launch(self, buf, bad, *, num_warps: int | None = None) -> None:
+    def launch(self, buf, bad, *, num_warps: int | None = None, tail=None) -> None:
         """Quantize every entry into the bucket buffer `buf` (uint8), NaN/Inf counted into bad (int32 [1]);
-        num_warps: default triton_segments.PREDICTED_NUM_WARPS (launch shape only)."""
+        num_warps: default triton_segments.PREDICTED_NUM_WARPS (launch shape only). tail: a CUDA stream for the
+        redo and roll launches, ordered after the predicted launches (the caller joins it back), so that the next
+        bucket's predicted launch need not wait for them; None: all on the current stream."""
+        import contextlib
+
         import torch
 
         from ._common import LAUNCH_OPTS
-        from .triton_segments import PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_launches, predicted_opts
+        from .triton_segments import (PREDICTED_NUM_WARPS, REDO_PROGRAMS_PER_GROUP, predicted_kernel_launch,
+                                      predicted_opts, redo_kernel_launch)
 
         num_warps = num_warps or PREDICTED_NUM_WARPS  # read at launch time (the benchmark's @shape modes set it)
 
@@ -228,23 +233,35 @@ class NVFP4BucketLaunch:
             self.bits.zero_()
         self._armed = True
         buf32 = buf.view(torch.float32)
+        solo = []
         for (x2, rpg, rpm, d_off, s_off, sd_off, is_off), g0 in self.solo:
             m, k = x2.shape
             n = m // rpg
-            predicted_launches(x2, rpg, rpm, buf[d_off:d_off + m * k // 2].view(m, k // 2),
-                               buf[s_off:s_off + m * k // 16].view(m, k // 16),
-                               buf32[sd_off // 4:sd_off // 4 + m // rpm], bad, self.bits[g0:g0 + n],
-                               self.prev_bits[g0:g0 + n], buf32[is_off // 4:is_off // 4 + m // rpm],
-                               item_blocks=self.ib, num_warps=num_warps)
+            solo.append((x2, rpg, rpm, buf[d_off:d_off + m * k // 2].view(m, k // 2),
+                         buf[s_off:s_off + m * k // 16].view(m, k // 16), buf32[sd_off // 4:sd_off // 4 + m // rpm],
+                         bad, self.bits[g0:g0 + n], self.prev_bits[g0:g0 + n],
+                         buf32[is_off // 4:is_off // 4 + m // rpm]))
         meta = dict(IN_DTYPE=self.code, IB=self.ib, ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
+        # every predicted launch, then every redo: each redo reads only its own launch's groups
+        for args in solo:
+            predicted_kernel_launch(*args, item_blocks=self.ib, num_warps=num_warps)
         for table, log, rowmap, g0, n_groups in self.tables:
-            bits, prev = self.bits[g0:], self.prev_bits[g0:]
-            _nvfp4_bucket_predicted_kernel[(rowmap.numel(),)](self.base, buf, buf32, bits, prev, bad, table, rowmap,
+            _nvfp4_bucket_predicted_kernel[(rowmap.numel(),)](self.base, buf, buf32, self.bits[g0:],
+                                                              self.prev_bits[g0:], bad, table, rowmap,
                                                               **meta, **predicted_opts())
-            _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
-                self.base, buf, buf32, bits, prev, table, REDO_PROGRAMS_PER_GROUP, LOG_ROWS=log, **meta)
-        _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
-                                                        num_warps=4)
+        ctx = contextlib.nullcontext()
+        if tail is not None:
+            tail.wait_stream(torch.cuda.current_stream(buf.device))
+            ctx = torch.cuda.stream(tail)
+        with ctx:
+            for args in solo:
+                redo_kernel_launch(*args, item_blocks=self.ib, num_warps=num_warps)
+            for table, log, rowmap, g0, n_groups in self.tables:
+                _nvfp4_bucket_redo_kernel[(n_groups, REDO_PROGRAMS_PER_GROUP)](
+                    self.base, buf, buf32, self.bits[g0:], self.prev_bits[g0:], table, REDO_PROGRAMS_PER_GROUP,
+                    LOG_ROWS=log, **meta)
+            _roll_kernel[(triton.cdiv(self.groups, 1024),)](self.bits, self.prev_bits, self.groups, BLOCK=1024,
+                                                            num_warps=4)
         self._armed = False
 
 

@@ -500,15 +500,36 @@ def predicted_launches(x2, rows_per_group: int, rows_per_member: int, data, scal
     """The two launches of nvfp4_segment_predicted (quantize with prev_bits while taking the true group amaxes
     into bits - zero on entry -, then the redo of the groups whose amax moved), leaving bits and prev_bits to the
     caller (a weight-update bucket keeps them for several segments and rolls them in one launch)."""
+    args = (x2, rows_per_group, rows_per_member, data, scale, sdec, bad, bits, prev_bits, input_scale)
+    predicted_kernel_launch(*args, item_blocks=item_blocks, num_warps=num_warps)
+    redo_kernel_launch(*args, item_blocks=item_blocks, num_warps=num_warps)
+
+
+def _predicted_meta(x2, rows_per_group, rows_per_member, data, scale, sdec, input_scale, item_blocks, num_warps):
     from ._common import LAUNCH_OPTS, in_dtype_code
 
-    m, _k = x2.shape
     xp, n_items, ipg, ipm = _item_args(x2, rows_per_group, rows_per_member, (data, scale, sdec), item_blocks)
-    isc = input_scale if input_scale is not None else sdec
     meta = dict(IN_DTYPE=in_dtype_code(x2.dtype), IB=item_blocks, HAS_ISC=input_scale is not None,
                 num_warps=num_warps or PREDICTED_NUM_WARPS, **LAUNCH_OPTS)
+    return xp, n_items, ipg, ipm, (input_scale if input_scale is not None else sdec), meta
+
+
+def predicted_kernel_launch(x2, rows_per_group, rows_per_member, data, scale, sdec, bad, bits, prev_bits,
+                            input_scale=None, *, item_blocks: int, num_warps: int | None = None) -> None:
+    """The first of predicted_launches' two launches (quantize with prev_bits, the true amaxes into bits)."""
+    xp, n_items, ipg, ipm, isc, meta = _predicted_meta(x2, rows_per_group, rows_per_member, data, scale, sdec,
+                                                       input_scale, item_blocks, num_warps)
     _nvfp4_seg_predicted_kernel[(n_items,)](xp, data, scale, bits, prev_bits, sdec, isc, bad, ipg, ipm, **meta,
                                             **predicted_opts())
+
+
+def redo_kernel_launch(x2, rows_per_group, rows_per_member, data, scale, sdec, bad, bits, prev_bits,
+                       input_scale=None, *, item_blocks: int, num_warps: int | None = None) -> None:
+    """The second of predicted_launches' two launches (re-quantize the groups whose amax moved), ordered after the
+    first by the caller (same stream, or a stream that waits for it)."""
+    m = x2.shape[0]
+    xp, n_items, ipg, ipm, isc, meta = _predicted_meta(x2, rows_per_group, rows_per_member, data, scale, sdec,
+                                                       input_scale, item_blocks, num_warps)
     per_group = min(ipg, REDO_PROGRAMS_PER_GROUP)
     _nvfp4_seg_redo_kernel[(m // rows_per_group, per_group)](xp, data, scale, bits, prev_bits, sdec, isc, ipg, ipm,
                                                              per_group, **meta)
