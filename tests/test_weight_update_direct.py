@@ -87,8 +87,10 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
         out[f"lanes.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
     if dev == "cuda":  # two lanes exactly when something is quantized (a BF16 update is copies only)
         out["lanes"] = (prep.bound.quant_stream is not None) == sender.program().quantizes
-        # from the second update on, the whole update replays as ONE graph (NVFP4 redo / roll on a third stream)
-        out["whole_graph"] = prep.bound.whole is not None
+        # from the second update on, the whole update replays as ONE graph (NVFP4 redo / roll on a third stream),
+        # unless a bucket stays eager (a per-unit segment, whose reference code may synchronise with the host)
+        eager = any(seg.kind == "ref" for b in sender.program().buckets for seg in b.segments)
+        out["whole_graph"] = (prep.bound.whole is not None) != eager
         # a graph per bucket and lane instead (the side-by-side benchmark's "/bucket" modes): the same bytes
         prep.bound.whole_graph = False
         for step in range(2):
