@@ -163,6 +163,43 @@ def _gpu_profile(fn) -> tuple:
 
 
 HOST_PROFILE = False  # --host-profile
+HOST_SPLIT = False  # --host-split
+
+
+def _host_split(update, bound, reps) -> dict:
+    """Where an update's wall time goes around its one graph launch, without a profiler: the host time from the
+    update's start to the cudaGraphLaunch call, the call itself, the graph's GPU time (CUDA events around it on the
+    launching stream) and the host time from the call's return to the update's end (the wait for the GPU, the
+    receive). Medians over reps updates."""
+    import torch
+
+    g = bound.whole
+    marks: dict = {}
+    replay = g.replay
+
+    def timed_replay():
+        marks["e0"].record()
+        marks["t1"] = time.perf_counter()
+        replay()
+        marks["t2"] = time.perf_counter()
+        marks["e1"].record()
+
+    g.replay = timed_replay
+    rows = []
+    try:
+        for _ in range(reps):
+            marks["e0"], marks["e1"] = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            update()
+            t3 = time.perf_counter()
+            torch.cuda.synchronize()
+            rows.append(((marks["t1"] - t0) * 1e6, (marks["t2"] - marks["t1"]) * 1e6,
+                         marks["e0"].elapsed_time(marks["e1"]) * 1e3, (t3 - marks["t2"]) * 1e6, (t3 - t0) * 1e6))
+    finally:
+        del g.replay
+    keys = ("pre_launch_us", "launch_call_us", "graph_gpu_us", "post_launch_us", "update_us")
+    return {k: statistics.median(r[i] for r in rows) for i, k in enumerate(keys)}
 TRACE_DIR = None  # --trace
 
 
@@ -313,6 +350,12 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
           f"{(span or 0) * 1e3:.2f}, busy {(busy or 0) * 1e3:.2f})  launches {launches} ({row['launches_per_bucket'] or 0:.1f}/bucket, "
           f"{len(prog.buckets)} buckets)" + (f"  [every NVFP4 group amax changed: {med_redo * 1e3:.2f} ms = "
                                              f"x{med_redo / med_bare:4.2f} of bare]" if med_redo else ""), flush=True)
+    if HOST_SPLIT and prep.bound.whole is not None:
+        h = row["host_split"] = _host_split(update, prep.bound, reps)
+        print(f"[{label}] {pname} {full_mode} host split (median of {reps}, us): update start -> graph launch "
+              f"{h['pre_launch_us']:.0f}, cudaGraphLaunch {h['launch_call_us']:.0f}, graph on the GPU "
+              f"{h['graph_gpu_us']:.0f}, launch return -> update end {h['post_launch_us']:.0f}, update "
+              f"{h['update_us']:.0f}", flush=True)
     if keep is not None:
         keep[pname] = update
         return row
@@ -517,6 +560,8 @@ def main():
     ap.add_argument("--time-limit", type=float, default=500.0, help="seconds; no new measurement starts after")
     ap.add_argument("--host-profile", action="store_true", help="cProfile the host side of 20 updates per row "
                     "(top functions by own time)")
+    ap.add_argument("--host-split", action="store_true", help="per row with a whole-update graph: host time "
+                    "before / in its launch, its GPU time and the rest of the update, without a profiler")
     ap.add_argument("--kernels", action="store_true", help="print the GPU time per kernel of one update")
     ap.add_argument("--trace", type=Path, default=None, help="a directory: per row, the chrome trace of one update "
                     "(every kernel with its stream)")
@@ -525,8 +570,9 @@ def main():
     args = ap.parse_args()
     import torch
 
-    global HOST_PROFILE, TRACE_DIR
+    global HOST_PROFILE, TRACE_DIR, HOST_SPLIT
     HOST_PROFILE = args.host_profile
+    HOST_SPLIT = args.host_split
     TRACE_DIR = args.trace
     clock = _Clock(args.time_limit)
     modes = tuple(m for m in args.modes.split(",") if m)
