@@ -210,6 +210,8 @@ class UpdateProgram:
         self.bytes = sum(r.nbytes for b in self.buckets for r in b.regions)
         # anything besides copies (a BF16 update is copies only: one lane, nothing to run beside it)
         self.quantizes = any(_lane_of(seg) == "quant" for b in self.buckets for seg in b.segments)
+        # a bucket with a per-unit segment stays eager (its reference code may synchronise with the host)
+        self.eager_buckets = any(seg.kind == "ref" for b in self.buckets for seg in b.segments)
 
     # -- static layout ---------------------------------------------------------------------------------------------
     def _bucket(self, units: list) -> Bucket:
@@ -336,7 +338,7 @@ class UpdateProgram:
         # within a lane with no launch gap between graphs, the redo / roll tails of the NVFP4 bucket launches on a
         # third stream beside the next bucket's quantize launch
         whole = (bound.whole_graph and bound.use_graphs and bound.pool is None and fps is None and dev.type == "cuda"
-                 and bound.runs >= 1 and not any(seg.kind == "ref" for b in self.buckets for seg in b.segments))
+                 and bound.runs >= 1 and not self.eager_buckets)
         if whole:
             for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
                 if h is not None:

@@ -99,6 +99,7 @@ class InProcessTransport:
         self.persistent = persistent
         self.direct = bool(persistent and direct)
         self._dst: dict = {}
+        self._dst_meta: dict = {}
         self._k = 0
         self._overwritten = False  # a persistent receiver buffer was (or is being) written since open()
         self._filled_on = None  # the device buckets were filled in place on (direct mode), for close's event
@@ -133,8 +134,12 @@ class InProcessTransport:
         import torch
 
         dst = self._dst.get(k)
-        if dst is None or dst.numel() != nbytes or dst.device != torch.device(device):
-            dst = self._dst[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        hit = self._dst_meta.get(k)  # (buffer, nbytes, device) of the last call: no tensor attribute read per bucket
+        if dst is None or hit is None or hit[0] is not dst or hit[1] != nbytes or hit[2] != device:
+            device = torch.device(device)
+            if dst is None or dst.numel() != nbytes or dst.device != device:
+                dst = self._dst[k] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._dst_meta[k] = (dst, nbytes, device)
         self._overwritten = True
         return dst
 
