@@ -331,9 +331,6 @@ class UpdateProgram:
         key = tuple(t.data_ptr() for t in targets)
         if bound.graph_key != key:
             bound.graphs = None
-        wkey = key + (lanes,)
-        if bound.whole is not None and bound.whole_key != wkey:
-            bound.whole = None
         # one graph of the whole update (direct mode, nothing fingerprinted, no bucket eager): bucket after bucket
         # within a lane with no launch gap between graphs, the redo / roll tails of the NVFP4 bucket launches on a
         # third stream beside the next bucket's quantize launch
@@ -343,7 +340,9 @@ class UpdateProgram:
             for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
                 if h is not None:
                     h.wait()
-            if bound.whole is None:
+            wkey = key + (lanes, bound.high_lane)  # (a pool-buffer or fingerprinted update in between keeps the graph)
+            if bound.whole is None or bound.whole_key != wkey:
+                bound.whole = None  # its memory goes before the new capture takes its own
                 bound.whole = self._capture_whole(bound, targets, lanes)
                 bound.whole_key = wkey
             bound.whole.replay()
@@ -431,7 +430,8 @@ class UpdateProgram:
                 torch.cat(gather, dim=0, out=x)
             self._fill(seg, x, buf, bad, dev, bound.nvfp4_kernel, bound.seg_state.setdefault((k, si), {}))
 
-    def _streams(self, bound: "Bound", dev):
+    @staticmethod
+    def _streams(bound: "Bound", dev):
         import torch
 
         if bound.quant_stream is None:
@@ -439,6 +439,25 @@ class UpdateProgram:
         if bound.tail_stream is None:
             bound.tail_stream = torch.cuda.Stream(dev)
         return bound.quant_stream, bound.tail_stream
+
+    @staticmethod
+    def _lane_streams(bound: "Bound", dev, cur) -> tuple:
+        """(quantize lane's stream, copy lane's stream) of the whole-update graph by bound.high_lane: "quant" (the
+        quantize launches on the high-priority stream, the copies on the capturing one), "copy" (the reverse) or
+        "none" (both at the default priority)."""
+        import torch
+
+        if bound.high_lane == "quant":
+            return UpdateProgram._streams(bound, dev)[0], cur
+        if bound.high_lane == "copy":
+            if bound.copy_stream is None:
+                bound.copy_stream = torch.cuda.Stream(dev, priority=torch.cuda.Stream.priority_range()[1])
+            return cur, bound.copy_stream
+        if bound.high_lane != "none":
+            raise ValueError(f"high_lane must be 'quant', 'copy' or 'none', not {bound.high_lane!r}")
+        if bound.plain_stream is None:
+            bound.plain_stream = torch.cuda.Stream(dev)
+        return bound.plain_stream, cur
 
     def _capture_whole(self, bound: "Bound", targets: list, lanes: bool):
         """One CUDA graph of every bucket's launches. lanes: the quantize launches on the quantize stream, the
@@ -453,16 +472,18 @@ class UpdateProgram:
         with torch.cuda.graph(g):
             cur = torch.cuda.current_stream(dev)
             if lanes:
-                qs, ts = self._streams(bound, dev)
-                qs.wait_stream(cur)
-                ts.wait_stream(cur)
+                _, ts = self._streams(bound, dev)
+                qs, cs = self._lane_streams(bound, dev, cur)
+                for st in {qs, cs, ts} - {cur}:
+                    st.wait_stream(cur)
                 with torch.cuda.stream(qs):
                     for k, b in enumerate(self.buckets):
                         self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "quant", tail=ts)
-                for k, b in enumerate(self.buckets):
-                    self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "copy")
-                cur.wait_stream(qs)
-                cur.wait_stream(ts)
+                with torch.cuda.stream(cs):
+                    for k, b in enumerate(self.buckets):
+                        self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "copy")
+                for st in {qs, cs, ts} - {cur}:
+                    cur.wait_stream(st)
             else:
                 for k, b in enumerate(self.buckets):
                     self._fill_bucket(k, b, bound, targets[k], bound.bad, dev, "copy")
@@ -658,6 +679,9 @@ class Bound:
         self.lanes = True  # direct mode: copies and quantize launches on two streams (UpdateProgram.run)
         self.quant_stream = None  # the quantize lane's high-priority stream
         self.tail_stream = None  # the whole-update graph's lane of NVFP4 redo / roll launches
+        self.high_lane = "quant"  # the whole-update graph's high-priority lane (UpdateProgram._lane_streams)
+        self.copy_stream = None
+        self.plain_stream = None
         # the whole update as one CUDA graph (UpdateProgram._capture_whole) where it can be; False: per-bucket graphs
         self.whole_graph = True
         self.whole = None

@@ -3,7 +3,8 @@
     source benchmarks/device_setup.sh && python3 benchmarks/weight_update_gpu.py --reps 3 --out $OUT/wu.json
 
 Modes, side by side in one run (same weights, same receiver); any of them "<mode>/bucket": a CUDA graph per bucket
-and lane instead of one graph of the whole update (backends/update_program.py UpdateProgram._capture_whole):
+and lane instead of one graph of the whole update (backends/update_program.py UpdateProgram._capture_whole), or
+"<mode>/hi=copy" / "/hi=none": the whole-update graph's copy lane on the high-priority stream / neither lane:
   * direct (the default colocated path): InProcessTransport(persistent=True) hands out the receiver's own bucket
     buffers and the program quantizes / packs straight into them (no pool buffer, no second copy), NVFP4 by
     seg_amax + nvfp4_segment, a bucket's small high-precision pieces in one launch;
@@ -222,7 +223,9 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
                                                       WeightSender)
 
     full_mode = mode
-    mode, _, graph_mode = mode.partition("/")  # "<mode>/bucket": a CUDA graph per bucket, not one per update
+    # "<mode>/bucket": a CUDA graph per bucket, not one per update; "<mode>/hi=<lane>": that lane of the whole-update
+    # graph on the high-priority stream (quant, copy or none)
+    mode, *graph_opts = mode.split("/")
     direct = mode.startswith("direct")
     tr = InProcessTransport(persistent=True, direct=direct)
     t0 = time.perf_counter()
@@ -242,8 +245,13 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
                               prep.tensors)
     if mode == "direct-serial":  # every launch on one stream, bucket after bucket (no lanes)
         prep.bound.lanes = False
-    if graph_mode == "bucket":
-        prep.bound.whole_graph = False
+    for opt in graph_opts:
+        if opt == "bucket":
+            prep.bound.whole_graph = False
+        elif opt.startswith("hi="):
+            prep.bound.high_lane = opt[3:]
+        else:
+            raise SystemExit(f"unknown mode option /{opt} (bucket, hi=quant|copy|none)")
     t_bind = time.perf_counter() - t0
     rx = WeightReceiver(plan, tr, check_equal=False)  # the rollout's one receiver, kept across updates
     holder = {}
@@ -272,7 +280,7 @@ def _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=N
             update()
             torch.cuda.synchronize()
         TRACE_DIR.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(TRACE_DIR / f"{label.split()[0]}_{pname}_{full_mode.replace('/', '+')}.json"))
+        prof.export_chrome_trace(str(TRACE_DIR / f"{label.split()[0]}_{pname}_{full_mode.replace('/', '_').replace('=', '_')}.json"))
     # the predicted NVFP4 kernel's worst case: every group amax differs from the last update's (all redone); its
     # kept amaxes are invalidated before each timed update (outside the timing)
     states = [st["prev_bits"] for st in prep.bound.seg_state.values() if "prev_bits" in st]

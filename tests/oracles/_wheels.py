@@ -34,19 +34,50 @@ def download(req: str, error: type[Exception], *, source: bool = False, python_v
     if found:
         return found[0]
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-           "--no-binary=:all:" if source else "--only-binary=:all:", "-d", str(dest), req]
-    if python_version:
-        cmd[4:4] = ["--python-version", python_version]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise error(f"cannot download {req} from the package registry: {err}") from err
-    found = sorted(dest.glob(pattern))
-    if r.returncode != 0 or not found:
-        raise error(f"cannot download {req} from the package registry ({' '.join(cmd)}): "
-                    f"{(r.stderr or r.stdout).strip()[-600:]}")
-    return found[0]
+    # one download at a time per requirement (pytest-xdist workers share the cache), into a fresh directory whose
+    # file is then renamed into place: a reader never sees a wheel that pip is still writing
+    with _locked(dest / f".lock-{name}-{version}"):
+        found = sorted(dest.glob(pattern))
+        if found:
+            return found[0]
+        tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=dest))
+        try:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+                   "--no-binary=:all:" if source else "--only-binary=:all:", "-d", str(tmp), req]
+            if python_version:
+                cmd[4:4] = ["--python-version", python_version]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired) as err:
+                raise error(f"cannot download {req} from the package registry: {err}") from err
+            got = sorted(tmp.glob(pattern))
+            if r.returncode != 0 or not got:
+                raise error(f"cannot download {req} from the package registry ({' '.join(cmd)}): "
+                            f"{(r.stderr or r.stdout).strip()[-600:]}")
+            os.replace(got[0], dest / got[0].name)
+            return dest / got[0].name
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _locked:
+    """An exclusive advisory lock on `path` (created) for the duration of a with-block."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
 
 
 def install_site(name: str, fill: Callable[[Path], None], marker: str) -> Path:
@@ -57,16 +88,19 @@ def install_site(name: str, fill: Callable[[Path], None], marker: str) -> Path:
     if (site / ".complete").is_file():
         return site
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
-    try:
-        fill(tmp)
-        (tmp / ".complete").write_text(marker)
-        if site.exists():
-            shutil.rmtree(site)
-        os.rename(tmp, site)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _locked(root / f".lock-{name}"):  # one worker makes it; the others wait, then reuse it
+        if (site / ".complete").is_file():
+            return site
+        tmp = Path(tempfile.mkdtemp(prefix=".site-", dir=root))
+        try:
+            fill(tmp)
+            (tmp / ".complete").write_text(marker)
+            if site.exists():
+                shutil.rmtree(site)
+            os.rename(tmp, site)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return site
 
 
