@@ -31,7 +31,10 @@ In direct mode the update runs in two lanes when it quantizes anything: the copi
 (bound by HBM) on the current stream, every bucket's quantize launches (bound by instructions) on a high-priority
 side stream, joined before the sends - the receiver reads no bucket before the update closes, and each bucket has its
 own buffer. On the 30B-shaped model the copies then fill the ~3.5 ms of gaps between the quantize launches (24.6 vs
-27.8 ms for NVFP4 on an H200, benchmarks/RESULTS.md session 19).
+27.8 ms for NVFP4 on an H200, benchmarks/RESULTS.md session 19). From the second update on, such an update replays
+as ONE CUDA graph with its lanes as streams forked and joined inside it (`UpdateProgram._capture_whole`): no launch
+gap between buckets, one host launch, and the NVFP4 bucket launches' redo / roll tails on a third stream so the next
+bucket's quantize launch follows the last one directly.
 
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
 (`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
@@ -297,12 +300,14 @@ class UpdateProgram:
         pool buffer, no second copy: for BF16 the pack copy is the only copy) and `send` only passes the message.
         Otherwise buckets are filled into two pool buffers that `send` copies out.
 
-        From the second run on, each bucket's launches (a few hundred for a large MoE: per layer the expert
-        segments plus the small norms/router/attention pieces) are replayed from one CUDA graph per bucket: the
-        inputs, the bucket buffers and the counters have fixed addresses, so the graph is the whole program and
-        the host cost no longer scales with the number of segments (a change of the bucket buffers - new
-        receiver buffers - captures again). Buckets with a per-unit (`ref`) segment, whose reference code may
-        synchronise with the host, stay eager."""
+        From the second run on, the launches (a few hundred for a large MoE: per layer the expert segments plus the
+        small norms/router/attention pieces) are replayed from CUDA graphs: the inputs, the bucket buffers and the
+        counters have fixed addresses, so a graph is the whole program and the host cost no longer scales with the
+        number of segments (a change of the bucket buffers - new receiver buffers - captures again). In direct
+        mode without fingerprints the whole update is ONE graph (`_capture_whole`: its lanes are streams forked
+        and joined inside it, so no launch gap between buckets, and the host launches once); otherwise one graph
+        per bucket and lane. Buckets with a per-unit (`ref`) segment, whose reference code may synchronise with the
+        host, stay eager (and keep the whole update off the one graph)."""
         import torch
 
         from precision_dsl.kernels import triton_segments as ks
@@ -320,7 +325,12 @@ class UpdateProgram:
         else:
             bound.pool = None  # direct: the receiver's buffers are the only bucket memory
         bad = bound.bad
-        bad.zero_()
+        # one graph of the whole update (direct mode, nothing fingerprinted, no bucket eager): its first node zeroes
+        # the non-finite counter
+        whole = (bound.whole_graph and bound.use_graphs and bound.pool is None and not check_equal
+                 and dev.type == "cuda" and bound.runs >= 1 and not self.eager_buckets)
+        if not whole:
+            bad.zero_()
         fps = torch.zeros(len(self.buckets), dtype=torch.int64, device=dev) if check_equal else None
         handles = bound.handles  # kept across updates: the last transfers of update s guard update s+1
         # Two lanes (direct mode, nothing fingerprinted per bucket, something quantized): every bucket writes its own
@@ -331,11 +341,8 @@ class UpdateProgram:
         key = tuple(t.data_ptr() for t in targets)
         if bound.graph_key != key:
             bound.graphs = None
-        # one graph of the whole update (direct mode, nothing fingerprinted, no bucket eager): bucket after bucket
-        # within a lane with no launch gap between graphs, the redo / roll tails of the NVFP4 bucket launches on a
-        # third stream beside the next bucket's quantize launch
-        whole = (bound.whole_graph and bound.use_graphs and bound.pool is None and fps is None and dev.type == "cuda"
-                 and bound.runs >= 1 and not self.eager_buckets)
+        # the whole-update graph: bucket after bucket within a lane with no launch gap between graphs, the redo /
+        # roll tails of the NVFP4 bucket launches on a third stream beside the next bucket's quantize launch
         if whole:
             for h in handles:  # a previous update's transfers out of pool buffers (a mode switch)
                 if h is not None:
@@ -471,6 +478,7 @@ class UpdateProgram:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             cur = torch.cuda.current_stream(dev)
+            bound.bad.zero_()
             if lanes:
                 _, ts = self._streams(bound, dev)
                 qs, cs = self._lane_streams(bound, dev, cur)
