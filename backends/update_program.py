@@ -34,7 +34,7 @@ own buffer. On the 30B-shaped model the copies then fill the ~3.5 ms of gaps bet
 27.8 ms for NVFP4 on an H200, benchmarks/RESULTS.md session 19). From the second update on, such an update replays
 as ONE CUDA graph with its lanes as streams forked and joined inside it (`UpdateProgram._capture_whole`): no launch
 gap between buckets, one host launch, and the NVFP4 bucket launches' redo / roll tails on a third stream so the next
-bucket's quantize launch follows the last one directly.
+bucket's quantize launch follows the last one directly; in that graph the copy lane has the high priority.
 
 Per update (`run`), the host only launches kernels: no per-tensor Python when the inputs were bound once
 (`bind`, zero-copy when the members of a segment are consecutive views of one buffer, as in Megatron's grouped
@@ -467,10 +467,11 @@ class UpdateProgram:
         return bound.plain_stream, cur
 
     def _capture_whole(self, bound: "Bound", targets: list, lanes: bool):
-        """One CUDA graph of every bucket's launches. lanes: the quantize launches on the quantize stream, the
-        NVFP4 bucket launches' redo / roll tails on the tail stream (each after its own bucket's quantize launch,
-        beside the next bucket's), the high-precision copies on the capturing stream, all joined at the end;
-        else every launch on one stream, bucket after bucket (each lane's launches as eager)."""
+        """One CUDA graph of every bucket's launches. lanes: the quantize launches and the high-precision copies
+        each on their own stream (`_lane_streams`: which one has the high priority), the NVFP4 bucket launches'
+        redo / roll tails on the tail stream (each after its own bucket's quantize launch, beside the next
+        bucket's), all forked from and joined into the capturing stream; else every launch on one stream, bucket
+        after bucket (each lane's launches as eager)."""
         import torch
 
         dev = bound.device
@@ -687,7 +688,11 @@ class Bound:
         self.lanes = True  # direct mode: copies and quantize launches on two streams (UpdateProgram.run)
         self.quant_stream = None  # the quantize lane's high-priority stream
         self.tail_stream = None  # the whole-update graph's lane of NVFP4 redo / roll launches
-        self.high_lane = "quant"  # the whole-update graph's high-priority lane (UpdateProgram._lane_streams)
+        # the whole-update graph's high-priority lane (UpdateProgram._lane_streams): the copies, so that the
+        # HBM-bound copy kernels take SM slots as the quantize programs retire instead of running alone at the end.
+        # H200, 1.34B model, session 21: graph GPU time NVFP4 1092 vs 1126 us with the quantize lane high, MXFP8
+        # 1145 vs 1180 us (benchmarks/RESULTS.md)
+        self.high_lane = "copy"
         self.copy_stream = None
         self.plain_stream = None
         # the whole update as one CUDA graph (UpdateProgram._capture_whole) where it can be; False: per-bucket graphs
