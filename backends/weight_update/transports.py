@@ -95,7 +95,9 @@ class InProcessTransport:
         Either way a persistent receiver's weights are overwritten while the update is under way: an update that
         is aborted after that (NaN/Inf counted on the GPU, a failure part-way) leaves them torn; the abort says so
         and the receiver then refuses to serve them until a complete update lands (WeightReceiver.stale)."""
-        self._q: "queue.Queue" = queue.Queue()
+        # SimpleQueue: the C queue (put / get with timeout / empty), a few times cheaper per message than
+        # queue.Queue's Condition, and an update passes a message per bucket
+        self._q: "queue.SimpleQueue" = queue.SimpleQueue()
         self.persistent = persistent
         self.direct = bool(persistent and direct)
         self._dst: dict = {}
@@ -149,19 +151,20 @@ class InProcessTransport:
         copy it into a receiver-side buffer on a separate copy stream (ordered after the work that filled it), so
         the sender can fill the next bucket meanwhile. Returns a handle whose wait() makes the sender's stream
         wait for the copy before it reuses `buf` (None when nothing was copied); nothing blocks the host."""
-        import torch
-
         k = self._k
         self._k += 1
         own = self._dst.get(k) if self.direct else None
-        on_gpu = buf.device.type == "cuda"  # CPU buffers: the Triton interpreter's runs of the program (tests)
-        if own is not None and own.data_ptr() == buf.data_ptr() and own.numel() == buf.numel():
+        if own is not None and (own is buf or (own.data_ptr() == buf.data_ptr() and own.numel() == buf.numel())):
             # filled in place: the receiver reads it only after 'close', whose one event orders its stream after
-            # the filling of every bucket (no event per bucket: a 30B update has ~100 buckets)
-            if on_gpu:
+            # the filling of every bucket (no event per bucket: a 30B update has ~100 buckets). CPU buffers: the
+            # Triton interpreter's runs of the program (tests)
+            if self._filled_on is None and buf.is_cuda:
                 self._filled_on = buf.device
             self._q.put(("bucket", meta, own, None))
             return None
+        import torch
+
+        on_gpu = buf.is_cuda
         if not on_gpu:
             dst = self._buffer(k, buf)
             dst.copy_(buf)
