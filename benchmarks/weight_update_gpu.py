@@ -165,6 +165,7 @@ def _gpu_profile(fn) -> tuple:
 
 HOST_PROFILE = False  # --host-profile
 HOST_SPLIT = False  # --host-split
+TRACE_DIR = None  # --trace
 
 
 def _host_split(update, bound, reps) -> dict:
@@ -201,7 +202,6 @@ def _host_split(update, bound, reps) -> dict:
         del g.replay
     keys = ("pre_launch_us", "launch_call_us", "graph_gpu_us", "post_launch_us", "update_us")
     return {k: statistics.median(r[i] for r in rows) for i, k in enumerate(keys)}
-TRACE_DIR = None  # --trace
 
 
 class _Clock:
