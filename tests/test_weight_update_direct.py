@@ -77,14 +77,20 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
     # run on two streams (UpdateProgram.run's lanes), eagerly on the first of these updates, from graphs after (on
     # CPU there is one stream: the steps above ran the same lanes one after the other)
     sender.check_equal = rx.check_equal = False
-    for step in range(3 if dev == "cuda" else 0):
-        if step == 1:
+
+    def update(scale):
+        """Scale every trainer weight in place (None: unchanged), update, and whether the bytes are the reference's."""
+        nonlocal raw
+        if scale is not None:
             with torch.no_grad():
                 for x in weights.values():
-                    x.mul_(-1.5)
+                    x.mul_(scale)
         sender.send(prep)
         raw = rx.receive_raw()
-        out[f"lanes.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
+        return not _same(raw, base._reference(plan, weights))
+
+    for step in range(3 if dev == "cuda" else 0):
+        out[f"lanes.step{step}.bytes"] = update(-1.5 if step == 1 else None)
     if dev == "cuda":  # two lanes exactly when something is quantized (a BF16 update is copies only)
         out["lanes"] = (prep.bound.quant_stream is not None) == sender.program().quantizes
         # from the second update on, the whole update replays as ONE graph (NVFP4 redo / roll on a third stream),
@@ -94,12 +100,7 @@ def check_direct_bytes(policy: str, dev: str) -> dict:
         # a graph per bucket and lane instead (the side-by-side benchmark's "/bucket" modes): the same bytes
         prep.bound.whole_graph = False
         for step in range(2):
-            with torch.no_grad():
-                for x in weights.values():
-                    x.mul_(-1.25)
-            sender.send(prep)
-            raw = rx.receive_raw()
-            out[f"bucket_graphs.step{step}.bytes"] = not _same(raw, base._reference(plan, weights))
+            out[f"bucket_graphs.step{step}.bytes"] = update(-1.25)
         out["bucket_graphs"] = prep.bound.graphs is not None
     ptrs = {b.data_ptr() for b in tr._dst.values()}
     out["views_of_receiver_buffers"] = all(raw[n].untyped_storage().data_ptr() in ptrs for n in list(raw)[:50])
