@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 
 def _interrupted_at_start_up(signum, frame) -> None:
@@ -77,13 +78,8 @@ def main() -> None:
 
     gc.set_threshold(200_000, 50, 100)
     interrupted: list[bool] = []
-
-    def on_sigint(signum, frame):
-        interrupted.append(True)
-        raise KeyboardInterrupt
-
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGINT, _sigint_handler(interrupted))
     try:
         app()
     except SystemExit as done:
@@ -99,6 +95,52 @@ def main() -> None:
         _leave_interrupted(said=False)
     else:
         _ignore_sigint()
+
+
+def _importing(frame) -> bool:
+    """Whether the thread that `frame` belongs to is inside an import: a module body still executing under
+    importlib's `_find_and_load` (a module already in sys.modules never reaches it)."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_find_and_load" and code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _sigint_handler(interrupted: list):
+    """The command's SIGINT handler: a KeyboardInterrupt at the next Python statement, except inside an import.
+
+    A KeyboardInterrupt raised inside an import can land in Python code that a C extension's initialiser calls:
+    torch 2.13's `torch/distributed/__init__.py` calls `torch._C._c10d_init()`, whose pybind11 code turns the
+    exception into a C++ throw it does not catch, and the process aborts ("Fatal Python error: Aborted"). So a
+    Ctrl-C during an import is held and delivered again once the main thread has left every import (at most the
+    import's duration: ~1-2 s for torch)."""
+    redelivery = threading.Lock()
+    main_ident = threading.main_thread().ident
+
+    def deliver_after_imports() -> None:
+        try:
+            while True:
+                time.sleep(0.01)
+                frame = sys._current_frames().get(main_ident)
+                if frame is None:  # the main thread is gone: nothing left to interrupt
+                    return
+                if not _importing(frame):
+                    break
+        finally:
+            redelivery.release()
+        signal.raise_signal(signal.SIGINT)  # runs this handler again in the main thread, outside the import
+
+    def on_sigint(signum, frame):
+        if _importing(frame):
+            if redelivery.acquire(blocking=False):  # one pending Ctrl-C is enough
+                threading.Thread(target=deliver_after_imports, name="policyc-sigint", daemon=True).start()
+            return
+        interrupted.append(True)
+        raise KeyboardInterrupt
+
+    return on_sigint
 
 
 def _ignore_sigint() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from precision_dsl import cli
 from precision_dsl.backends import converter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,6 +23,41 @@ def test_restoring_torch_threads_never_imports_torch(monkeypatch):
     the middle of `import torch`), it must not import torch again: a half-initialised torch raises anything."""
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     converter._TorchThreads().set(None)
+
+
+_HELD_DURING_IMPORT = """
+import signal, sys, time
+from precision_dsl import cli
+signal.signal(signal.SIGINT, cli._sigint_handler([]))
+sys.path.insert(0, sys.argv[1])
+try:
+    import interrupts_itself  # its body sends SIGINT, then keeps running for 0.3 s
+    time.sleep(2)  # the held interrupt is delivered within ~10 ms of the import's end
+except KeyboardInterrupt:
+    print("interrupt outside the import:", sys.modules["interrupts_itself"].DONE)
+    raise SystemExit(130)
+print("no interrupt")
+"""
+
+
+def test_a_ctrl_c_inside_an_import_is_held_until_the_import_is_done(tmp_path):
+    """Deterministic form of the torch case (an interrupt inside `torch._C._c10d_init()` aborts the process): the
+    module body is never interrupted, and the KeyboardInterrupt arrives right after the import."""
+    (tmp_path / "interrupts_itself.py").write_text(
+        "import signal, time\nsignal.raise_signal(signal.SIGINT)\n"
+        "for _ in range(30):\n    time.sleep(0.01)\nDONE = True\n")
+    run = subprocess.run([sys.executable, "-c", _HELD_DURING_IMPORT, str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 130, (run.returncode, run.stdout, run.stderr)
+    assert run.stdout.strip() == "interrupt outside the import: True", run.stdout + run.stderr
+
+
+def test_a_ctrl_c_outside_imports_raises_at_once():
+    interrupted: list = []
+    handler = cli._sigint_handler(interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, sys._getframe())
+    assert interrupted == [True]
 
 
 def _convert(out: Path) -> subprocess.Popen:
