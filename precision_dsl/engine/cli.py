@@ -47,6 +47,61 @@ def _fresh_out_dir(out: Optional[Path], default_name: str, overwrite: bool) -> P
     return out
 
 
+def _resume_state_or_none(out: Path):
+    from . import resume
+
+    try:
+        return resume.read_state(out)
+    except resume.ResumeError:
+        return None
+
+
+def _run_out_dir(out: Optional[Path], default_name: str, overwrite: bool, cfg) -> tuple[Path, Optional[dict]]:
+    """The run directory, and the resume state to continue from (None: from the start). An interrupted run of the
+    same configuration is resumed: the one in --out, or without --out the first runs/<name>[-k] holding one. An
+    --out holding an interrupted run of another configuration is refused; --overwrite starts over."""
+    from ..console import UserError
+    from . import resume
+
+    if out is None:
+        base = Path("runs") / default_name
+        cand, i = base, 2
+        while cand.exists() and any(cand.iterdir()):
+            meta = _resume_state_or_none(cand)
+            if meta is not None and resume.mismatch(meta, cfg) is None:
+                return cand, meta
+            cand, i = Path(f"{base}-{i}"), i + 1
+        cand.mkdir(parents=True, exist_ok=True)
+        return cand, None
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file", "pass a directory")
+    if out.exists() and any(out.iterdir()):
+        if overwrite:
+            resume.finish(out)  # starting over: the old checkpoint must never be resumed into this run
+            return out, None
+        meta = resume.read_state(out)
+        if meta is None:
+            raise UserError(f"output directory {out} is not empty", "pass a new --out or add --overwrite")
+        why = resume.mismatch(meta, cfg)
+        if why:
+            raise UserError(f"{out} holds an interrupted run of another configuration ({why})",
+                            "pass the same options to resume it, a new --out, or --overwrite to start over")
+        return out, meta
+    out.mkdir(parents=True, exist_ok=True)
+    return out, None
+
+
+def _resume_hint(out_dir: Path, overwrite: bool) -> str:
+    """What an interrupted `policyc run` says: what is kept and how to go on."""
+    meta = _resume_state_or_none(out_dir)
+    again = "re-run the same command" + (" without --overwrite" if overwrite else "")
+    if meta is None:
+        return f"nothing was checkpointed in {out_dir}"
+    if meta["step"] == 0:
+        return f"no step was checkpointed yet; {again} to start again in {out_dir}"
+    return f"steps 1-{meta['step']} are checkpointed in {out_dir}; {again} to resume after step {meta['step']}"
+
+
 def _step_info(m, window: list[float]) -> str:
     window.append(m.reward_mean)
     avg = sum(window[-10:]) / len(window[-10:])
@@ -86,7 +141,7 @@ def run_console():
     return console()
 
 
-def _live_run(cfg, title: str):
+def _live_run(cfg, title: str, resume_state: Optional[dict] = None):
     """Run the loop with a rich progress bar + live metrics on a terminal; one plain line per 10 steps otherwise
     (logs, CI). Returns RunResult."""
     import time
@@ -102,7 +157,7 @@ def _live_run(cfg, title: str):
         import threading
 
         t0 = time.perf_counter()
-        last = [t0, 0]  # time of the last line, last finished step
+        last = [t0, resume_state["step"] if resume_state else 0]  # time of the last line, last finished step
         lock = threading.Lock()
 
         def say(text: str) -> None:
@@ -126,7 +181,7 @@ def _live_run(cfg, title: str):
         beat = threading.Thread(target=heartbeat, name="policyc-progress", daemon=True)
         beat.start()
         try:
-            return run(cfg, on_step=on_plain_step)
+            return run(cfg, on_step=on_plain_step, resume_state=resume_state)
         finally:
             stop.set()
             beat.join()
@@ -134,12 +189,13 @@ def _live_run(cfg, title: str):
                   TextColumn("{task.fields[info]}"), console=con, transient=False) as prog:
         from rich.markup import escape
 
-        task_id = prog.add_task(escape(title), total=cfg.steps, info="starting")
+        task_id = prog.add_task(escape(title), total=cfg.steps, info="starting",
+                                completed=resume_state["step"] if resume_state else 0)
 
         def on_step(m):
             prog.update(task_id, advance=1, info=_step_info(m, window))
 
-        return run(cfg, on_step=on_step)
+        return run(cfg, on_step=on_step, resume_state=resume_state)
 
 
 def register(app: typer.Typer) -> None:
@@ -178,7 +234,12 @@ def register(app: typer.Typer) -> None:
         parallel: Optional[str] = typer.Option(None, "--parallel", help="miles: parallel layout, e.g. "
                                                "'trainer:tp=4,ep=8 rollout:tp=8,ep=8'"),
         launch: bool = typer.Option(False, "--launch", help="miles: execute the script (needs Miles installed)"),
-        overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out (an interrupted run "
+                                       "there starts over instead of resuming)"),
+        checkpoint_every: float = typer.Option(10.0, "--checkpoint-every", min=0, help="checkpoint the run into "
+                                               "OUT/resume at most every SECONDS (0: every step; kept under ~5% "
+                                               "of the run's time); the same command run again resumes after "
+                                               "the last checkpoint"),
         rollout_numerics: str = typer.Option("independent", "--rollout-numerics",
                                              help="independent (own quantizers + bf16 quantized-domain GEMMs) | "
                                                   "mirror (the trainer's quantizers and fp32 GEMM)"),
@@ -231,10 +292,11 @@ def register(app: typer.Typer) -> None:
                               rollout_device=rollout_device, trainer_etp=trainer_etp, rollout_etp=rollout_etp,
                               force_layout=force_layout, rollout_numerics=rollout_numerics,
                               routing_replay=routing_replay, max_new_tokens=max_new_tokens,
-                              train_micro_batch=micro_batch)
+                              train_micro_batch=micro_batch, checkpoint_every_s=checkpoint_every)
             name = policy_path(chosen).stem
-            out_dir = _fresh_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}" if broken_contract
-                                                                else ""), overwrite)
+            out_dir, resume_state = _run_out_dir(out, f"{name}-s{seed}" + (f"-broken-{broken_contract}"
+                                                                            if broken_contract else ""),
+                                                 overwrite, cfg)
             cfg = cfg.model_copy(update={"out": out_dir})  # validated above; the directory exists only now
             con.print("[bold]policyc run[/] " + escape(f"{name} on {model} · task {task} · {steps} steps · seed "
                                                        f"{seed} · {device}" + (f" · rollout process on "
@@ -242,8 +304,19 @@ def register(app: typer.Typer) -> None:
                                                        + (" · routing replay" if routing_replay else "")),
                       markup=True)
             con.print(use_available_threads())
-            result = _live_run(cfg, name)
+            if resume_state is not None:
+                done = resume_state["step"]
+                con.print(escape(f"resuming {out_dir} after step {done} of {steps}" if done else
+                                 f"starting {out_dir} again (interrupted before its first checkpoint)"))
+            try:
+                result = _live_run(cfg, name, resume_state)
+            except KeyboardInterrupt as err:
+                err.resume = _resume_hint(out_dir, overwrite)  # guard() prints it after "interrupted"
+                raise
             s = write_run(result, out_dir)
+            from .resume import finish
+
+            finish(out_dir)  # complete: nothing is left to resume
             con.print(s["note"])
             con.print(f"plan {s['plan_hash'][:23]}…" + ("" if s["plan_hash"] == s["rollout_plan_hash"] else
                       f"  [bold red]rollout plan {s['rollout_plan_hash'][:23]}… (contract deliberately broken)[/]"),

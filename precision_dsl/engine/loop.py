@@ -24,7 +24,8 @@ from ..arch import load_architecture
 from ..checks import check
 from ..plan import ParallelLayout, ParallelSide
 from ..precision import Precision
-from .metrics import SpikeDetector, StepMetrics, k3, masked_mean
+from . import resume
+from .metrics import SpikeDetector, StepLog, StepMetrics, k3, masked_mean
 from .model import load_model, resolve_model_dir
 from .plans import broken_rollout_plan, load_plan
 from .qlinear import TrainerExecutor
@@ -79,6 +80,8 @@ class RunConfig(BaseModel):
     routing_replay: bool = False
     check_weight_bytes: bool = True  # compare trainer vs rollout quantized bytes after every update
     out: Optional[Path] = None
+    # checkpoint the loop into out/resume/ at most this often (resume.py; 0: after every step); None: never
+    checkpoint_every_s: Optional[float] = Field(None, ge=0, le=1e6, allow_inf_nan=False)
 
     @field_validator("device", "rollout_device")
     @classmethod
@@ -109,6 +112,7 @@ class RunResult(BaseModel):
     native_fp8_errors: dict[str, str] = Field(default_factory=dict)  # cuBLASLt refusals of native FP8 GEMMs, if any
     train_gemm_flops: int = 0  # trainer linears' GEMM FLOPs over the whole run (forward + backward)
     weight_update_path: str = ""  # "device" | "host" | "host (device path failed: ...)" (weight_path.LiveUpdateChannel)
+    resumed_from_step: int = 0  # the checkpointed step this process resumed after (0: ran from the start)
 
 
 def _bf16_plan(plan):
@@ -155,9 +159,18 @@ def make_rollout(cfg: RunConfig, model_dir: Path, plan, trainer_config) -> Rollo
     return LocalRollout(trainer_config, plan, device=cfg.device, etp=cfg.rollout_etp, numerics=cfg.rollout_numerics)
 
 
+def _added(a: dict, b: dict) -> dict:
+    return dict(sorted({k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}.items()))
+
+
 def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
-        on_start: Optional[Callable[[RunResult], None]] = None) -> RunResult:
+        on_start: Optional[Callable[[RunResult], None]] = None, resume_state: Optional[dict] = None) -> RunResult:
+    """resume_state: resume.read_state(cfg.out) of an interrupted run of this configuration: continue after its
+    checkpointed step (the metrics of the steps before it are read back from cfg.out/metrics.jsonl)."""
     t_start = time.perf_counter()
+    checkpoints = cfg.out is not None and cfg.checkpoint_every_s is not None
+    if checkpoints and resume_state is None:
+        resume.start(cfg.out, cfg)
     device = cfg.device
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device is available (hint: --device cpu)")
@@ -188,6 +201,22 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
 
     result = RunResult(config=cfg, policy_name=plan.policy_name, plan_hash=plan.content_hash(),
                        rollout_plan_hash=rollout_plan.content_hash(), emulated=emulated_formats(plan))
+    done = resume_state["step"] if resume_state else 0
+    counters, elapsed_before = {}, 0.0
+    if done:  # everything that carries from one step to the next, as it was after step `done`
+        resume.restore(cfg.out, resume_state, trainer, opt, rng, sampler_gen, spikes)
+        counters, elapsed_before = resume_state.get("counters") or {}, float(resume_state.get("elapsed_s") or 0)
+        result.resumed_from_step = done
+    metrics_log = StepLog(cfg.out / "metrics.jsonl", keep=done) if checkpoints else None
+    if metrics_log is not None:
+        result.steps = [StepMetrics(**d) for d in metrics_log.kept]
+    schedule = resume.Schedule(cfg.checkpoint_every_s or 0.0, time.perf_counter())
+
+    def counted() -> dict:
+        return {"trainer": _added(counters.get("trainer", {}), executor.gemm_report()),
+                "rollout": _added(counters.get("rollout", {}), rollout.gemm_report()),
+                "flops": counters.get("flops", 0) + executor.stats.flops}
+
     if on_start:
         on_start(result)
 
@@ -208,7 +237,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     weight_update()  # version 1: the rollout engine's first weights
 
     n = cfg.samples_per_prompt
-    for step in range(1, cfg.steps + 1):
+    for step in range(done + 1, cfg.steps + 1):
         # 1. prompts, each repeated n times (one GRPO group per prompt)
         problems = task.sample(rng, cfg.prompts_per_step)
         prompts = [tok.encode_prompt(p.prompt) for p in problems for _ in range(n)]  # chat template if any
@@ -289,16 +318,26 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
             quantized_weights_identical=identical, quantized_weights_differing=differing,
             routing_disagreement=routing_differ / routing_total if routing_total else None)
         result.steps.append(m)
+        if metrics_log is not None:
+            metrics_log.write(m)  # before the checkpoint of this step: a resumed run finds every earlier line
+            now = time.perf_counter()
+            if step < cfg.steps and schedule.due(now):
+                resume.save(cfg.out, cfg, step, trainer, opt, rng, sampler_gen, spikes, counted(),
+                            elapsed_before + now - t_start)
+                schedule.done(now, time.perf_counter())
         if on_step:
             on_step(m)
     rollout.close()
-    result.gemm_paths = executor.gemm_report()
+    if metrics_log is not None:
+        metrics_log.close()
+    total = counted()
+    result.gemm_paths = total["trainer"]
     result.native_fp8_errors = {str(k): v for k, v in executor.fp8.errors.items()}
-    result.rollout_gemm_paths = rollout.gemm_report()
-    result.train_gemm_flops = executor.stats.flops
+    result.rollout_gemm_paths = total["rollout"]
+    result.train_gemm_flops = total["flops"]
     ch = rollout.channel
     err = getattr(ch, "device_path_error", None)
     on_gpu = device == "cuda" and getattr(ch, "device_path", False)
     result.weight_update_path = "device" if on_gpu else (f"host (device path failed: {err})" if err else "host")
-    result.wall_s = time.perf_counter() - t_start
+    result.wall_s = elapsed_before + time.perf_counter() - t_start
     return result

@@ -78,6 +78,33 @@ class JsonlWriter:
         self._f.close()
 
 
+class StepLog(JsonlWriter):
+    """The metrics.jsonl of a resumable run: the first `keep` records of an earlier, interrupted run of it are kept
+    (`kept`, as dicts) and the rest dropped (steps after its last checkpoint run again), then every new step is
+    appended and flushed."""
+
+    def __init__(self, path: Path, keep: int = 0):
+        from .resume import ResumeError
+
+        self.path = Path(path)
+        self.kept: list[dict] = []
+        if keep:
+            try:
+                self.kept = [json.loads(line) for line in self.path.read_text().splitlines()[:keep]]
+            except (OSError, ValueError) as err:
+                raise ResumeError(f"{self.path}: the metrics of the checkpointed steps are unreadable ({err})",
+                                  "pass --overwrite to start the run over") from None
+            if len(self.kept) < keep or not all(isinstance(d, dict) and d.get("step") == i + 1
+                                                for i, d in enumerate(self.kept)):
+                raise ResumeError(f"{self.path}: holds {len(self.kept)} of the {keep} checkpointed steps' metrics",
+                                  "pass --overwrite to start the run over")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name("." + self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(d) + "\n" for d in self.kept))
+        os.replace(tmp, self.path)
+        self._f = open(self.path, "a")
+
+
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -91,7 +91,7 @@ def run_summary(result) -> dict:
         "routing_disagreement_mean": (statistics.fmean(r) if (r := [m.routing_disagreement for m in s
                                                                       if m.routing_disagreement is not None]) else None),
         "routing_replay": result.config.routing_replay, "rollout_numerics": result.config.rollout_numerics,
-        "model": result.config.model,
+        "model": result.config.model, "resumed_from_step": result.resumed_from_step,
         "gemm_paths": result.gemm_paths,
         "emulated_formats": list(result.emulated) if not isinstance(result.emulated, bool) else None,
         "wall_s": result.wall_s, "note": numerics_note(result.emulated, result.config.rollout_numerics,
