@@ -120,7 +120,7 @@ def save(out: Path, cfg, step: int, trainer, opt, rng, sampler_gen, spikes, coun
     _write_json(d / STATE, {"version": VERSION, "step": step, "config": config_key(cfg), "tensors": name,
                             "python_rng": [version, list(internal), gauss], "spike_history": list(spikes.history),
                             "counters": counters, "elapsed_s": elapsed_s})
-    for old in d.glob("state-*.safetensors"):  # the previous checkpoint, now superseded
+    for old in [*d.glob("state-*.safetensors"), *d.glob(".state-*.tmp")]:  # superseded, or cut off by a Ctrl-C
         if old.name != name:
             old.unlink(missing_ok=True)
 
