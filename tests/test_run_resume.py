@@ -192,3 +192,77 @@ def test_ctrl_c_in_a_real_run_says_what_is_kept_and_the_same_command_resumes(tmp
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming {out} after step {kept} of 12" in _flat(again.stdout + again.stderr)
     assert len(metrics.read_text().splitlines()) == 12 and not (out / "resume").exists()
+
+
+ABLATE = ["ablate", "bf16", "mxfp8-e2e", "--steps", "2", "--prompts", "2"]
+
+
+def _interrupted_ablation(monkeypatch, args: list, run_no: int, after: int):
+    """`policyc ablate ARGS` stopped by a Ctrl-C after step `after` of its run number `run_no` (from 1)."""
+    from precision_dsl.engine import loop
+
+    real, runs = loop.run, []
+
+    def stopping(cfg, on_step=None, **kw):
+        runs.append(cfg)
+
+        def step(m):
+            if on_step:
+                on_step(m)
+            if len(runs) == run_no:
+                _StopAfter(after)(m)
+
+        return real(cfg, on_step=step, **kw)
+
+    monkeypatch.setattr(loop, "run", stopping)
+    try:
+        return runner.invoke(app, args)
+    finally:
+        monkeypatch.setattr(loop, "run", real)
+
+
+def _summaries(out: Path) -> dict:
+    keep = ("reward_start", "reward_end", "mismatch_abs_logp_mean", "kl_ref_k3_end", "gemm_paths")
+    return {f.parent.name: {k: json.loads(f.read_text())[k] for k in keep} for f in sorted(out.glob("*/summary.json"))}
+
+
+@pytest.fixture
+def one_thread():
+    """--jobs N workers run on one torch thread each: the in-process runs too, so every run reduces the same way."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_an_interrupted_ablation_resumes_its_runs(tmp_path, monkeypatch, one_thread, jobs):
+    whole = tmp_path / "whole"
+    assert runner.invoke(app, ABLATE + ["--out", str(whole)]).exit_code == 0
+    out = tmp_path / "cut"
+    # every run checkpoints after each step here (the default is at most every 10 s)
+    monkeypatch.setattr("precision_dsl.engine.ablate.CHECKPOINT_EVERY_S", 0.0)
+    r = _interrupted_ablation(monkeypatch, ABLATE + ["--out", str(out)], run_no=2, after=1)
+    assert r.exit_code == 130, r.output
+    assert _flat(r.output).endswith(f"error: interrupted; 1 of 2 runs are finished in {out}, 1 checkpointed; "
+                                    f"re-run the same command to resume"), r.output
+    assert resume.read_state(out / "mxfp8-e2e-s0")["step"] == 1
+    r = runner.invoke(app, ABLATE + ["--out", str(out), "--jobs", jobs])  # the number of jobs is no setting of a run
+    assert r.exit_code == 0, r.output
+    assert f"resuming {out}: 1 of 2 runs already finished" in _flat(r.output), r.output
+    assert _summaries(out) == _summaries(whole)
+    assert json.loads((out / "mxfp8-e2e-s0" / "summary.json").read_text())["resumed_from_step"] == 1
+    assert not list(out.glob("*/resume"))
+
+
+def test_another_ablation_in_the_directory_is_refused_and_overwrite_starts_over(tmp_path, monkeypatch):
+    out = tmp_path / "cut"
+    assert _interrupted_ablation(monkeypatch, ABLATE + ["--out", str(out)], run_no=1, after=1).exit_code == 130
+    r = runner.invoke(app, ["ablate", "bf16", "--steps", "2", "--prompts", "2", "--out", str(out)])
+    assert r.exit_code == 2 and "holds another ablation" in _flat(r.output), r.output
+    r = runner.invoke(app, ["ablate", "bf16", "--steps", "2", "--prompts", "2", "--out", str(out), "--overwrite"])
+    assert r.exit_code == 0, r.output
+    assert "resuming" not in r.output and json.loads((out / "bf16-s0" / "summary.json").read_text())[
+        "resumed_from_step"] == 0

@@ -5,6 +5,10 @@ Runs execute one after the other (`jobs=1`) or in `jobs` spawned processes (each
 the numbers do not depend on `jobs`; only the phase times do: concurrent runs share the CPU cores / the GPU).
 Progress is shown while it runs: a live bar over all steps of all runs on a terminal, one line per finished run and
 every ~10% otherwise (logs, CI).
+
+An ablation is resumable: `out/ablation.json` records its runs' configurations, every run checkpoints itself
+(resume.py), and the same command run again keeps the finished runs, resumes the interrupted ones after their last
+checkpoint and starts the rest.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 MISMATCH_BOUND = {"independent": 5e-2, "mirror": 2e-3}  # documented bound for consistent contracts (tests)
+PLAN_FILE = "ablation.json"
+CHECKPOINT_EVERY_S = 10.0
 
 
 def _label(policy: str, broken: Optional[str]) -> str:
@@ -27,20 +33,54 @@ def _run_dir(out: Path, label: str, seed: int) -> Path:
     return out / (label.replace(" (broken ", "__broken-").replace(")", "") + f"-s{seed}")
 
 
+def _resume_state(cfg) -> Optional[dict]:
+    """The checkpoint of an interrupted run of exactly this configuration in cfg.out, or None (start afresh)."""
+    from . import resume
+
+    try:
+        meta = resume.read_state(cfg.out)
+    except resume.ResumeError:
+        return None
+    return meta if meta is not None and resume.mismatch(meta, cfg) is None else None
+
+
 def _one_run(cfg_json: str, run_dir: str, label: str, queue, threads: int) -> tuple[str, dict]:
-    """Worker body (also used in-process for jobs=1): run, write the run directory, report every step."""
+    """Worker body (also used in-process for jobs=1): run (resuming the run's checkpoint, if any), write the run
+    directory, report every step."""
+    import os
+
     import torch
 
+    from . import resume
     from .loop import RunConfig, run
     from .report import run_summary, write_run
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = RunConfig.model_validate_json(cfg_json)
-    res = run(cfg, on_step=lambda m: queue.put((label, cfg.seed, m.step, m.reward_mean, m.mismatch_abs_logp)))
+    cfg = RunConfig.model_validate_json(cfg_json).model_copy(update={"out": Path(run_dir)})
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    write_run(res, Path(run_dir))
+    state = _resume_state(cfg)
+    queue.put(("started", os.getpid(), state["step"] if state else 0))
+    try:
+        res = run(cfg, on_step=lambda m: queue.put((label, cfg.seed, m.step, m.reward_mean, m.mismatch_abs_logp)),
+                  resume_state=state)
+        write_run(res, Path(run_dir))
+        resume.finish(Path(run_dir))
+    finally:
+        queue.put(("ended", os.getpid(), 0))
     return label, run_summary(res)
+
+
+def _finished(run_dir: Path, cfg) -> Optional[dict]:
+    """The summary of a run of this configuration that an earlier invocation finished, or None."""
+    import json
+
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = (s.get("steps") == cfg.steps and s.get("seed") == cfg.seed and not (run_dir / "resume").exists())
+    return s if same else None
 
 
 class _Progress:
@@ -59,6 +99,12 @@ class _Progress:
                                 TextColumn("{task.fields[info]}"), console=con)
             self.bar.start()
             self.task = self.bar.add_task("ablate", total=total_steps, info="starting")
+
+    def skip(self, steps: int) -> None:
+        """Steps that an earlier, interrupted invocation already ran (a finished or checkpointed run)."""
+        self.done_steps += steps
+        if self.bar is not None:
+            self.bar.update(self.task, advance=steps)
 
     def step(self, label: str, seed: int, step: int, reward: float, mismatch: float) -> None:
         import time
@@ -94,12 +140,43 @@ def _configs(policies: Sequence[str], broken_contract: Sequence[str]) -> list[tu
     return configs
 
 
+def _claim(out: Path, plan: list, fresh: bool) -> bool:
+    """Record this ablation's runs in out/ablation.json; True when `out` holds an interrupted ablation of the same
+    runs (resume it). Another ablation there is refused unless `fresh` (--overwrite: start over)."""
+    import json
+
+    from . import resume
+    from ..console import UserError
+    from .metrics import write_json_atomic
+
+    want = {"version": 1, "runs": [{"dir": _run_dir(out, label, seed).name, "config": resume.config_key(cfg)}
+                                   for label, seed, cfg in plan]}
+    path = out / PLAN_FILE
+    have = None
+    if path.is_file():
+        try:
+            have = json.loads(path.read_text())
+        except (OSError, ValueError):
+            have = "unreadable"
+    if have is not None and have != want and not fresh:
+        raise UserError(f"{out} holds {'an unreadable' if have == 'unreadable' else 'another'} ablation "
+                        f"({PLAN_FILE} lists other runs)", "pass the same arguments to resume it, a new --out, "
+                        "or --overwrite to start over")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, want)
+    return have == want and not fresh
+
+
 def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
            broken_contract: Sequence[str] | str | None = (), device: str = "cpu", prompts: int = 16,
            lr: float = 3e-4, quiet: bool = False, model: str = "tiny-moe", task: str = "arithmetic", digits: int = 2,
-           jobs: int = 1, rollout_numerics: str = "independent", routing_replay: bool = False) -> dict:
+           jobs: int = 1, rollout_numerics: str = "independent", routing_replay: bool = False,
+           fresh: bool = False, again: str = "re-run the same command") -> dict:
+    """fresh: start every run over (ignore finished runs and checkpoints of an earlier invocation). again: what the
+    user runs to resume, for the message of an interrupt."""
     from rich.console import Console
 
+    from . import resume
     from .loop import RunConfig
 
     if isinstance(broken_contract, str):
@@ -112,26 +189,53 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
             plan.append((_label(policy, broken), seed, RunConfig(
                 policy=policy, model=model, task=task, digits=digits, steps=steps, seed=seed, device=device,
                 prompts_per_step=prompts, lr=lr, broken_contract=broken, rollout_numerics=rollout_numerics,
-                routing_replay=routing_replay)))
+                routing_replay=routing_replay, checkpoint_every_s=CHECKPOINT_EVERY_S)))
+    resuming = _claim(out, plan, fresh)
     con.print(f"ablate: {len(plan)} runs ({len(plan) // seeds} configs x {seeds} seeds) x {steps} steps on {model} "
               f"({device}, {jobs} at a time)", markup=False)
     progress = _Progress(con, len(plan) * steps, len(plan))
     summaries: dict[str, list[dict]] = {}
     for label, _, _ in plan:
         summaries.setdefault(label, [])
+    todo = []
+    for label, seed, cfg in plan:
+        run_dir = _run_dir(out, label, seed)
+        if fresh:
+            resume.finish(run_dir)  # an earlier checkpoint there must not be resumed into this ablation
+        done = _finished(run_dir, cfg) if resuming else None
+        if done is not None:
+            summaries[label].append(done)
+            progress.skip(steps)
+            progress.run_done(label, done)
+        else:
+            todo.append((label, seed, cfg))
+    if resuming:
+        con.print(f"resuming {out}: {len(plan) - len(todo)} of {len(plan)} runs already finished", markup=False)
     try:
         if jobs == 1:
             class _Direct:  # in-process "queue": report straight to the progress display
                 def put(self, item):
-                    progress.step(*item)
+                    if item[0] == "started":
+                        progress.skip(item[2])
+                    elif item[0] != "ended":
+                        progress.step(*item)
 
             direct = _Direct()
-            for label, seed, cfg in plan:
+            for label, seed, cfg in todo:
                 _, s = _one_run(cfg.model_dump_json(), str(_run_dir(out, label, seed)), label, direct, 0)
                 summaries[label].append(s)
                 progress.run_done(label, s)
         else:
-            _parallel(plan, out, jobs, device, progress, summaries)
+            _parallel(todo, out, jobs, device, progress, summaries)
+    except KeyboardInterrupt as err:
+        finished = sum(len(v) for v in summaries.values())
+        checkpointed = sum(1 for label, seed, cfg in todo
+                           if ((_resume_state(cfg.model_copy(update={"out": _run_dir(out, label, seed)})) or {})
+                               .get("step") or 0) > 0)
+        err.resume = (f"{finished} of {len(plan)} runs are finished in {out}"
+                      + (f", {checkpointed} checkpointed" if checkpointed else "")
+                      + f"; {again} to resume")  # console.guard prints it after "interrupted"
+        raise
     finally:
         progress.close()
     return summarize(out, summaries, seeds=seeds, steps=steps, model=model, quiet=quiet, jobs=jobs,
@@ -141,28 +245,59 @@ def ablate(policies: Sequence[str], *, seeds: int, steps: int, out: Path,
 def _parallel(plan, out: Path, jobs: int, device: str, progress: _Progress, summaries: dict) -> None:
     import multiprocessing as mp
     import os
-    import queue as _q
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     ctx = mp.get_context("spawn")  # CUDA cannot be forked
     manager = ctx.Manager()
     q = manager.Queue()
     threads = 1 if device == "cpu" else max(1, (os.cpu_count() or 2) // jobs)
+    try:
+        _run_pool(plan, out, jobs, ctx, q, threads, progress, summaries)
+    finally:
+        manager.shutdown()  # also after a failed or interrupted run: the manager is a process of its own
+
+
+def _run_pool(plan, out: Path, jobs: int, ctx, q, threads: int, progress: _Progress, summaries: dict) -> None:
+    import os
+    import queue as _q
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
     with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         pending = {pool.submit(_one_run, cfg.model_dump_json(), str(_run_dir(out, label, seed)), label, q, threads)
                    for label, seed, cfg in plan}
-        while pending:
-            done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
-            while True:
+        running: set = set()  # pids of the workers inside a run
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                while True:
+                    try:
+                        item = q.get_nowait()
+                    except _q.Empty:
+                        break
+                    if item[0] == "started":
+                        running.add(item[1])
+                        progress.skip(item[2])
+                    elif item[0] == "ended":
+                        running.discard(item[1])
+                    else:
+                        progress.step(*item)
+                for f in done:
+                    label, s = f.result()  # a failed run raises here, with its own message
+                    summaries[label].append(s)
+                    progress.run_done(label, s)
+        except KeyboardInterrupt:
+            # a Ctrl-C on the terminal reaches every worker too; a SIGINT to this process alone is passed on to
+            # the workers inside a run (each stops at its next statement, its checkpoint intact), and the runs not
+            # yet started are dropped, so the pool's shutdown does not run them
+            import signal
+
+            for f in pending:
+                f.cancel()
+            for pid in running:
                 try:
-                    progress.step(*q.get_nowait())
-                except _q.Empty:
-                    break
-            for f in done:
-                label, s = f.result()  # a failed run raises here, with its own message
-                summaries[label].append(s)
-                progress.run_done(label, s)
-    manager.shutdown()
+                    os.kill(pid, signal.SIGINT)
+                except OSError:
+                    pass
+            raise
 
 
 def summarize_dir(out: Path, *, quiet: bool = False, jobs: int = 1) -> dict:

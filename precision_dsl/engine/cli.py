@@ -342,7 +342,8 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device"),
         prompts: int = typer.Option(16, "--prompts"),
         lr: float = typer.Option(3e-4, "--lr"),
-        overwrite: bool = typer.Option(False, "--overwrite"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="allow a non-empty --out; an interrupted "
+                                       "ablation there starts over instead of resuming"),
         model: str = typer.Option("tiny-moe", "--model", help="bundled model name or HF Qwen3(-MoE) directory"),
         task: str = typer.Option("arithmetic", "--task"),
         digits: int = typer.Option(2, "--digits"),
@@ -362,10 +363,14 @@ def register(app: typer.Typer) -> None:
             if summarize_only:
                 summarize_dir(out, jobs=jobs)
                 return
-            out_dir = _fresh_out_dir(out, "ablation", overwrite)
+            from .ablate import PLAN_FILE
+
+            # an ablation there is resumed (or refused as another one) by ablate() itself
+            out_dir = _fresh_out_dir(out, "ablation", overwrite or (out / PLAN_FILE).is_file())
             ablate(policies, seeds=seeds, steps=steps, out=out_dir, broken_contract=broken_contract or (),
                    device=device, prompts=prompts, lr=lr, model=model, task=task, digits=digits, jobs=jobs,
-                   rollout_numerics=rollout_numerics, routing_replay=routing_replay)
+                   rollout_numerics=rollout_numerics, routing_replay=routing_replay, fresh=overwrite,
+                   again="re-run the same command" + (" without --overwrite" if overwrite else ""))
 
         _guard(body)
 
