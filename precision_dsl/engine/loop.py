@@ -205,6 +205,7 @@ def run(cfg: RunConfig, on_step: Optional[Callable[[StepMetrics], None]] = None,
     counters, elapsed_before = {}, 0.0
     if done:  # everything that carries from one step to the next, as it was after step `done`
         resume.restore(cfg.out, resume_state, trainer, opt, rng, sampler_gen, spikes)
+        executor.invalidate()  # nothing quantized from the weights as loaded may survive their replacement
         counters, elapsed_before = resume_state.get("counters") or {}, float(resume_state.get("elapsed_s") or 0)
         result.resumed_from_step = done
     metrics_log = StepLog(cfg.out / "metrics.jsonl", keep=done) if checkpoints else None
