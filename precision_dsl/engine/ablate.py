@@ -146,7 +146,6 @@ def _claim(out: Path, plan: list, fresh: bool) -> bool:
     import json
 
     from . import resume
-    from ..console import UserError
     from .metrics import write_json_atomic
 
     want = {"version": 1, "runs": [{"dir": _run_dir(out, label, seed).name, "config": resume.config_key(cfg)}
@@ -159,7 +158,7 @@ def _claim(out: Path, plan: list, fresh: bool) -> bool:
         except (OSError, ValueError):
             have = "unreadable"
     if have is not None and have != want and not fresh:
-        raise UserError(f"{out} holds {'an unreadable' if have == 'unreadable' else 'another'} ablation "
+        raise resume.ResumeError(f"{out} holds {'an unreadable' if have == 'unreadable' else 'another'} ablation "
                         f"({PLAN_FILE} lists other runs)", "pass the same arguments to resume it, a new --out, "
                         "or --overwrite to start over")
     out.mkdir(parents=True, exist_ok=True)
