@@ -343,7 +343,8 @@ NVFP4_SEG_LAUNCH = [dict(), dict(block_m=1, block_nb=8, num_warps=1), dict(block
 # power of two), with partial last chunks, and a multi-row whole-row tile. The two-pass loop kernel
 # (`loop_chunk`) cannot run interpreted: triton 3.6's interpreter cannot take `range()` over a kernel argument (its
 # scalar arguments are 1-element arrays); tests/test_kernels.py runs it on the GPU.
-NVFP4_ROW_VARIANTS = [dict(chunk=2), dict(chunk=4), dict(chunk=16), dict(block_m=4, num_warps=1)]
+NVFP4_ROW_VARIANTS = [dict(chunk=2), dict(chunk=4), dict(chunk=16), dict(block_m=4, num_warps=1),
+                      dict(chunk=4, packed=True), dict(chunk=16, packed=True)]
 
 
 def nvfp4_input(m: int, k: int, dtype, seed: int):
@@ -403,6 +404,34 @@ def nvfp4_row_variant_checks(x, variant: dict) -> dict:
             "global_scale": _same(sdec, want.global_scale), "amax": _same(g, want.global_amax)}
 
 
+def nvfp4_non_finite_rows(dtype, seed: int, k: int = 224):
+    """nvfp4_input [8, k] with +-inf, NaN next to finite values, an all-NaN block, a NaN-and-inf block and a row
+    of NaNs only: where the packed block max (max.bf16x2 / max.f16x2) meets NaN."""
+    x = nvfp4_input(8, k, dtype, seed)
+    x[0, 3], x[0, 40], x[4, 17] = float("inf"), float("-inf"), float("nan")
+    x[5, 32:48] = float("nan")
+    x[6, 0:16:2], x[6, 1:16:2] = float("nan"), float("-inf")
+    x[7] = float("nan")
+    return x
+
+
+def nvfp4_row_packed_non_finite_checks(dtype, seed: int) -> dict:
+    """NaN / inf are outside the reference's bit-exact contract, so the packed block max is checked against the
+    unpacked fp32 one (both NaN-ignoring): every output of row_scaled(packed=True) == row_scaled(packed=False).
+    The fp32 max needs the interpreter's max to be the hardware's (nan_ignoring_max)."""
+    from precision_dsl.kernels import triton_nvfp4
+
+    nan_ignoring_max()
+    x = nvfp4_non_finite_rows(dtype, seed)
+    out = {}
+    for chunk in (4, 16):
+        got = triton_nvfp4.row_scaled(x, chunk=chunk, packed=True)
+        want = triton_nvfp4.row_scaled(x, chunk=chunk, packed=False)
+        for name, g, w in zip(("data", "scale", "S_dec", "amax"), got, want):
+            out[f"chunk{chunk}.{name}"] = _same(g, w)
+    return out
+
+
 def nvfp4_segment_cases() -> list[tuple]:
     """(kind, dtype name, parameters) of the interpreted NVFP4 segment / per-row variant cases: every dtype runs the
     default launch and K = 224; bf16 also the other launch shapes and a one-block row (K = 16); every dtype the
@@ -413,6 +442,7 @@ def nvfp4_segment_cases() -> list[tuple]:
         out += [("segment", dtype, (rpm, rpg, members, li)) for rpm, rpg, members in NVFP4_SEGMENTS
                 for li in range(len(launches))]
         out.append(("non_finite", dtype, ()))
+        out.append(("row_non_finite", dtype, ()))
         out += [("row", dtype, (224, vi)) for vi in range(len(NVFP4_ROW_VARIANTS))]
         out += [("tile2d", dtype, (shape, split)) for shape in TILE2D_SHAPES for split in TILE2D_SPLITS]
     out.append(("row", "bfloat16", (16, 0)))
@@ -452,6 +482,9 @@ def run_nvfp4_segments() -> None:
             bad = torch.zeros(1, dtype=torch.int32)
             ks.seg_amax(x, 16, torch.zeros(4, dtype=torch.int32), bad)
             checks, case = {"count": int(bad.item()) == 3}, f"nvfp4_segment::{dtype_name}_non_finite"
+        elif kind == "row_non_finite":
+            checks = nvfp4_row_packed_non_finite_checks(dtype, 2000 + i)
+            case = f"nvfp4_row::{dtype_name}_packed_non_finite"
         elif kind == "tile2d":
             (m, k), split = params
             checks = tile2d_checks(nvfp4_input(m, k, dtype, 2000 + i), split)

@@ -441,6 +441,25 @@ def test_rcp_rn_equals_the_ieee_division_on_every_fp32():
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_nvfp4_row_packed_block_max_meets_nan_and_inf_like_the_fp32_max(dtype):
+    """max.bf16x2 / max.f16x2 compiled (the packed block max of row_scaled): +-inf, NaN beside finite values, an
+    all-NaN block and an all-NaN row give the bytes of the fp32 max.f32 path, at K = 7168 / 2048 / 224 and every
+    chunk size the wrapper takes."""
+    import kernels_interpreted as ki
+
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    for k, chunks in ((7168, (64, 128)), (2048, (64, 32)), (224, (4, 16))):
+        x = ki.nvfp4_non_finite_rows(dtype, seed=k, k=k).cuda()
+        for chunk in chunks:
+            got = knv.row_scaled(x, chunk=chunk, packed=True)
+            want = knv.row_scaled(x, chunk=chunk, packed=False)
+            for name, g, w in zip(("data", "scale", "S_dec", "amax"), got, want):
+                _assert_bytes(f"K={k} chunk={chunk} {name}", g, w)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_nvfp4_edge_inputs_every_launch_config(dtype):
     """The interpreted edge-case check, compiled: ties, subnormals, signed zeros, saturation, K = 7168, every
     per-row launch config of the benchmark's sweep."""

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._common import FLT_MAX, e2m1_word, f32_const, rcp_rn, unpack_pair
+from ._common import FLT_MAX, USE_RCP, e2m1_word, f32_const, rcp_rn, unpack_pair
 
 RCP6_BITS = tl.constexpr(0x3E2AAAAB)  # RN(1/6)
 
@@ -329,24 +329,82 @@ def _nvfp4_row_scaled_loop_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_pt
 
 
 @triton.jit
+def _max_half2(a, b, IN_DTYPE: tl.constexpr):
+    """Lane-wise NaN-ignoring max of two words of packed bf16 / fp16 pairs whose sign bits are clear.
+
+    Compiled: `max.bf16x2` / `max.f16x2` (PTX ISA, sm_80+), one instruction for two elements: a NaN operand yields
+    the other operand, two NaNs the canonical NaN 0x7FFF. Interpreted (no PTX there), the same rule on the halves
+    as integers: with the sign clear, the bit patterns order like the values, and a half above the infinity's
+    pattern (0x7F80 bf16, 0x7C00 fp16) is a NaN."""
+    if USE_RCP:
+        if IN_DTYPE == 0:
+            return tl.inline_asm_elementwise("max.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("max.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+    else:
+        inf_bits = 0x7F80 if IN_DTYPE == 0 else 0x7C00
+        a_lo, a_hi, b_lo, b_hi = a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16
+        lo = tl.where(a_lo > inf_bits, tl.where(b_lo > inf_bits, 0x7FFF, b_lo),
+                      tl.where(b_lo > inf_bits, a_lo, tl.maximum(a_lo, b_lo)))
+        hi = tl.where(a_hi > inf_bits, tl.where(b_hi > inf_bits, 0x7FFF, b_hi),
+                      tl.where(b_hi > inf_bits, a_hi, tl.maximum(a_hi, b_hi)))
+        return lo | (hi << 16)
+
+
+@triton.jit
+def _max_bf16x2(a, b):
+    return _max_half2(a, b, 0)
+
+
+@triton.jit
+def _max_f16x2(a, b):
+    return _max_half2(a, b, 1)
+
+
+@triton.jit
+def _words_block_amax(u, IN_DTYPE: tl.constexpr, PACKED: tl.constexpr):
+    """Block amax [CH] of pair words u [CH, 8] (2-D: triton 3.6's interpreter reduces a negative axis wrongly), equal to _block_amax(*unpack_pair(u)) on every input.
+
+    PACKED (bf16 / fp16; fp32 pairs take the unpacked path): the max is taken on the packed halves (sign
+    cleared with one AND, then _max_half2 down the block), so the fp32 unpack of the data is not needed before
+    the store and the compiler keeps one register per pair word live across the row's amax instead of two (sm_90,
+    K = 7168: 94 registers instead of 156, `benchmarks/sass_count.py`). abs and max are exact in any precision
+    and both maxes ignore NaN, so the fp32 of the packed max is the fp32 max: an all-NaN block gives NaN there and
+    0 after max(., 0), as in _block_amax."""
+    if PACKED and IN_DTYPE != 2:
+        a = u & 0x7FFF7FFF
+        if IN_DTYPE == 0:
+            m = tl.reduce(a, 1, _max_bf16x2)
+        else:
+            m = tl.reduce(a, 1, _max_f16x2)
+        lo, hi = unpack_pair(m, IN_DTYPE)
+        return tl.maximum(tl.maximum(lo, hi), 0.0)
+    else:
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        return _block_amax(lo, hi)
+
+
+@triton.jit
 def _load_chunk(xp_ptr, row_off, NB, C: tl.constexpr, CH: tl.constexpr, IN_DTYPE: tl.constexpr,
-                EVEN: tl.constexpr = False):
-    """Pair words of blocks [C*CH, (C+1)*CH) of one row -> (lo, hi, block amax [CH]). EVEN: NB % CH == 0."""
+                EVEN: tl.constexpr = False, PACKED: tl.constexpr = False):
+    """Pair words [CH, 8] of blocks [C*CH, (C+1)*CH) of one row and their block amax [CH]. EVEN: NB % CH == 0."""
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
     if EVEN:
         u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :])
     else:
         u = tl.load(xp_ptr + row_off + nb[:, None] * 8 + pr[None, :], mask=(nb < NB)[:, None], other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    return lo, hi, _block_amax(lo, hi)
+    return u, _words_block_amax(u, IN_DTYPE, PACKED)
 
 
 @triton.jit
-def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s_dec, C: tl.constexpr,
-                 CH: tl.constexpr, EVEN: tl.constexpr = False):
+def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u, amax_b, s_enc, s_dec, C: tl.constexpr, CH: tl.constexpr,
+                 IN_DTYPE: tl.constexpr, EVEN: tl.constexpr = False):
     nb = C * CH + tl.arange(0, CH)
     pr = tl.arange(0, 8)
+    lo, hi = unpack_pair(u, IN_DTYPE)
     sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
     if EVEN:
         tl.store(data_ptr + d_off + nb[:, None] * 8 + pr[None, :], packed)
@@ -360,7 +418,7 @@ def _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo, hi, amax_b, s_enc, s
 @triton.jit
 def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax_ptr, M, NB, stride_xp, stride_d,
                                      stride_s, IN_DTYPE: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
-                                     EVEN: tl.constexpr = False):
+                                     EVEN: tl.constexpr = False, PACKED: tl.constexpr = False):
     """Per-row NVFP4, one row per program, the row held in registers as NCH (<= 8) chunks of CH blocks.
 
     For rows whose block count is not a power of two (K = 7168 -> 448 blocks = 7 x 64) the whole-row kernel pads
@@ -369,48 +427,48 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
     (no masks)."""
     row = tl.program_id(0).to(tl.int64)
     x_off = tl.multiple_of(row * stride_xp, 8)
-    lo0, hi0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE, EVEN)
+    u0, a0 = _load_chunk(xp_ptr, x_off, NB, 0, CH, IN_DTYPE, EVEN, PACKED)
     acc = a0  # elementwise max over the chunks first: one cross-thread reduction per row, not one per chunk
     if NCH > 1:
-        lo1, hi1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE, EVEN)
+        u1, a1 = _load_chunk(xp_ptr, x_off, NB, 1, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a1)
     if NCH > 2:
-        lo2, hi2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE, EVEN)
+        u2, a2 = _load_chunk(xp_ptr, x_off, NB, 2, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a2)
     if NCH > 3:
-        lo3, hi3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE, EVEN)
+        u3, a3 = _load_chunk(xp_ptr, x_off, NB, 3, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a3)
     if NCH > 4:
-        lo4, hi4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE, EVEN)
+        u4, a4 = _load_chunk(xp_ptr, x_off, NB, 4, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a4)
     if NCH > 5:
-        lo5, hi5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE, EVEN)
+        u5, a5 = _load_chunk(xp_ptr, x_off, NB, 5, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a5)
     if NCH > 6:
-        lo6, hi6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE, EVEN)
+        u6, a6 = _load_chunk(xp_ptr, x_off, NB, 6, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a6)
     if NCH > 7:
-        lo7, hi7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE, EVEN)
+        u7, a7 = _load_chunk(xp_ptr, x_off, NB, 7, CH, IN_DTYPE, EVEN, PACKED)
         acc = tl.maximum(acc, a7)
     g = tl.max(acc, axis=0)
     s_enc, s_dec = _global_scales(g)
     d_off = tl.multiple_of(row * stride_d, 8)
     s_off = row * stride_s
-    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo0, hi0, a0, s_enc, s_dec, 0, CH, EVEN)
+    _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u0, a0, s_enc, s_dec, 0, CH, IN_DTYPE, EVEN)
     if NCH > 1:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo1, hi1, a1, s_enc, s_dec, 1, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u1, a1, s_enc, s_dec, 1, CH, IN_DTYPE, EVEN)
     if NCH > 2:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo2, hi2, a2, s_enc, s_dec, 2, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u2, a2, s_enc, s_dec, 2, CH, IN_DTYPE, EVEN)
     if NCH > 3:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo3, hi3, a3, s_enc, s_dec, 3, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u3, a3, s_enc, s_dec, 3, CH, IN_DTYPE, EVEN)
     if NCH > 4:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo4, hi4, a4, s_enc, s_dec, 4, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u4, a4, s_enc, s_dec, 4, CH, IN_DTYPE, EVEN)
     if NCH > 5:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo5, hi5, a5, s_enc, s_dec, 5, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u5, a5, s_enc, s_dec, 5, CH, IN_DTYPE, EVEN)
     if NCH > 6:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo6, hi6, a6, s_enc, s_dec, 6, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u6, a6, s_enc, s_dec, 6, CH, IN_DTYPE, EVEN)
     if NCH > 7:
-        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, lo7, hi7, a7, s_enc, s_dec, 7, CH, EVEN)
+        _store_chunk(data_ptr, scale_ptr, d_off, s_off, NB, u7, a7, s_enc, s_dec, 7, CH, IN_DTYPE, EVEN)
     tl.store(sdec_ptr + row, s_dec)
     tl.store(amax_ptr + row, g)
 
@@ -422,9 +480,11 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 # Rows the H200 sweep of session 15 ruled out (benchmarks/RESULTS.md) are not repeated: per-token block_m=4,
 # chunk=32 / 1 warp, loop_chunk, chunk=64 / 4 warps; 1x16 16-row tiles; 16x16 64-tile stripes.
 # maxnreg rows: at K = 7168 the default chunked kernel takes 156 registers (6 programs of 2 warps an SM); capped
-# at 136 (offline sm_90: no spill, 13.83 vs 13.79 SASS per element) 7 fit, at 128 (16 bytes spilled) 8.
+# at 136 (offline sm_90: no spill, 13.83 vs 13.79 SASS per element) 7 fit, at 128 (16 bytes spilled) 8. packed rows:
+# the block max on packed halves (_words_block_amax), 94 registers at K = 7168 (10 programs an SM), 13.84 SASS / element.
 ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
-               dict(chunk=128, num_warps=4), dict(maxnreg=136), dict(maxnreg=128))
+               dict(chunk=128, num_warps=4), dict(maxnreg=136), dict(maxnreg=128), dict(packed=True),
+               dict(packed=True, chunk=128, num_warps=4))
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False))
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
@@ -472,7 +532,7 @@ def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
 DEFAULT_CHUNK = 64
 
 
-def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None, maxnreg=None):
+def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None, maxnreg=None, packed=None):
     """Per-row NVFP4 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 16 == 0).
     Returns (data uint8 [M, K/2], scale uint8 [M, K/16], S_dec fp32 [M], G fp32 [M]). block_m / num_warps /
     loop_chunk / chunk / maxnreg (ptx register cap of the chunked kernel): launch shape only, the bytes do not
@@ -501,7 +561,8 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None,
     if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
         _nvfp4_row_scaled_chunked_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
                                                scale.stride(0), IN_DTYPE=code, NCH=-(-nb // chunk), CH=chunk,
-                                               EVEN=nb % chunk == 0, num_warps=num_warps or 2, **LAUNCH_OPTS,
+                                               EVEN=nb % chunk == 0, PACKED=bool(packed), num_warps=num_warps or 2,
+                                               **LAUNCH_OPTS,
                                                **({"maxnreg": maxnreg} if maxnreg else {}))
         return data, scale, sdec, amax
     if loop_chunk is None and bnb * 8 > 16384:
