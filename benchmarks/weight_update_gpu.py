@@ -455,9 +455,21 @@ def kernel_sweep(results, reps=5) -> None:
 def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep=None):
     """_measure; a mode "<mode>@<item blocks>x<warps>[r<registers>]" runs <mode> with that launch shape of the
     predicted NVFP4 kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS, PREDICTED_MAXNREG) instead
-    of the default, side by side."""
+    of the default, side by side; "<mode>~<blocks>x<warps>" with that launch shape of the flat rowwise MXFP8 kernel
+    (triton_mxfp8.ROW_ITEM_BLOCKS / ROW_NUM_WARPS)."""
+    from precision_dsl.kernels import triton_mxfp8 as kmx
     from precision_dsl.kernels import triton_segments as ks
 
+    if "~" in mode:
+        base, _, shape = mode.partition("~")
+        saved_mx = kmx.ROW_ITEM_BLOCKS, kmx.ROW_NUM_WARPS
+        kmx.ROW_ITEM_BLOCKS, kmx.ROW_NUM_WARPS = (int(v) for v in shape.split("x"))
+        try:
+            row = _measured_with_shape(label, pname, plan, weights, base, reps, bucket_mb, kernels, keep)
+        finally:
+            kmx.ROW_ITEM_BLOCKS, kmx.ROW_NUM_WARPS = saved_mx
+        row["mode"] = mode
+        return row
     base, _, shape = mode.partition("@")
     if not shape:
         return _measure(label, pname, plan, weights, mode, reps, bucket_mb, kernels, keep)
@@ -561,7 +573,8 @@ def main():
     ap.add_argument("--modes", default="direct,copy", help="comma list of: direct (the program's default), "
                     "direct-serial (every launch on one stream), direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
                     "any of them @<item blocks>x<warps>[r<regs>] (e.g. direct@256x4, direct@256x2r96): with that "
-                    "predicted-kernel launch shape (and ptx maxnreg)")
+                    "predicted-kernel launch shape (and ptx maxnreg); ~<blocks>x<warps> (e.g. direct~128x4): with "
+                    "that launch shape of the flat rowwise MXFP8 kernel")
     ap.add_argument("--interleave", type=int, default=9, help="rounds of the 1.34B model's interleaved timing "
                     "(every policy's update kept, timed round-robin; 0: off; the 30B model's receivers do not fit "
                     "three at a time)")

@@ -212,14 +212,19 @@ def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_
                     COUNT_BAD)
 
 
-ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements, 4 warps)
+ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements)
+ROW_NUM_WARPS = 4
 
 
-def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=ROW_ITEM_BLOCKS, num_warps=4):
+def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=None, num_warps=None):
     """Rowwise MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 32 == 0) into contiguous data uint8
     [M, K] and scale uint8 [M, K/32] (e.g. a weight-update wire buffer), the NaN/Inf count of x added to bad (int32
-    [1]) when given. Same bytes as quantize_rowcol(rowwise only)."""
+    [1]) when given. Same bytes as quantize_rowcol(rowwise only). item_blocks / num_warps: launch shape only
+    (default ROW_ITEM_BLOCKS / ROW_NUM_WARPS, read at the call)."""
     from ._common import LAUNCH_OPTS
+
+    item_blocks = item_blocks or ROW_ITEM_BLOCKS
+    num_warps = num_warps or ROW_NUM_WARPS
 
     m, k = x2.shape
     if k % 32 or not (x2.is_contiguous() and data.is_contiguous() and scale.is_contiguous()):

@@ -479,12 +479,11 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 # byte for byte; {} is the wrapper's default. A config is only a different tiling of the same per-block arithmetic.
 # Rows the H200 sweep of session 15 ruled out (benchmarks/RESULTS.md) are not repeated: per-token block_m=4,
 # chunk=32 / 1 warp, loop_chunk, chunk=64 / 4 warps; 1x16 16-row tiles; 16x16 64-tile stripes.
-# maxnreg rows: at K = 7168 the default chunked kernel takes 156 registers (6 programs of 2 warps an SM); capped
-# at 136 (offline sm_90: no spill, 13.83 vs 13.79 SASS per element) 7 fit, at 128 (16 bytes spilled) 8. packed rows:
-# the block max on packed halves (_words_block_amax), 94 registers at K = 7168 (10 programs an SM), 13.84 SASS / element.
-ROW_CONFIGS = ({}, dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
-               dict(chunk=128, num_warps=4), dict(maxnreg=136), dict(maxnreg=128), dict(packed=True),
-               dict(packed=True, chunk=128, num_warps=4))
+# packed=False: the chunked kernel's block max in fp32 (the default until session 23), 156 registers at K = 7168 (6
+# programs of 2 warps an SM; capped at 128 with a 16-byte spill, 8 fit: 88% / 83% of copy in session 23's run, vs
+# 95% / 87% for the packed default at 94 registers). chunk=128 / 4 warps: packed, 64 registers, 17.0 SASS / element.
+ROW_CONFIGS = ({}, dict(packed=False), dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
+               dict(chunk=128, num_warps=4), dict(packed=False, maxnreg=128))
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False))
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
@@ -530,13 +529,17 @@ def _launch_cfg_rows(nb: int) -> tuple[int, int, int]:
 # 16384x7168 / 8192x2048: chunk=64 / 2 warps 87% / 84%; the whole row (one row, 2 warps; padded to 512 blocks at
 # K = 7168) 65% / 83%; chunk=128 / 4 warps 86% / 77%; 2-row tiles 53% / 80%. chunk=0 forces the whole row.
 DEFAULT_CHUNK = 64
+# The chunked kernel's block max on packed bf16 / fp16 halves (_words_block_amax; fp32 input ignores it). H200,
+# session 23, one run (benchmarks/RESULTS.md): % of copy at 16384x7168 / 8192x2048, packed 95% / 87% against 80% /
+# 84% unpacked; 94 registers instead of 156 at K = 7168, so 10 programs of 2 warps fit an SM instead of 6.
+DEFAULT_PACKED = True
 
 
 def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None, maxnreg=None, packed=None):
     """Per-row NVFP4 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 16 == 0).
     Returns (data uint8 [M, K/2], scale uint8 [M, K/16], S_dec fp32 [M], G fp32 [M]). block_m / num_warps /
-    loop_chunk / chunk / maxnreg (ptx register cap of the chunked kernel): launch shape only, the bytes do not
-    depend on them."""
+    loop_chunk / chunk / maxnreg (ptx register cap of the chunked kernel) / packed (the chunked kernel's block max
+    on packed halves, default DEFAULT_PACKED): launch shape only, the bytes do not depend on them."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
@@ -561,7 +564,9 @@ def row_scaled(x2, *, block_m=None, num_warps=None, loop_chunk=None, chunk=None,
     if chunk and -(-nb // chunk) <= 8:  # register-resident row in <= 8 chunks of `chunk` blocks
         _nvfp4_row_scaled_chunked_kernel[(m,)](xp, data, scale, sdec, amax, m, nb, xp.stride(0), data.stride(0),
                                                scale.stride(0), IN_DTYPE=code, NCH=-(-nb // chunk), CH=chunk,
-                                               EVEN=nb % chunk == 0, PACKED=bool(packed), num_warps=num_warps or 2,
+                                               EVEN=nb % chunk == 0,
+                                               PACKED=DEFAULT_PACKED if packed is None else bool(packed),
+                                               num_warps=num_warps or 2,
                                                **LAUNCH_OPTS,
                                                **({"maxnreg": maxnreg} if maxnreg else {}))
         return data, scale, sdec, amax
