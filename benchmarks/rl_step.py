@@ -10,6 +10,9 @@
     # where a step's time goes: kernel time per loop phase, top kernels per phase, host-side syncs
     python benchmarks/rl_step.py ... --profile bf16 fp8-blockwise-hopper --profile-top 20
     python benchmarks/rl_step.py --device cpu --steps 2 --warmup 1 --model tiny-moe:8:2 --policies bf16 mxfp8-e2e
+    # A/B of a kernel variant in one run: POLICY+unpacked = per-token NVFP4 block max on fp32 lanes (not packed halves)
+    python benchmarks/rl_step.py ... --policies bf16 nvfp4-pertoken-dequant-backward \
+        nvfp4-pertoken-dequant-backward+unpacked bf16
 
 `--model NAME[:PROMPTS[:DIGITS[:MICRO]]]` (repeatable): a bundled model or HF config directory, prompts per step (x
 `--samples`), the arithmetic task's digits (longer numbers = longer sequences = more tokens per step) and the
@@ -30,6 +33,7 @@ with a broken per-tensor contract) and writes one metrics JSONL per config/seed 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -53,6 +57,30 @@ def _release(device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()
+
+
+KERNEL_VARIANTS = ("unpacked",)
+
+
+@contextlib.contextmanager
+def _variant(spec: str):
+    """`POLICY+unpacked`: that policy with the per-token NVFP4 kernel's block max on fp32 lanes instead of packed
+    bf16/fp16 halves (triton_nvfp4.DEFAULT_PACKED = False), for an A/B of the two in one run; the bytes are the
+    same either way (tests/test_kernels.py), only the speed differs."""
+    policy, _, variant = spec.partition("+")
+    if not variant:
+        yield policy
+        return
+    if variant not in KERNEL_VARIANTS:
+        raise SystemExit(f"unknown policy variant +{variant} (known: {', '.join(KERNEL_VARIANTS)})")
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    saved = knv.DEFAULT_PACKED
+    knv.DEFAULT_PACKED = False
+    try:
+        yield policy
+    finally:
+        knv.DEFAULT_PACKED = saved
 
 
 def bench(policy: str, device: str, steps: int, warmup: int, prompts: int, samples: int, model: str = "tiny-moe",
@@ -328,7 +356,10 @@ def main() -> None:
         failed = []
         for p in a.policies:
             try:
-                mrows.append(bench(p, a.device, a.steps, a.warmup, prompts, a.samples, name, digits, micro))
+                with _variant(p) as policy:
+                    row = bench(policy, a.device, a.steps, a.warmup, prompts, a.samples, name, digits, micro)
+                row["policy"] = p
+                mrows.append(row)
             except Exception as e:  # noqa: BLE001 - one failing policy must not lose the others' numbers
                 import traceback
 
