@@ -324,6 +324,15 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
         "ours")
     add("mxfp8 e4m3 columnwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e4m3", False, True, **cfg_m),
         b_row, "ours")
+    # the weight update's rowwise kernel (quantize_rows_flat: the tensor as one run of 32-element blocks into
+    # contiguous wire bytes, NaN/Inf counted) at its default and the launch shapes the update benchmark sweeps
+    flat_d, flat_s = torch.empty((m, k), dtype=torch.uint8, device=x.device), \
+        torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
+    flat_bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    for ib, nw in ((None, None), (32, 2), (128, 4), (128, 8), (256, 8)):
+        add("mxfp8 e4m3 rowwise", "ours, flat (weight-update kernel)" + (f" {ib} blocks x {nw} warps" if ib else ""),
+            lambda t, ib=ib, nw=nw: kmx.quantize_rows_flat(t, flat_d, flat_s, bad=flat_bad, item_blocks=ib,
+                                                           num_warps=nw), b_row, "ours")
     add("mxfp8 e5m2 rowwise+columnwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e5m2", True, True,
                                                                                      **cfg_m), b_rc, "ours")
     if have_ao:
