@@ -1,4 +1,5 @@
-"""SASS instructions per input element of the NVFP4 quantize kernels, without a GPU (the issue-bound kernels' proxy).
+"""SASS instructions per input element of the NVFP4 quantize kernels (and, to compare, the flat / 2-D rowwise MXFP8
+and FP8-block 1x128 kernels: --kernels mxfp8flat,mxfp8row,fp8block), without a GPU (the issue-bound kernels' proxy).
 
     python benchmarks/sass_count.py [--shapes 16384x7168,8192x2048] [--kernels row,tensor,2d,amax] [--opcodes]
                                     [--variant 'row:chunk=64,num_warps=2' ...] [--tables] [--json OUT.json]
@@ -177,13 +178,33 @@ def resources_of(cubin: bytes) -> tuple:
     return (int(regs.group(1)) if regs else None), sum(spill)
 
 
-# kernel name -> call of the host wrapper (x: meta tensor, g: a given amax or None, cfg: launch-config kwargs)
+# kernel name -> call of the host wrapper (x: meta tensor, cfg: launch-config kwargs) on its kernel module
 KERNELS = {
     "row": lambda kn, x, cfg: kn.row_scaled(x, **cfg),
     "tensor": lambda kn, x, cfg: kn.per_tensor(x, _given(x), **cfg),
     "2d": lambda kn, x, cfg: kn.per_tensor(x, _given(x), tile_2d=True, **cfg),
     "amax": lambda kn, x, cfg: kn.tensor_amax(x, **cfg),
+    # for comparison with the NVFP4 kernels: the weight update's flat rowwise MXFP8 kernel (NaN/Inf counted, as in
+    # the update), the 2-D MXFP8 kernel rowwise only, FP8-block 1x128 pow2
+    "mxfp8flat": lambda km, x, cfg: km.quantize_rows_flat(x, *_bytes(x), bad=_count(x), **cfg),
+    "mxfp8row": lambda km, x, cfg: km.quantize_rowcol(x, "e4m3", True, False, **cfg),
+    "fp8block": lambda kf, x, cfg: kf.quantize(x, "e4m3", False, True, False, **cfg),
 }
+MODULES = {"mxfp8flat": "triton_mxfp8", "mxfp8row": "triton_mxfp8", "fp8block": "triton_fp8_block"}
+
+
+def _bytes(x):
+    import torch
+
+    m, k = x.shape
+    return (torch.empty((m, k), dtype=torch.uint8, device=x.device),
+            torch.empty((m, k // 32), dtype=torch.uint8, device=x.device))
+
+
+def _count(x):
+    import torch
+
+    return torch.zeros((1,), dtype=torch.int32, device=x.device)
 
 
 def _given(x):
@@ -205,10 +226,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 
 def count(kind: str, m: int, k: int, cfg: dict, dtype: str = "bfloat16") -> list[dict]:
+    import importlib
+
     import torch
 
-    from precision_dsl.kernels import triton_nvfp4 as kn
-
+    kn = importlib.import_module(f"precision_dsl.kernels.{MODULES.get(kind, 'triton_nvfp4')}")
     x = torch.empty((m, k), dtype=getattr(torch, dtype), device="meta")
     sink = []
     with recording(kn, sink):

@@ -55,17 +55,22 @@ def run_case(i: int, case: tuple, dev: str) -> dict:
 
     m, k, dtype, element, ib, special = case
     x = _input(m, k, dtype, special, 300 + i, dev)
-    data = torch.full((m, k), 0xAA, dtype=torch.uint8, device=dev)
-    scale = torch.full((m, k // 32), 0xAA, dtype=torch.uint8, device=dev)
-    bad = torch.zeros(1, dtype=torch.int32, device=dev)
-    km.quantize_rows_flat(x, data, scale, element, bad=bad, item_blocks=ib)
     bad2 = torch.zeros(1, dtype=torch.int32, device=dev)
     rd, rs, _, _ = km.quantize_rowcol(x, element, True, False, bad=bad2)
-    checks = {"tile_kernel.data": torch.equal(data, rd), "tile_kernel.scale": torch.equal(scale, rs),
-              "count": int(bad.item()) == int(bad2.item()) == (3 if special == "nonfinite" else 0)}
     want = mxfp8.quantize(x.cpu(), element, axis="row")
-    checks["reference.data"] = torch.equal(data.cpu(), want.data.view(torch.uint8).reshape(m, k))
-    checks["reference.scale"] = torch.equal(scale.cpu(), want.scale.view(torch.uint8).reshape(m, k // 32))
+    checks = {}
+    # the count on the block max (default), element by element, and no count: the same bytes and the same count
+    for how, kw in (("amax_screen", dict(amax_screen=True)), ("counted", dict(amax_screen=False)), ("uncounted", {})):
+        data = torch.full((m, k), 0xAA, dtype=torch.uint8, device=dev)
+        scale = torch.full((m, k // 32), 0xAA, dtype=torch.uint8, device=dev)
+        bad = torch.zeros(1, dtype=torch.int32, device=dev) if how != "uncounted" else None
+        km.quantize_rows_flat(x, data, scale, element, bad=bad, item_blocks=ib, **kw)
+        checks[f"{how}.tile_kernel.data"] = torch.equal(data, rd)
+        checks[f"{how}.tile_kernel.scale"] = torch.equal(scale, rs)
+        if bad is not None:
+            checks[f"{how}.count"] = int(bad.item()) == int(bad2.item()) == (3 if special == "nonfinite" else 0)
+        checks[f"{how}.reference.data"] = torch.equal(data.cpu(), want.data.view(torch.uint8).reshape(m, k))
+        checks[f"{how}.reference.scale"] = torch.equal(scale.cpu(), want.scale.view(torch.uint8).reshape(m, k // 32))
     return checks
 
 

@@ -103,7 +103,7 @@ def _roll_kernel(bits_ptr, prev_ptr, N, BLOCK: tl.constexpr):
 
 @triton.jit
 def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, rowmap_ptr, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr):
+                         IB: tl.constexpr, EVEN: tl.constexpr, ALIGNED: tl.constexpr, AMAX_SCREEN: tl.constexpr):
     p = tl.program_id(0)
     row = tl.load(rowmap_ptr + p).to(tl.int32)
     base = table_ptr + row * 5
@@ -115,7 +115,7 @@ def _mxfp8_bucket_kernel(x_ptr, buf_ptr, bad_ptr, table_ptr, rowmap_ptr, FMAX_RC
         d_off = tl.multiple_of(d_off, 16)
         s_off = tl.multiple_of(s_off, 16)
     _mxfp8_row_item(x_ptr + x_off, buf_ptr + d_off, buf_ptr + s_off, bad_ptr, p - tl.load(base).to(tl.int32),
-                    tl.load(base + 4), FMAX_RCP, E5M2, IB, EVEN, True)
+                    tl.load(base + 4), FMAX_RCP, E5M2, IB, EVEN, True, AMAX_SCREEN)
 
 
 # ----------------------------------------------------------------------------------------------- host side
@@ -306,6 +306,7 @@ class MXFP8BucketLaunch:
 
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
         from ._common import LAUNCH_OPTS
+        from . import triton_mxfp8
         from .triton_mxfp8 import FMAX_RCP, quantize_rows_flat
 
         for x2, d_off, s_off in self.solo:
@@ -315,4 +316,5 @@ class MXFP8BucketLaunch:
         for table, rowmap in self.tables:
             _mxfp8_bucket_kernel[(rowmap.numel(),)](self.base, buf, bad, table, rowmap, FMAX_RCP=FMAX_RCP[self.element],
                                            E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
-                                           ALIGNED=self.aligned, num_warps=num_warps, **LAUNCH_OPTS)
+                                           ALIGNED=self.aligned, AMAX_SCREEN=triton_mxfp8.ROW_AMAX_SCREEN,
+                                           num_warps=num_warps, **LAUNCH_OPTS)

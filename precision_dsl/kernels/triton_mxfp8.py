@@ -178,12 +178,27 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
 
 
 @triton.jit
+def _max_nan(a, b):
+    """max that propagates NaN (max.NaN.f32 on the GPU: one instruction, like the NaN-ignoring max.f32)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
+                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr = True):
     """Rowwise (1x32) MXFP8 of item j (IB 32-element blocks) of a contiguous [M, K] tensor seen as a flat run of
     32-element blocks: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes
     for any K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are
-    data[32b:32b+32] and its E8M0 is scale[b]. EVEN: N_BLOCKS % IB == 0 (no masks)."""
+    data[32b:32b+32] and its E8M0 is scale[b]. EVEN: N_BLOCKS % IB == 0 (no masks).
+
+    COUNT_BAD: the item's NaN/Inf count is added to bad_ptr. AMAX_SCREEN (with COUNT_BAD): nothing is done per
+    element for it beyond the block max the scale needs, taken NaN-PROPAGATING (max.NaN.f32, the same one
+    instruction as max.f32): the item's max is NaN or inf exactly when an element is non-finite, and only then
+    (rare: the update is refused) are the elements counted and the NaN-ignoring block max taken. For finite
+    inputs the two maxes are the same value (max is exact), so the bytes are those of the NaN-ignoring max for
+    every input. Offline sm_90 SASS per element at 64 blocks x 4 warps (`benchmarks/sass_count.py --kernels
+    mxfp8flat`): 13.6 with the per-element count (a compare, a select and an add each, then a cross-warp sum),
+    ~10.7 on this screen's hot path (16.3 counting the rare branch's code), 8.3 with no count at all."""
     blk = j.to(tl.int64) * IB + tl.arange(0, IB)
     offs = blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     if EVEN:
@@ -191,9 +206,16 @@ def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: 
     else:
         x = tl.load(x_ptr + offs, mask=(blk < N_BLOCKS)[:, None], other=0.0).to(tl.float32)
     ax = tl.abs(x)
-    if COUNT_BAD:
-        _count_non_finite(ax, bad_ptr)
-    amax = tl.maximum(tl.max(ax, axis=1), 0.0)  # [IB]
+    if COUNT_BAD and AMAX_SCREEN:
+        amax = tl.reduce(ax, 1, _max_nan)  # [IB]
+        if not (tl.reduce(amax, 0, _max_nan) < float("inf")):  # a NaN or +-inf in the item
+            _count_non_finite(ax, bad_ptr)
+            amax = tl.max(ax, axis=1)
+        amax = tl.maximum(amax, 0.0)
+    else:
+        if COUNT_BAD:
+            _count_non_finite(ax, bad_ptr)
+        amax = tl.maximum(tl.max(ax, axis=1), 0.0)  # [IB]
     e, s = e8m0_from_amax(amax, FMAX_RCP)
     q = _to_fp8_bytes(x * s[:, None], E5M2)
     if EVEN:
@@ -206,25 +228,32 @@ def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: 
 
 @triton.jit
 def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_RCP: tl.constexpr,
-                            E5M2: tl.constexpr, IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr):
+                            E5M2: tl.constexpr, IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr,
+                            AMAX_SCREEN: tl.constexpr):
     """_mxfp8_row_item of item program_id(0)."""
     _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, tl.program_id(0), N_BLOCKS, FMAX_RCP, E5M2, IB, EVEN,
-                    COUNT_BAD)
+                    COUNT_BAD, AMAX_SCREEN)
 
 
 ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements)
 ROW_NUM_WARPS = 4
+# the NaN/Inf count rides the block max (see _mxfp8_row_item); False: counted element by element, for the A/B
+# (weight_update_gpu.py mode suffix ~count, quantize.py's flat rows). Read at each launch.
+ROW_AMAX_SCREEN = True
 
 
-def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=None, num_warps=None):
+def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=None, num_warps=None,
+                       amax_screen=None):
     """Rowwise MXFP8 of a contiguous [M, K] bf16/fp16/fp32 CUDA tensor (K % 32 == 0) into contiguous data uint8
     [M, K] and scale uint8 [M, K/32] (e.g. a weight-update wire buffer), the NaN/Inf count of x added to bad (int32
-    [1]) when given. Same bytes as quantize_rowcol(rowwise only). item_blocks / num_warps: launch shape only
-    (default ROW_ITEM_BLOCKS / ROW_NUM_WARPS, read at the call)."""
+    [1]) when given. Same bytes as quantize_rowcol(rowwise only). item_blocks / num_warps / amax_screen: launch
+    shape and how the count is taken only (defaults ROW_ITEM_BLOCKS / ROW_NUM_WARPS / ROW_AMAX_SCREEN, read at
+    the call); the bytes and the count do not depend on them."""
     from ._common import LAUNCH_OPTS
 
     item_blocks = item_blocks or ROW_ITEM_BLOCKS
     num_warps = num_warps or ROW_NUM_WARPS
+    amax_screen = ROW_AMAX_SCREEN if amax_screen is None else bool(amax_screen)
 
     m, k = x2.shape
     if k % 32 or not (x2.is_contiguous() and data.is_contiguous() and scale.is_contiguous()):
@@ -235,4 +264,4 @@ def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks
     _mxfp8_row_items_kernel[(triton.cdiv(n_blocks, item_blocks),)](
         x2, data, scale, bad if bad is not None else scale, n_blocks, FMAX_RCP=FMAX_RCP[element],
         E5M2=element == "e5m2", IB=item_blocks, EVEN=n_blocks % item_blocks == 0, COUNT_BAD=bad is not None,
-        num_warps=num_warps, **LAUNCH_OPTS)
+        AMAX_SCREEN=amax_screen, num_warps=num_warps, **LAUNCH_OPTS)
