@@ -185,7 +185,7 @@ def _max_nan(a, b):
 
 @triton.jit
 def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr = True):
+                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr = False):
     """Rowwise (1x32) MXFP8 of item j (IB 32-element blocks) of a contiguous [M, K] tensor seen as a flat run of
     32-element blocks: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes
     for any K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are
@@ -237,9 +237,10 @@ def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_
 
 ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements)
 ROW_NUM_WARPS = 4
-# the NaN/Inf count rides the block max (see _mxfp8_row_item); False: counted element by element, for the A/B
-# (weight_update_gpu.py mode suffix ~count, quantize.py's flat rows). Read at each launch.
-ROW_AMAX_SCREEN = True
+# True: the NaN/Inf count rides the block max (see _mxfp8_row_item; fewer instructions offline, not yet timed on
+# the H200); False: counted element by element, the measured default. A/B: weight_update_gpu.py mode suffix
+# ~screen, quantize.py's flat rows. Read at each launch.
+ROW_AMAX_SCREEN = False
 
 
 def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=None, num_warps=None,
