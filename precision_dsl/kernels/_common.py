@@ -43,6 +43,13 @@ def abs_max0(a, b):
 
 
 @triton.jit
+def max_nan(a, b):
+    """max that propagates NaN (max.NaN.f32 on the GPU: one instruction, like the NaN-ignoring max.f32; the
+    interpreter's np.maximum propagates NaN too)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def unpack_pair(u, IN_DTYPE: tl.constexpr):
     """Split one integer word holding elements (2j, 2j+1) of a row into two exact fp32 values (lo = element 2j).
 

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..precision import FP8_MAX as FMAX
-from ._common import e8m0_from_amax
+from ._common import e8m0_from_amax, max_nan
 
 # RN(1/Fmax) as exact fp32 values (numpy fp32 division is IEEE RN); 1/448 -> 0x3B124925.
 FMAX_RCP = {k: float(np.float32(1.0) / np.float32(v)) for k, v in FMAX.items()}
@@ -178,12 +178,6 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
 
 
 @triton.jit
-def _max_nan(a, b):
-    """max that propagates NaN (max.NaN.f32 on the GPU: one instruction, like the NaN-ignoring max.f32)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
                     IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr = False):
     """Rowwise (1x32) MXFP8 of item j (IB 32-element blocks) of a contiguous [M, K] tensor seen as a flat run of
@@ -207,8 +201,8 @@ def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: 
         x = tl.load(x_ptr + offs, mask=(blk < N_BLOCKS)[:, None], other=0.0).to(tl.float32)
     ax = tl.abs(x)
     if COUNT_BAD and AMAX_SCREEN:
-        amax = tl.reduce(ax, 1, _max_nan)  # [IB]
-        if not (tl.reduce(amax, 0, _max_nan) < float("inf")):  # a NaN or +-inf in the item
+        amax = tl.reduce(ax, 1, max_nan)  # [IB]
+        if not (tl.reduce(amax, 0, max_nan) < float("inf")):  # a NaN or +-inf in the item
             _count_non_finite(ax, bad_ptr)
             amax = tl.max(ax, axis=1)
         amax = tl.maximum(amax, 0.0)

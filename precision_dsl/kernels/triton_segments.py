@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import unpack_pair
+from ._common import max_nan, unpack_pair
 from .triton_nvfp4 import _block_amax, _encode_blocks, _global_scales, _load_block_tile, _pair_offsets
 
 
@@ -142,12 +142,6 @@ def _nvfp4_seg_items_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, isc_pt
 
 
 @triton.jit
-def _max_nan(a, b):
-    """max that propagates NaN (max.NaN.f32: one instruction, like the NaN-ignoring max.f32)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
 def _predicted_item(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, isc_ptr, bad_ptr, j, IPG, IPM,
                     IN_DTYPE: tl.constexpr, IB: tl.constexpr, HAS_ISC: tl.constexpr):
     """ONE read of item j: its quantization with the group amax of the previous update (prev_ptr, fp32 bits) and,
@@ -164,8 +158,8 @@ def _predicted_item(xp_ptr, data_ptr, scale_ptr, bits_ptr, prev_ptr, sdec_ptr, i
     refused (the count is > 0), so they are never used."""
     words = _item_words(j, IB)
     lo, hi = unpack_pair(tl.load(xp_ptr + words), IN_DTYPE)
-    amax_b = tl.reduce(_max_nan(tl.abs(lo), tl.abs(hi)), 1, _max_nan)
-    a_item = tl.reduce(amax_b, 0, _max_nan)
+    amax_b = tl.reduce(max_nan(tl.abs(lo), tl.abs(hi)), 1, max_nan)
+    a_item = tl.reduce(amax_b, 0, max_nan)
     g = tl.load(prev_ptr + j // IPG).to(tl.float32, bitcast=True)
     _store_item(lo, hi, amax_b, j, g, data_ptr, scale_ptr, sdec_ptr, isc_ptr, IPM, IB, HAS_ISC)
     if not (a_item < float("inf")):  # NaN or +-inf in the item (rare): read again, so the hot path's registers
