@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU work of one session on the H200, in steps chosen by STEPS (default: tests): every step appends to $OUT/s15/log.txt.
+# GPU work of one session on the H200, in steps chosen by STEPS (unset: tests; empty: only the installs): every step
+# appends to $OUT/s15/log.txt.
 #   STEPS="tests" bash benchmarks/device_s15.sh                 (run tool: carry [".wheels", ".golden"])
 # Steps: tests    every -m gpu test of the engine, kernels and weight update (pytest-xdist, 6 workers)
 #        wu       benchmarks/weight_update_gpu.py (colocated update, both models)          -> wu.json
@@ -16,7 +17,7 @@ python3 -m pip install -q --no-index --find-links .wheels pydantic lark typer ri
 python3 -m pip install -q --no-deps .wheels/torchao-*.whl 2>&1 | tail -1
 D=$OUT/s15; mkdir -p $D; L=$D/log.txt; T0=$(date +%s)
 python3 -c "import torch; print('device:', torch.cuda.get_device_name(), torch.__version__)" | tee -a $L
-for s in ${STEPS:-tests}; do
+for s in ${STEPS-tests}; do  # STEPS unset: tests; STEPS="": install only
   echo "== $s [$(( $(date +%s) - T0 ))s]" | tee -a $L
   case $s in
     tests) timeout ${TEST_SECS:-420} python3 -m pytest -q -p no:cacheprovider -m gpu -n ${NW:-6} --tb=short -rfE ${TEST_K:+-k "$TEST_K"} \
