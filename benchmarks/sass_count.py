@@ -186,7 +186,7 @@ KERNELS = {
     "amax": lambda kn, x, cfg: kn.tensor_amax(x, **cfg),
     # for comparison with the NVFP4 kernels: the weight update's flat rowwise MXFP8 kernel (NaN/Inf counted, as in
     # the update), the 2-D MXFP8 kernel rowwise only, FP8-block 1x128 pow2
-    "mxfp8flat": lambda km, x, cfg: km.quantize_rows_flat(x, *_bytes(x), bad=_count(x), **cfg),
+    "mxfp8flat": lambda km, x, cfg: km.quantize_rows_flat(x, *_bytes(x), bad=_bad_counter(x), **cfg),
     "mxfp8row": lambda km, x, cfg: km.quantize_rowcol(x, "e4m3", True, False, **cfg),
     "fp8block": lambda kf, x, cfg: kf.quantize(x, "e4m3", False, True, False, **cfg),
 }
@@ -201,7 +201,7 @@ def _bytes(x):
             torch.empty((m, k // 32), dtype=torch.uint8, device=x.device))
 
 
-def _count(x):
+def _bad_counter(x):
     import torch
 
     return torch.zeros((1,), dtype=torch.int32, device=x.device)

@@ -307,14 +307,15 @@ class MXFP8BucketLaunch:
     def launch(self, buf, bad, *, num_warps: int = 4) -> None:
         from ._common import LAUNCH_OPTS
         from . import triton_mxfp8
-        from .triton_mxfp8 import FMAX_RCP, quantize_rows_flat
 
         for x2, d_off, s_off in self.solo:
             m, k = x2.shape
-            quantize_rows_flat(x2, buf[d_off:d_off + m * k].view(m, k), buf[s_off:s_off + m * k // 32].view(m, k // 32),
-                               self.element, bad=bad, num_warps=num_warps)
+            triton_mxfp8.quantize_rows_flat(x2, buf[d_off:d_off + m * k].view(m, k),
+                                            buf[s_off:s_off + m * k // 32].view(m, k // 32), self.element, bad=bad,
+                                            num_warps=num_warps)
         for table, rowmap in self.tables:
-            _mxfp8_bucket_kernel[(rowmap.numel(),)](self.base, buf, bad, table, rowmap, FMAX_RCP=FMAX_RCP[self.element],
-                                           E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
-                                           ALIGNED=self.aligned, AMAX_SCREEN=triton_mxfp8.ROW_AMAX_SCREEN,
-                                           num_warps=num_warps, **LAUNCH_OPTS)
+            _mxfp8_bucket_kernel[(rowmap.numel(),)](self.base, buf, bad, table, rowmap,
+                                                    FMAX_RCP=triton_mxfp8.FMAX_RCP[self.element],
+                                                    E5M2=self.element == "e5m2", IB=self.ib, EVEN=self.even,
+                                                    ALIGNED=self.aligned, AMAX_SCREEN=triton_mxfp8.ROW_AMAX_SCREEN,
+                                                    num_warps=num_warps, **LAUNCH_OPTS)

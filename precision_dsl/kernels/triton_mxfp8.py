@@ -205,11 +205,11 @@ def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: 
         if not (tl.reduce(amax, 0, max_nan) < float("inf")):  # a NaN or +-inf in the item
             _count_non_finite(ax, bad_ptr)
             amax = tl.max(ax, axis=1)
-        amax = tl.maximum(amax, 0.0)
     else:
         if COUNT_BAD:
             _count_non_finite(ax, bad_ptr)
-        amax = tl.maximum(tl.max(ax, axis=1), 0.0)  # [IB]
+        amax = tl.max(ax, axis=1)  # [IB]
+    amax = tl.maximum(amax, 0.0)
     e, s = e8m0_from_amax(amax, FMAX_RCP)
     q = _to_fp8_bytes(x * s[:, None], E5M2)
     if EVEN:
