@@ -263,6 +263,9 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
         if cfg and cfg.get("flat_block") != 0:  # the flat kernel at a shape other than the default
             add("nvfp4 per-tensor incl. amax", f"ours (PDL) amax {_label(cfg)}",
                 lambda t, c=cfg: _with_amax_shape(c, lambda: knv.per_tensor(t)), b_ten, "ours")
+    for rev in (True, False):
+        add("nvfp4 per-tensor incl. amax", "ours (PDL) quantize pass walks the tensor " + ("backwards" if rev else
+            "forwards"), lambda t, r=rev: knv.per_tensor(t, reverse=r), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",
@@ -329,10 +332,10 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     flat_d, flat_s = torch.empty((m, k), dtype=torch.uint8, device=x.device), \
         torch.empty((m, k // 32), dtype=torch.uint8, device=x.device)
     flat_bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    for ib, nw, scr in ((None, None, None), (None, None, True), (32, 2, None), (128, 4, None), (128, 8, None),
+    for ib, nw, scr in ((None, None, None), (None, None, False), (32, 2, None), (128, 4, None), (128, 8, None),
                         (256, 8, None)):
         add("mxfp8 e4m3 rowwise", "ours, flat (weight-update kernel)" + (f" {ib} blocks x {nw} warps" if ib else "")
-            + (", NaN/Inf count on the block max" if scr else ""),
+            + (", NaN/Inf counted element by element" if scr is False else ""),
             lambda t, ib=ib, nw=nw, scr=scr: kmx.quantize_rows_flat(t, flat_d, flat_s, bad=flat_bad, item_blocks=ib,
                                                                    num_warps=nw, amax_screen=scr), b_row, "ours")
     add("mxfp8 e5m2 rowwise+columnwise", f"ours {cfg_m}", lambda t: kmx.quantize_rowcol(t, "e5m2", True, True,

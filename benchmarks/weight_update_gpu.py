@@ -456,16 +456,16 @@ def _measured_with_shape(label, pname, plan, weights, mode, reps, bucket_mb, ker
     """_measure; a mode "<mode>@<item blocks>x<warps>[r<registers>]" runs <mode> with that launch shape of the
     predicted NVFP4 kernel (triton_segments.PREDICTED_ITEM_BLOCKS / PREDICTED_NUM_WARPS, PREDICTED_MAXNREG) instead
     of the default, side by side; "<mode>~<blocks>x<warps>" with that launch shape of the flat rowwise MXFP8 kernel
-    (triton_mxfp8.ROW_ITEM_BLOCKS / ROW_NUM_WARPS), "<mode>~screen" with its NaN/Inf count taken on the block max
-    instead of element by element (triton_mxfp8.ROW_AMAX_SCREEN = True)."""
+    (triton_mxfp8.ROW_ITEM_BLOCKS / ROW_NUM_WARPS), "<mode>~screen" / "<mode>~count" with its NaN/Inf count taken
+    on the block max (triton_mxfp8.ROW_AMAX_SCREEN = True, the default) / element by element (False)."""
     from precision_dsl.kernels import triton_mxfp8 as kmx
     from precision_dsl.kernels import triton_segments as ks
 
     if "~" in mode:
         base, _, shape = mode.partition("~")
         saved_mx = kmx.ROW_ITEM_BLOCKS, kmx.ROW_NUM_WARPS, kmx.ROW_AMAX_SCREEN
-        if shape == "screen":
-            kmx.ROW_AMAX_SCREEN = True
+        if shape in ("screen", "count"):
+            kmx.ROW_AMAX_SCREEN = shape == "screen"
         else:
             kmx.ROW_ITEM_BLOCKS, kmx.ROW_NUM_WARPS = (int(v) for v in shape.split("x"))
         try:
@@ -578,8 +578,8 @@ def main():
                     "direct-serial (every launch on one stream), direct-segments (a launch per segment), direct-items / direct-fused / direct-tiles (direct with that NVFP4 kernel), copy; "
                     "any of them @<item blocks>x<warps>[r<regs>] (e.g. direct@256x4, direct@256x2r96): with that "
                     "predicted-kernel launch shape (and ptx maxnreg); ~<blocks>x<warps> (e.g. direct~128x4): with "
-                    "that launch shape of the flat rowwise MXFP8 kernel; ~screen: its NaN/Inf count on the block max "
-                    "(not element by element)")
+                    "that launch shape of the flat rowwise MXFP8 kernel; ~screen / ~count: its NaN/Inf count on the block "
+                    "max (the default) / element by element")
     ap.add_argument("--interleave", type=int, default=9, help="rounds of the 1.34B model's interleaved timing "
                     "(every policy's update kept, timed round-robin; 0: off; the 30B model's receivers do not fit "
                     "three at a time)")

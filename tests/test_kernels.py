@@ -356,9 +356,9 @@ def _launches(monkeypatch, call):
 def test_nvfp4_default_launch_configs(monkeypatch):
     """The defaults the H200 sweep chose: per-token = 64-block register chunks / 2 warps wherever they divide the
     row in <= 8 chunks (K = 2048 and 7168), else the whole row, one row / 2 warps; 1x16 = 4 rows x 64 blocks /
-    2 warps in k_major order; 16x16 = the thread_rows kernel (16 tiles / 2 warps, 4 rows of 16 elements a thread),
-    the TILE_2D kernel at 16 tiles / 4 warps when asked; k_major swaps the grid axes (block columns on axis 0) and
-    is dropped past CUDA's 65535 limit of axis 1."""
+    2 warps in k_major order; 16x16 = the thread_rows kernel (16 tiles / 2 warps, 4 rows of 16 elements a thread)
+    in k_major order, the TILE_2D kernel at 16 tiles / 4 warps in row-major order when asked; k_major swaps the
+    grid axes (block columns on axis 0) and is dropped past CUDA's 65535 limit of axis 1."""
     def meta(m, k):
         return torch.empty((m, k), dtype=torch.bfloat16, device="meta")
 
@@ -372,7 +372,7 @@ def test_nvfp4_default_launch_configs(monkeypatch):
         assert (name, kw["BLOCK_M"], kw["num_warps"]) == ("_nvfp4_row_scaled_kernel", bm, 2), (k, cfg, kw)
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True))
     assert (name, grid, kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"], kw["SPLIT"]) == (
-        "_nvfp4_tile2d_rows_kernel", (256, 28), 16, 2, False, 4)
+        "_nvfp4_tile2d_rows_kernel", (28, 256), 16, 2, True, 4)
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g, tile_2d=True,
                                                                            thread_rows=False))
     assert (name, grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == (

@@ -231,10 +231,12 @@ def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_
 
 ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements)
 ROW_NUM_WARPS = 4
-# True: the NaN/Inf count rides the block max (see _mxfp8_row_item; fewer instructions offline, not yet timed on
-# the H200); False: counted element by element, the measured default. A/B: weight_update_gpu.py mode suffix
-# ~screen, quantize.py's flat rows. Read at each launch.
-ROW_AMAX_SCREEN = False
+# True (default): the NaN/Inf count rides the block max (see _mxfp8_row_item); False: counted element by element.
+# H200, one run (benchmarks/RESULTS.md, session 26): the 1.34B model's MXFP8 update, interleaved with BF16,
+# 1.248 ms = 0.79x BF16 against 1.266 ms = 0.81x counted; quantize.py's flat rowwise kernel 14.2 vs 14.7 us at
+# 8192x2048, 86.1 vs 86.3 us at 16384x7168. A/B: weight_update_gpu.py mode suffixes ~count / ~screen, quantize.py's
+# flat rows. Read at each launch.
+ROW_AMAX_SCREEN = True
 
 
 def quantize_rows_flat(x2, data, scale, element="e4m3", *, bad=None, item_blocks=None, num_warps=None,

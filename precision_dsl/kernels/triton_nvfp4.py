@@ -184,7 +184,7 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, REVERSE: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     PDL (launched with launch_pdl right after the amax kernel that writes G, see per_tensor): the kernel may start
     while that kernel runs, so it loads its x tile and takes the block amaxes first (x is not written by it) and
@@ -193,13 +193,23 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     EVEN: M % BLOCK_M == 0 and NB % BLOCK_NB == 0 - no masks (no zero fill of masked lanes, no predicates).
     K_MAJOR: program axis 0 over the block columns, axis 1 over the row stripes. Programs start in axis-0-first
     order, so the ones resident at one time read a few whole row stripes (contiguous memory); with axis 0 over the
-    stripes they read one narrow column strip of every row of the tensor at once."""
+    stripes they read one narrow column strip of every row of the tensor at once.
+    REVERSE: the programs walk the tensor from its end (program i takes the tile of program n - 1 - i on both axes).
+    Right after the amax pass, which walks it from the start, the first tiles read are the ones that pass read
+    last: those still in L2 are read from there before later reads evict them (a forward walk of a tensor larger
+    than what L2 keeps of it finds its head evicted). The bytes do not depend on the order."""
     if K_MAJOR:
         pid_b = tl.program_id(0)
         pid_m = tl.program_id(1)
+        if REVERSE:
+            pid_b = tl.num_programs(0) - 1 - pid_b
+            pid_m = tl.num_programs(1) - 1 - pid_m
     else:
         pid_m = tl.program_id(0)
         pid_b = tl.program_id(1)
+        if REVERSE:
+            pid_m = tl.num_programs(0) - 1 - pid_m
+            pid_b = tl.num_programs(1) - 1 - pid_b
     stride_xp = tl.multiple_of(stride_xp, 8)  # K/2 pair words with K % 16 == 0
     stride_d = tl.multiple_of(stride_d, 8)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -485,14 +495,18 @@ def _nvfp4_row_scaled_chunked_kernel(xp_ptr, data_ptr, scale_ptr, sdec_ptr, amax
 ROW_CONFIGS = ({}, dict(packed=False), dict(chunk=0), dict(block_m=2, num_warps=2), dict(block_m=1, num_warps=4),
                dict(chunk=128, num_warps=4), dict(packed=False, maxnreg=128))
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
-                  dict(block_m=8, block_nb=16, num_warps=2, k_major=False))
+                  dict(block_m=8, block_nb=16, num_warps=2, k_major=False), dict(reverse=True),
+                  dict(reverse=True, k_major=False))
+# the 1x16 quantize pass after per_tensor's own amax pass walks the tensor from its end (_nvfp4_tensor_kernel
+# REVERSE); False until timed on the H200 (quantize.py's "walks the tensor backwards" rows)
+TENSOR_REVERSE = False
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
 # and thread_rows keep each thread's 16 rows in its registers (no cross-warp step; 165 / 76 registers).
 TILE2D_CONFIGS = ({}, dict(thread_rows=False), dict(thread_rows=False, k_major=True),
                   dict(thread_rows=False, block_nb=32, num_warps=4),
-                  dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=True),
+                  dict(thread_rows=False, block_nb=16, num_warps=1, k_major=True), dict(k_major=False),
                   dict(split=1), dict(split=2), dict(split=4, num_warps=1), dict(split=4, num_warps=4))
 # row parts of _nvfp4_tile2d_rows_kernel (per_tensor's split=): H200, session 20, amax given, % of copy at
 # 16384x7168 / 8192x2048 in one run: split 4 90% / 81%, split 2 86% / 82%, split 1 (16 rows of 4 elements a
@@ -633,17 +647,19 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None):
+               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
-    None = on for 1x16, off for 16x16. thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 / split
+    None = on, except for the 16x16 TILE_2D kernel (thread_rows=False). thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 / split
     rows of 4 * split elements per thread, split default TILE2D_SPLIT; block_nb defaults to 8 * num_warps);
     False = `_nvfp4_tensor_kernel` with TILE_2D.
     pdl (1x16 `_nvfp4_tensor_kernel`, without global_amax): the amax and the quantize kernel are launched with
     programmatic dependent launch (each may start while the one before it drains and waits for it only where it
     reads what that one wrote); default: where available (use_pdl). With global_amax nothing is launched
     early: the kernel that wrote it (or x) is the caller's.
+    reverse (1x16 `_nvfp4_tensor_kernel`): its programs walk the tensor from the end (see REVERSE there); default
+    TENSOR_REVERSE when this call runs the amax pass, off with global_amax.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
@@ -664,6 +680,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             sdec = torch.empty((1,), dtype=torch.float32, device=dev)
             bits = triton_segments.nvfp4_segment_fused(x2, m, m, data, scale, sdec)
             return data, scale, sdec, bits.view(torch.float32)
+    reverse = (TENSOR_REVERSE and global_amax is None) if reverse is None else bool(reverse)
     pdl = global_amax is None and use_pdl(pdl, dev)
     g = tensor_amax(x2, pdl=pdl) if global_amax is None else global_amax.reshape(1).to(device=dev,
                                                                                          dtype=torch.float32)
@@ -676,10 +693,12 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         # the amax given: 1x16 4 rows x 64 blocks / 2 warps, k_major 90% / 79% (row-major order 86% / 77%, 8 x 64 /
         # 4 warps 83% / 72%); 16x16 thread_rows 76% / 79% against the TILE_2D kernel's 69-70% / 65-66% (16 tiles /
         # 4 warps, either order), 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per element, 14.6 vs
-        # 16.1, but slower: the SASS count is not the bound there)
+        # 16.1, but slower: the SASS count is not the bound there). 16x16 thread_rows in k_major order: four runs
+        # (sessions 25-26) 92 / 81 / 81 / 92% and 82 / 81 / 81 / 81% against row-major order's 82 / 88 / 80 / 80%
+        # and 79 / 80 / 79 / 79%
         thread_rows = bool(thread_rows) and tile_2d
         if k_major is None:
-            k_major = not tile_2d
+            k_major = not tile_2d or thread_rows
         bm = 16 if tile_2d else (block_m or 4)
         warps = num_warps or (2 if thread_rows else 4 if tile_2d else 2)
         bnb = block_nb or (8 * warps if thread_rows else
@@ -697,7 +716,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         # PDL: the amax kernel, the launch right before this one (nothing between them launches a kernel), wrote g
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
-                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, num_warps=warps,
+                                   EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, REVERSE=reverse,
+                                   num_warps=warps,
                                    **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
