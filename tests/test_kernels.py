@@ -383,6 +383,12 @@ def test_nvfp4_default_launch_configs(monkeypatch):
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g))
     assert (name, grid, kw["BLOCK_M"], kw["BLOCK_NB"], kw["num_warps"], kw["K_MAJOR"]) == (
         "_nvfp4_tensor_kernel", (7, 1024), 4, 64, 2, True)
+    # with its own amax pass the quantize pass walks the tensor from the end (TENSOR_REVERSE); with G given, not
+    launches = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168)))
+    assert [(name, kw.get("REVERSE")) for name, grid, kw in launches] == [("_amax_flat_kernel", None),
+                                                                         ("_nvfp4_tensor_kernel", True)]
+    (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4096, 7168), g))
+    assert kw["REVERSE"] is False
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65536, 32), g, k_major=True))
     assert (grid, kw["K_MAJOR"]) == ((65536, 1), False)  # 65536 stripes do not fit axis 1: the default order
     (name, grid, kw), = _launches(monkeypatch, lambda knv: knv.per_tensor(meta(4 * 65535, 32), g, k_major=True))

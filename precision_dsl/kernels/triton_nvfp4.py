@@ -498,8 +498,9 @@ TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warp
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False), dict(reverse=True),
                   dict(reverse=True, k_major=False))
 # the 1x16 quantize pass after per_tensor's own amax pass walks the tensor from its end (_nvfp4_tensor_kernel
-# REVERSE); False until timed on the H200 (quantize.py's "walks the tensor backwards" rows)
-TENSOR_REVERSE = False
+# REVERSE). H200, session 26, per-tensor incl. amax (PDL), backwards / forwards in the same run: 135.0 / 136.2 us
+# and 135.3 / 136.9 us at 16384x7168, 23.8 / 24.0 us and 23.5 / 23.5 us at 8192x2048 (benchmarks/RESULTS.md)
+TENSOR_REVERSE = True
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
@@ -659,7 +660,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     reads what that one wrote); default: where available (use_pdl). With global_amax nothing is launched
     early: the kernel that wrote it (or x) is the caller's.
     reverse (1x16 `_nvfp4_tensor_kernel`): its programs walk the tensor from the end (see REVERSE there); default
-    TENSOR_REVERSE when this call runs the amax pass, off with global_amax.
+    TENSOR_REVERSE (on) when this call runs the amax pass, off with global_amax.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
