@@ -232,10 +232,10 @@ def _mxfp8_row_items_kernel(x_ptr, data_ptr, scale_ptr, bad_ptr, N_BLOCKS, FMAX_
 ROW_ITEM_BLOCKS = 64  # 32-element blocks per program of quantize_rows_flat (2048 elements)
 ROW_NUM_WARPS = 4
 # True (default): the NaN/Inf count rides the block max (see _mxfp8_row_item); False: counted element by element.
-# H200, one run (benchmarks/RESULTS.md, session 26): the 1.34B model's MXFP8 update, interleaved with BF16,
-# 1.248 ms = 0.79x BF16 against 1.266 ms = 0.81x counted; quantize.py's flat rowwise kernel 14.2 vs 14.7 us at
-# 8192x2048, 86.1 vs 86.3 us at 16384x7168. A/B: weight_update_gpu.py mode suffixes ~count / ~screen, quantize.py's
-# flat rows. Read at each launch.
+# H200, session 26 (benchmarks/RESULTS.md): the 1.34B model's MXFP8 update, interleaved with BF16, three A/Bs:
+# 0.788 / 0.794 / 0.797x BF16 against 0.805 / 0.805 / 0.809x counted (level at 30.5B); quantize.py's flat rowwise
+# kernel 14.2-14.3 vs 14.7 us at 8192x2048, level at 16384x7168. A/B: weight_update_gpu.py mode suffixes ~count /
+# ~screen, quantize.py's flat rows. Read at each launch.
 ROW_AMAX_SCREEN = True
 
 

@@ -196,8 +196,9 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     stripes they read one narrow column strip of every row of the tensor at once.
     REVERSE: the programs walk the tensor from its end (program i takes the tile of program n - 1 - i on both axes).
     Right after the amax pass, which walks it from the start, the first tiles read are the ones that pass read
-    last: those still in L2 are read from there before later reads evict them (a forward walk of a tensor larger
-    than what L2 keeps of it finds its head evicted). The bytes do not depend on the order."""
+    last: those still in L2 can be read from there before later reads evict them (a forward walk of a tensor
+    larger than what L2 keeps of it finds its head evicted). Measured on the H200: ~1% at 16384x7168, level at
+    8192x2048 (TENSOR_REVERSE). The bytes do not depend on the order."""
     if K_MAJOR:
         pid_b = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -652,9 +653,10 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
-    None = on, except for the 16x16 TILE_2D kernel (thread_rows=False). thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 / split
-    rows of 4 * split elements per thread, split default TILE2D_SPLIT; block_nb defaults to 8 * num_warps);
-    False = `_nvfp4_tensor_kernel` with TILE_2D.
+    None = on, except for the 16x16 TILE_2D kernel (thread_rows=False).
+    thread_rows (16x16 only, the default): `_nvfp4_tile2d_rows_kernel` (16 / split rows of 4 * split elements per
+    thread, split default TILE2D_SPLIT; block_nb defaults to 8 * num_warps); False = `_nvfp4_tensor_kernel` with
+    TILE_2D.
     pdl (1x16 `_nvfp4_tensor_kernel`, without global_amax): the amax and the quantize kernel are launched with
     programmatic dependent launch (each may start while the one before it drains and waits for it only where it
     reads what that one wrote); default: where available (use_pdl). With global_amax nothing is launched
@@ -694,9 +696,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         # the amax given: 1x16 4 rows x 64 blocks / 2 warps, k_major 90% / 79% (row-major order 86% / 77%, 8 x 64 /
         # 4 warps 83% / 72%); 16x16 thread_rows 76% / 79% against the TILE_2D kernel's 69-70% / 65-66% (16 tiles /
         # 4 warps, either order), 32 tiles / 4 warps 65% / 62% (fewer SASS instructions per element, 14.6 vs
-        # 16.1, but slower: the SASS count is not the bound there). 16x16 thread_rows in k_major order: four runs
-        # (sessions 25-26) 92 / 81 / 81 / 92% and 82 / 81 / 81 / 81% against row-major order's 82 / 88 / 80 / 80%
-        # and 79 / 80 / 79 / 79%
+        # 16.1, but slower: the SASS count is not the bound there). 16x16 thread_rows, six runs of sessions 25-26:
+        # k_major order 81-92% / 80-82%, row-major order 80-90% / 76-80%
         thread_rows = bool(thread_rows) and tile_2d
         if k_major is None:
             k_major = not tile_2d or thread_rows
