@@ -59,7 +59,7 @@ def run_case(i: int, case: tuple, dev: str) -> dict:
     rd, rs, _, _ = km.quantize_rowcol(x, element, True, False, bad=bad2)
     want = mxfp8.quantize(x.cpu(), element, axis="row")
     checks = {}
-    # the count on the block max, element by element (the default) and no count: the same bytes and the same count
+    # the count on the block max (the default), element by element and no count: the same bytes and the same count
     for how, kw in (("amax_screen", dict(amax_screen=True)), ("counted", dict(amax_screen=False)), ("uncounted", {})):
         data = torch.full((m, k), 0xAA, dtype=torch.uint8, device=dev)
         scale = torch.full((m, k // 32), 0xAA, dtype=torch.uint8, device=dev)

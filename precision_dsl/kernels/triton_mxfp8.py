@@ -179,7 +179,7 @@ def quantize_rowcol(x2, element="e4m3", rowwise=True, colwise=True, *, split_ro=
 
 @triton.jit
 def _mxfp8_row_item(x_ptr, data_ptr, scale_ptr, bad_ptr, j, N_BLOCKS, FMAX_RCP: tl.constexpr, E5M2: tl.constexpr,
-                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr = False):
+                    IB: tl.constexpr, EVEN: tl.constexpr, COUNT_BAD: tl.constexpr, AMAX_SCREEN: tl.constexpr):
     """Rowwise (1x32) MXFP8 of item j (IB 32-element blocks) of a contiguous [M, K] tensor seen as a flat run of
     32-element blocks: the rowwise arithmetic of _mxfp8_rowcol_split_kernel without its 2-D tile (no padded lanes
     for any K, no column tile bookkeeping). Data and scales are contiguous, so block b's bytes are
