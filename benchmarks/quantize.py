@@ -49,6 +49,9 @@ def _warm_gpu(seconds=0.3):
         torch.cuda.synchronize()
 
 
+L2_KEEP_ROWS = (0.25, 0.5, 0.75, 1.0)  # per_tensor(l2_keep=) rows of "nvfp4 per-tensor incl. amax"
+
+
 def _graph_time(fn, xs, reps=12):
     """Median us per call of a CUDA graph that runs fn over every input in xs (distinct buffers, together larger
     than the 60 MB L2, so no call finds its input in L2); no host overhead in the timing (perf_baseline.md's
@@ -266,6 +269,14 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
     # the default's quantize pass walks the tensor backwards (TENSOR_REVERSE); this row is the A/B against it
     add("nvfp4 per-tensor incl. amax", "ours (PDL) quantize pass walks the tensor forwards",
         lambda t: knv.per_tensor(t, reverse=False), b_ten, "ours")
+    # L2 hints (per_tensor l2_keep, off by default until these rows are measured): the amax pass keeps the last
+    # l2_keep of L2 worth of x with evict_last, the reversed quantize pass reads it first and loads / stores
+    # evict_first; the forwards row is the control (what it reads first was evicted first)
+    for keep in L2_KEEP_ROWS:
+        add("nvfp4 per-tensor incl. amax", f"ours (PDL) L2 hints, keep {keep:g} of L2",
+            lambda t, f=keep: knv.per_tensor(t, l2_keep=f), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) L2 hints, keep 0.5 of L2, quantize pass forwards",
+        lambda t: knv.per_tensor(t, l2_keep=0.5, reverse=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",

@@ -445,10 +445,14 @@ def nvfp4_segment_cases() -> list[tuple]:
         out.append(("row_non_finite", dtype, ()))
         out += [("row", dtype, (224, vi)) for vi in range(len(NVFP4_ROW_VARIANTS))]
         out += [("tile2d", dtype, (shape, split)) for shape in TILE2D_SHAPES for split in TILE2D_SPLITS]
+        out += [("tensor_l2", dtype, (shape,)) for shape in TENSOR_L2_SHAPES]
     out.append(("row", "bfloat16", (16, 0)))
     return out
 
 
+# per-tensor 1x16 with the L2 hints: 64 x 1024 = 32768 pair words (32 amax programs of 1024: EVEN), 30 x 1040
+# (15600 words: a masked last program, 68 blocks a row: masked quantize tiles)
+TENSOR_L2_SHAPES = ((64, 1024), (30, 1040))
 TILE2D_SHAPES = ((32, 512), (48, 272))  # 32 blocks a row (EVEN at 16 tiles a program); 17 (masked)
 TILE2D_SPLITS = (1, 2, 4)
 
@@ -461,6 +465,25 @@ def tile2d_checks(x, split: int) -> dict:
     ref = nvfp4.quantize(x, scope="tensor", tile_2d=True)
     d, s, sd, _g = knv.per_tensor(x, tile_2d=True, split=split)
     return {"data": _same(d, ref.data), "scale": _same(s, ref.scale), "s_dec": _same(sd, ref.global_scale)}
+
+
+def tensor_l2_checks(x) -> dict:
+    """The L2 hints of per-tensor NVFP4 change no byte: the amax pass with its evict_last tail at several lengths
+    (none, one program, part of the tensor, all of it) gives the reference amax, and the quantize pass with its
+    evict_first loads / stores (l2_keep > 0) the reference data / scale / S_dec, in both walk orders."""
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    ref = nvfp4.quantize(x, scope="tensor")
+    out = {}
+    for keep in (0, 1, 4 * 1024 * 7, 1 << 40):  # bytes (a 1024-word program is 4 KiB of bf16 / fp16, 8 KiB of fp32)
+        out[f"amax keep={keep}"] = _same(knv.tensor_amax(x, flat_block=1024, keep_bytes=keep), ref.global_amax)
+    g = knv.tensor_amax(x, flat_block=1024, keep_bytes=4 * 1024 * 7)
+    for reverse in (True, False):
+        d, sc, sd, _g = knv.per_tensor(x, g, l2_keep=0.5, reverse=reverse)
+        out[f"reverse={reverse} data"], out[f"reverse={reverse} scale"] = _same(d, ref.data), _same(sc, ref.scale)
+        out[f"reverse={reverse} S_dec"] = _same(sd, ref.global_scale)
+    return out
 
 
 def run_nvfp4_segments() -> None:
@@ -489,6 +512,10 @@ def run_nvfp4_segments() -> None:
             (m, k), split = params
             checks = tile2d_checks(nvfp4_input(m, k, dtype, 2000 + i), split)
             case = f"nvfp4_tile2d::{dtype_name}_{m}x{k}_split{split}"
+        elif kind == "tensor_l2":
+            (m, k), = params
+            checks = tensor_l2_checks(nvfp4_input(m, k, dtype, 2000 + i))
+            case = f"nvfp4_tensor_l2::{dtype_name}_{m}x{k}"
         else:
             k, vi = params
             checks = nvfp4_row_variant_checks(nvfp4_input(8, k, dtype, 2000 + i), NVFP4_ROW_VARIANTS[vi])

@@ -395,6 +395,79 @@ def test_nvfp4_default_launch_configs(monkeypatch):
     assert (grid, kw["K_MAJOR"]) == ((1, 65535), True)
 
 
+def _recorded_launches(call):
+    """[(kernel, grid, positional args, kwargs)] that the NVFP4 host wrapper `call(knv)` would launch on meta
+    tensors (benchmarks/sass_count.py's recorder, which also compiles them offline)."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    sink = []
+    with _sass_count().recording(knv, sink):
+        call(knv)
+    return sink
+
+
+def _sass_count():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_count", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "sass_count.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
+    """per_tensor(l2_keep=f): the amax pass marks the programs that read the last f * L2 bytes of x evict_last and
+    the others evict_first, the quantize pass loads and stores evict_first; off by default (TENSOR_L2_KEEP = 0),
+    never for 16x16, refused outside 0..1. Compiled offline for sm_90 (no GPU), the hints are in the PTX as
+    createpolicy + ld/st .L2::cache_hint, and a launch without them has none."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    assert knv.TENSOR_L2_KEEP == 0.0
+    monkeypatch.setattr(knv, "l2_cache_bytes", lambda device: 50 << 20)  # the H200's L2 as torch reports it
+    x = torch.empty((8192, 2048), dtype=torch.bfloat16, device="meta")
+    g = torch.empty((1,), dtype=torch.float32, device="meta")
+
+    def hints(launches):
+        return [(fn.__name__, kw["L2_HINTS"], args[3] if fn.__name__ == "_amax_flat_kernel" else None)
+                for fn, grid, args, kw in launches]
+
+    # 8M pair words in 512 programs of 16384 words (64 KiB); 25 MiB kept = the last 400 programs
+    assert hints(_recorded_launches(lambda k: k.per_tensor(x, l2_keep=0.5))) == [
+        ("_amax_flat_kernel", True, 112), ("_nvfp4_tensor_kernel", True, None)]
+    assert hints(_recorded_launches(lambda k: k.per_tensor(x, l2_keep=1.0))) == [
+        ("_amax_flat_kernel", True, 0), ("_nvfp4_tensor_kernel", True, None)]
+    assert hints(_recorded_launches(lambda k: k.per_tensor(x))) == [
+        ("_amax_flat_kernel", False, 512), ("_nvfp4_tensor_kernel", False, None)]
+    assert hints(_recorded_launches(lambda k: k.per_tensor(x, g, l2_keep=0.5))) == [
+        ("_nvfp4_tensor_kernel", True, None)]
+    (fn, grid, args, kw), = _recorded_launches(lambda k: k.per_tensor(x, g, tile_2d=True, l2_keep=0.5))
+    assert fn.__name__ == "_nvfp4_tile2d_rows_kernel" and "L2_HINTS" not in kw
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="fraction of the L2"):
+            knv.per_tensor(x, l2_keep=bad)
+
+    sc = _sass_count()
+    ptx = {}
+    for label, call in (("hints", lambda k: k.per_tensor(x, l2_keep=0.5)), ("plain", lambda k: k.per_tensor(x))):
+        for fn, grid, args, kw in _recorded_launches(call):
+            kw = {k: v for k, v in kw.items() if k != "launch_pdl"}
+            ptx[label, fn.__name__] = sc.compile_launch(fn, grid, args, kw)[0].asm["ptx"]
+
+    def policies(text):
+        return sorted({line.split()[0] for line in text.splitlines() if "createpolicy" in line or "cache_hint" in line})
+
+    assert policies(ptx["hints", "_amax_flat_kernel"]) == [
+        "createpolicy.fractional.L2::evict_first.b64", "createpolicy.fractional.L2::evict_last.b64",
+        "ld.global.L1::evict_first.L2::cache_hint.v4.b32", "ld.global.L1::evict_last.L2::cache_hint.v4.b32"]
+    quant = policies(ptx["hints", "_nvfp4_tensor_kernel"])
+    assert "createpolicy.fractional.L2::evict_first.b64" in quant
+    assert any(p.startswith("ld.global.L1::evict_first.L2::cache_hint") for p in quant)
+    assert any(p.startswith("st.global.L1::evict_first.L2::cache_hint") for p in quant)
+    assert not any("evict_last" in p for p in quant)
+    assert policies(ptx["plain", "_amax_flat_kernel"]) == policies(ptx["plain", "_nvfp4_tensor_kernel"]) == []
+
+
 # ------------------------------------------------------------------ the element coder and the block-scale reciprocal
 
 def test_nvfp4_coder_and_edge_inputs_interpreted():

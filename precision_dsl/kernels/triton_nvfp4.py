@@ -11,6 +11,8 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
   * `_nvfp4_tensor_kernel`: 1x16 or 16x16 (2-D weight tiles) quantization with one G read from device memory
     (no host synchronisation): S_enc/S_dec are derived in every program, identically. K_MAJOR picks the order in
     which programs walk the tensor (row stripes first, or a stripe's block columns first).
+    L2_HINTS of both kernels (per_tensor's l2_keep): L2 eviction-priority hints so the quantize pass finds the
+    tail of x the amax pass just read still in L2; they change no byte.
   * `_nvfp4_tile2d_rows_kernel` (default for 16x16): 4 threads a 16x16 tile, each holding 16 / SPLIT rows of
     4 * SPLIT elements, so the tile max is taken in registers plus two shuffles (SPLIT 4: 16-byte loads, 8-byte
     stores).
@@ -158,21 +160,38 @@ def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr
 
 
 @triton.jit
-def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                      EVEN: tl.constexpr, PDL: tl.constexpr = False):
+def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                      EVEN: tl.constexpr, PDL: tl.constexpr = False, L2_HINTS: tl.constexpr = False):
     """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
     then one warp + one cross-warp step) instead of a row reduction followed by a column reduction.
     EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0).
     PDL (launched with launch_pdl right after the accumulator's zero-fill, see tensor_amax): the kernel may start
     before that fill has finished, so it reads and reduces x first (x was complete before the fill started) and
-    waits for the fill (griddepcontrol.wait) only before its atomic; it lets the next kernel launch at once."""
+    waits for the fill (griddepcontrol.wait) only before its atomic; it lets the next kernel launch at once.
+    L2_HINTS: programs from `keep_from` on (the tensor's tail) load with the L2 evict_last policy, the ones before
+    with evict_first (PTX createpolicy.fractional.L2::evict_{last,first} + ld.global.L2::cache_hint, which Triton
+    emits for eviction_policy on sm_80+), so what L2 holds when the pass ends is the tail that per_tensor's
+    quantize pass (REVERSE) reads first, not whatever plain LRU left of it. A hint only: the bytes are the same."""
     if PDL:
         gdc_launch_dependents()
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    if EVEN:
-        u = tl.load(xp_ptr + offs)
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if L2_HINTS:
+        if pid >= keep_from:
+            if EVEN:
+                u = tl.load(xp_ptr + offs, eviction_policy="evict_last")
+            else:
+                u = tl.load(xp_ptr + offs, mask=offs < N, other=0, eviction_policy="evict_last")
+        else:
+            if EVEN:
+                u = tl.load(xp_ptr + offs, eviction_policy="evict_first")
+            else:
+                u = tl.load(xp_ptr + offs, mask=offs < N, other=0, eviction_policy="evict_first")
     else:
-        u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
+        if EVEN:
+            u = tl.load(xp_ptr + offs)
+        else:
+            u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
     lo, hi = unpack_pair(u, IN_DTYPE)
     a = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
     if PDL:
@@ -184,7 +203,8 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, IN_DTYPE: tl.constexpr, BLOCK: t
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
                          IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
-                         PDL: tl.constexpr = False, REVERSE: tl.constexpr = False):
+                         PDL: tl.constexpr = False, REVERSE: tl.constexpr = False,
+                         L2_HINTS: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     PDL (launched with launch_pdl right after the amax kernel that writes G, see per_tensor): the kernel may start
     while that kernel runs, so it loads its x tile and takes the block amaxes first (x is not written by it) and
@@ -198,7 +218,11 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     Right after the amax pass, which walks it from the start, the first tiles read are the ones that pass read
     last: those still in L2 can be read from there before later reads evict them (a forward walk of a tensor
     larger than what L2 keeps of it finds its head evicted). Measured on the H200: ~1% at 16384x7168, level at
-    8192x2048 (TENSOR_REVERSE). The bytes do not depend on the order."""
+    8192x2048 (TENSOR_REVERSE). The bytes do not depend on the order.
+    L2_HINTS: x is loaded and data / scale are stored with the L2 evict_first policy: each x line is read once
+    (a hit where the amax pass kept it with evict_last, see _amax_flat_kernel) and the outputs are not read again
+    here, so neither should push the kept lines out before their reads. A hint only: the bytes are the same."""
+    EVICT: tl.constexpr = "evict_first" if L2_HINTS else ""
     if K_MAJOR:
         pid_b = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -219,10 +243,10 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     rmask = rows < M
     bmask = nb < NB
     if EVEN:
-        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb))
+        u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), eviction_policy=EVICT)
     else:
         u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
-                    other=0)
+                    other=0, eviction_policy=EVICT)
     lo, hi = unpack_pair(u, IN_DTYPE)
     amax_b = _block_amax(lo, hi)  # [BM, BNB]
     if PDL:
@@ -235,20 +259,21 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
         # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
         sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
         if EVEN:
-            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf)
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, eviction_policy=EVICT)
         else:
-            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask)
+            tl.store(scale_ptr + pid_m.to(tl.int64) * stride_s + nb, sf, mask=bmask, eviction_policy=EVICT)
     else:
         sf, packed = _encode_blocks(lo, hi, amax_b, s_enc, s_dec)
         if EVEN:
-            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf)
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, eviction_policy=EVICT)
         else:
-            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :])
+            tl.store(scale_ptr + r64[:, None] * stride_s + nb[None, :], sf, mask=rmask[:, None] & bmask[None, :],
+                     eviction_policy=EVICT)
     if EVEN:
-        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed)
+        tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed, eviction_policy=EVICT)
     else:
         tl.store(data_ptr + _pair_offsets(r64, stride_d, nb), packed,
-                 mask=rmask[:, None, None] & bmask[None, :, None])
+                 mask=rmask[:, None, None] & bmask[None, :, None], eviction_policy=EVICT)
 
 
 @triton.jit
@@ -497,11 +522,15 @@ ROW_CONFIGS = ({}, dict(packed=False), dict(chunk=0), dict(block_m=2, num_warps=
                dict(chunk=128, num_warps=4), dict(packed=False, maxnreg=128))
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False), dict(reverse=True),
-                  dict(reverse=True, k_major=False))
+                  dict(reverse=True, k_major=False), dict(l2_keep=0.25), dict(l2_keep=0.5), dict(l2_keep=0.75))
 # the 1x16 quantize pass after per_tensor's own amax pass walks the tensor from its end (_nvfp4_tensor_kernel
 # REVERSE). H200, session 26, per-tensor incl. amax (PDL), backwards / forwards in the same run: 135.0 / 136.2 us
 # and 135.3 / 136.9 us at 16384x7168, 23.8 / 24.0 us and 23.5 / 23.5 us at 8192x2048 (benchmarks/RESULTS.md)
 TENSOR_REVERSE = True
+# l2_keep of per_tensor: the share of L2 the amax pass fills with evict_last lines of the tensor's tail for the
+# reversed quantize pass (L2_HINTS of _amax_flat_kernel / _nvfp4_tensor_kernel). Off until the H200 A/B rows of
+# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
+TENSOR_L2_KEEP = 0.0
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
@@ -617,11 +646,20 @@ def use_pdl(pdl, device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
+def l2_cache_bytes(device) -> int:
+    """The L2 size of a CUDA device (torch's L2_cache_size); 0 elsewhere (the interpreter has no L2)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).L2_cache_size) if device.type == "cuda" else 0
+
+
+def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None, keep_bytes=0):
     """fp32 [1] max|x| of a contiguous [M, K] CUDA tensor (K even), NaN ignored, one kernel + atomics.
     flat_block: pair words per program of `_amax_flat_kernel` (default AMAX_FLAT_BLOCK; 0 = `_amax_kernel`).
     pdl (flat kernel): launch it with programmatic dependent launch after the accumulator's zero-fill, and let
-    the next launch start early (default: PDL where available; see _amax_flat_kernel)."""
+    the next launch start early (default: PDL where available; see _amax_flat_kernel).
+    keep_bytes (flat kernel): the programs that read the last keep_bytes of x (rounded up to whole programs)
+    load with the L2 evict_last policy and the others with evict_first (L2_HINTS there); 0 = no hints."""
     import torch
 
     from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
@@ -633,10 +671,13 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
         xp = pair_view(x2).reshape(-1)
         n = xp.numel()
         pdl = use_pdl(pdl, x2.device)
-        _amax_flat_kernel[(triton.cdiv(n, flat_block),)](xp, bits, n, IN_DTYPE=in_dtype_code(x2.dtype),
-                                                          BLOCK=flat_block, EVEN=n % flat_block == 0, PDL=pdl,
-                                                          num_warps=num_warps or AMAX_NUM_WARPS,
-                                                          **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
+        programs = triton.cdiv(n, flat_block)
+        keep_programs = -(-max(0, int(keep_bytes)) // (xp.element_size() * flat_block))
+        _amax_flat_kernel[(programs,)](xp, bits, n, max(0, programs - keep_programs),
+                                       IN_DTYPE=in_dtype_code(x2.dtype), BLOCK=flat_block,
+                                       EVEN=n % flat_block == 0, PDL=pdl, L2_HINTS=keep_programs > 0,
+                                       num_warps=num_warps or AMAX_NUM_WARPS,
+                                       **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     elif m and k:
         xp = pair_view(x2)
         np_ = xp.shape[1]
@@ -649,7 +690,7 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None):
 
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None):
+               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None, l2_keep=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
@@ -663,6 +704,10 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     early: the kernel that wrote it (or x) is the caller's.
     reverse (1x16 `_nvfp4_tensor_kernel`): its programs walk the tensor from the end (see REVERSE there); default
     TENSOR_REVERSE (on) when this call runs the amax pass, off with global_amax.
+    l2_keep (1x16 `_nvfp4_tensor_kernel`): a fraction of the device's L2 (torch's L2_cache_size); the amax pass
+    marks the last l2_keep * L2 bytes it reads evict_last and the rest evict_first, and the quantize pass loads x
+    and stores its outputs evict_first (L2_HINTS of both kernels), so the reversed quantize pass finds the tail in
+    L2; default TENSOR_L2_KEEP, 0 = no hints. With global_amax only the quantize kernel's hints apply.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
@@ -685,8 +730,12 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             return data, scale, sdec, bits.view(torch.float32)
     reverse = (TENSOR_REVERSE and global_amax is None) if reverse is None else bool(reverse)
     pdl = global_amax is None and use_pdl(pdl, dev)
-    g = tensor_amax(x2, pdl=pdl) if global_amax is None else global_amax.reshape(1).to(device=dev,
-                                                                                         dtype=torch.float32)
+    l2_keep = TENSOR_L2_KEEP if l2_keep is None else float(l2_keep)
+    if not 0.0 <= l2_keep <= 1.0:
+        raise ValueError(f"per_tensor: l2_keep is a fraction of the L2 cache, 0..1, not {l2_keep}")
+    l2_hints = l2_keep > 0 and not tile_2d
+    g = (tensor_amax(x2, pdl=pdl, keep_bytes=int(l2_keep * l2_cache_bytes(dev)) if l2_hints else 0)
+         if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32))
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty(((m // 16) if tile_2d else m, nb), dtype=torch.uint8, device=dev)
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
@@ -719,7 +768,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
         _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
                                    IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
                                    EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, REVERSE=reverse,
-                                   num_warps=warps,
+                                   L2_HINTS=l2_hints, num_warps=warps,
                                    **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
