@@ -160,6 +160,17 @@ def _amax_kernel(xp_ptr, amax_bits_ptr, M, NP, stride_xp, IN_DTYPE: tl.constexpr
 
 
 @triton.jit
+def _flat_abs_max(xp_ptr, offs, N, IN_DTYPE: tl.constexpr, EVEN: tl.constexpr, EVICT: tl.constexpr):
+    """max(max |x| over the pair words at offs, 0) (NaN ignored), loaded with L2 eviction policy EVICT."""
+    if EVEN:
+        u = tl.load(xp_ptr + offs, eviction_policy=EVICT)
+    else:
+        u = tl.load(xp_ptr + offs, mask=offs < N, other=0, eviction_policy=EVICT)
+    lo, hi = unpack_pair(u, IN_DTYPE)
+    return tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
+
+
+@triton.jit
 def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
                       EVEN: tl.constexpr, PDL: tl.constexpr = False, L2_HINTS: tl.constexpr = False):
     """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
@@ -176,24 +187,15 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexp
         gdc_launch_dependents()
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # each branch reduces its own load: only the scalar max leaves it (a branch that yielded the loaded words
+    # would keep all of them live at the join: 70 registers instead of 32 offline, sm_90)
     if L2_HINTS:
         if pid >= keep_from:
-            if EVEN:
-                u = tl.load(xp_ptr + offs, eviction_policy="evict_last")
-            else:
-                u = tl.load(xp_ptr + offs, mask=offs < N, other=0, eviction_policy="evict_last")
+            a = _flat_abs_max(xp_ptr, offs, N, IN_DTYPE, EVEN, "evict_last")
         else:
-            if EVEN:
-                u = tl.load(xp_ptr + offs, eviction_policy="evict_first")
-            else:
-                u = tl.load(xp_ptr + offs, mask=offs < N, other=0, eviction_policy="evict_first")
+            a = _flat_abs_max(xp_ptr, offs, N, IN_DTYPE, EVEN, "evict_first")
     else:
-        if EVEN:
-            u = tl.load(xp_ptr + offs)
-        else:
-            u = tl.load(xp_ptr + offs, mask=offs < N, other=0)
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    a = tl.maximum(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=0), 0.0)
+        a = _flat_abs_max(xp_ptr, offs, N, IN_DTYPE, EVEN, "")
     if PDL:
         gdc_wait()
     tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
