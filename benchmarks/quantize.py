@@ -277,6 +277,12 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
             lambda t, f=keep: knv.per_tensor(t, l2_keep=f), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (PDL) L2 hints, keep 0.5 of L2, quantize pass forwards",
         lambda t: knv.per_tensor(t, l2_keep=0.5, reverse=False), b_ten, "ours")
+    # per-program partial maxima reduced by the quantize kernel (per_tensor amax_parts, off by default until these
+    # rows are measured): no zero-fill launch, no atomics; 16384x7168 has too many programs and takes the atomics
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) amax partials, no zero-fill",
+        lambda t: knv.per_tensor(t, amax_parts=True), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) amax partials + L2 hints, keep 0.5 of L2",
+        lambda t: knv.per_tensor(t, amax_parts=True, l2_keep=0.5), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",

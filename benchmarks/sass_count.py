@@ -123,8 +123,12 @@ def compile_launch(fn, grid, args, kwargs):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    import inspect
+
     names = fn.arg_names
-    bound = dict(zip(names, args))
+    bound = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items()
+             if p.default is not inspect.Parameter.empty}  # constexprs the launch leaves at their defaults
+    bound.update(zip(names, args))
     opts = {k: v for k, v in kwargs.items() if k not in names}
     bound.update({k: v for k, v in kwargs.items() if k in names})
     sig, constexprs, attrs = {}, {}, {}

@@ -470,7 +470,8 @@ def tile2d_checks(x, split: int) -> dict:
 def tensor_l2_checks(x) -> dict:
     """The L2 hints of per-tensor NVFP4 change no byte: the amax pass with its evict_last tail at several lengths
     (none, one program, part of the tensor, all of it) gives the reference amax, and the quantize pass with its
-    evict_first loads / stores (l2_keep > 0) the reference data / scale / S_dec, in both walk orders."""
+    evict_first loads / stores (l2_keep > 0) the reference data / scale / S_dec, in both walk orders. The same
+    for the partial-max amax pass (amax_parts), G included."""
     from precision_dsl.formats import nvfp4
     from precision_dsl.kernels import triton_nvfp4 as knv
 
@@ -483,6 +484,20 @@ def tensor_l2_checks(x) -> dict:
         d, sc, sd, _g = knv.per_tensor(x, g, l2_keep=0.5, reverse=reverse)
         out[f"reverse={reverse} data"], out[f"reverse={reverse} scale"] = _same(d, ref.data), _same(sc, ref.scale)
         out[f"reverse={reverse} S_dec"] = _same(sd, ref.global_scale)
+    # amax_parts: one partial max per amax program, reduced by the quantize kernel (several parts at 1024 words a
+    # program; at the default 16384 these shapes would be one), and past AMAX_PARTS_MAX the atomic pass
+    saved = knv.AMAX_FLAT_BLOCK, knv.AMAX_PARTS_MAX
+    try:
+        knv.AMAX_FLAT_BLOCK = 1024
+        for limit in (saved[1], 2):
+            knv.AMAX_PARTS_MAX = limit
+            for reverse in (True, False):
+                d, sc, sd, gp = knv.per_tensor(x, amax_parts=True, reverse=reverse)
+                tag = f"parts<={limit} reverse={reverse}"
+                out[f"{tag} data"], out[f"{tag} scale"] = _same(d, ref.data), _same(sc, ref.scale)
+                out[f"{tag} S_dec"], out[f"{tag} G"] = _same(sd, ref.global_scale), _same(gp, ref.global_amax)
+    finally:
+        knv.AMAX_FLAT_BLOCK, knv.AMAX_PARTS_MAX = saved
     return out
 
 

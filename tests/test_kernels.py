@@ -475,6 +475,36 @@ def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
         assert regs["hints", name][0] <= regs["plain", name][0] and regs["hints", name][1] == 0, (name, regs)
 
 
+def test_nvfp4_amax_parts_launch_and_ptx():
+    """per_tensor(amax_parts=True): the amax kernel stores one partial max per program (no zero-fill, no atomic)
+    and the quantize kernel reduces all of them (G_PARTS = the next power of two) and writes G; past
+    AMAX_PARTS_MAX programs (16384x7168: 3584) the atomic pass runs; off by default (TENSOR_AMAX_PARTS). Offline
+    sm_90: the parts kernel has no atomic and the reducing quantize kernel spills nothing."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    assert knv.TENSOR_AMAX_PARTS is False
+    x = torch.empty((8192, 2048), dtype=torch.bfloat16, device="meta")
+
+    def shape(launches):
+        return [(fn.__name__, grid, kw.get("PARTS"), kw.get("G_PARTS"),
+                 args[11] if fn.__name__ == "_nvfp4_tensor_kernel" else None) for fn, grid, args, kw in launches]
+
+    parts = _recorded_launches(lambda k: k.per_tensor(x, amax_parts=True))
+    assert shape(parts) == [("_amax_flat_kernel", (512,), True, None, None),
+                            ("_nvfp4_tensor_kernel", (2, 2048), None, 512, 512)]
+    assert shape(_recorded_launches(lambda k: k.per_tensor(x))) == [
+        ("_amax_flat_kernel", (512,), None, None, None), ("_nvfp4_tensor_kernel", (2, 2048), None, 0, 0)]
+    big = torch.empty((16384, 7168), dtype=torch.bfloat16, device="meta")
+    assert [p[2] for p in shape(_recorded_launches(lambda k: k.per_tensor(big, amax_parts=True)))] == [None, None]
+    assert [p[3] for p in shape(_recorded_launches(lambda k: k.per_tensor(big, amax_parts=True)))] == [None, 0]
+
+    sc = _sass_count()
+    compiled = {fn.__name__: sc.compile_launch(fn, grid, args, kw)[0] for fn, grid, args, kw in parts}
+    assert "atom" not in compiled["_amax_flat_kernel"].asm["ptx"]
+    assert "atom.global" in sc.compile_launch(*_recorded_launches(lambda k: k.per_tensor(x))[0])[0].asm["ptx"]
+    assert sc.resources_of(compiled["_nvfp4_tensor_kernel"].asm["cubin"])[1] == 0
+
+
 # ------------------------------------------------------------------ the element coder and the block-scale reciprocal
 
 def test_nvfp4_coder_and_edge_inputs_interpreted():

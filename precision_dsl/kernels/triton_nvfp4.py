@@ -12,7 +12,8 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
     (no host synchronisation): S_enc/S_dec are derived in every program, identically. K_MAJOR picks the order in
     which programs walk the tensor (row stripes first, or a stripe's block columns first).
     L2_HINTS of both kernels (per_tensor's l2_keep): L2 eviction-priority hints so the quantize pass finds the
-    tail of x the amax pass just read still in L2; they change no byte.
+    tail of x the amax pass just read still in L2; they change no byte. PARTS / G_PARTS (per_tensor's
+    amax_parts): per-program partial maxima reduced by the quantize kernel instead of a zero-filled atomic.
   * `_nvfp4_tile2d_rows_kernel` (default for 16x16): 4 threads a 16x16 tile, each holding 16 / SPLIT rows of
     4 * SPLIT elements, so the tile max is taken in registers plus two shuffles (SPLIT 4: 16-byte loads, 8-byte
     stores).
@@ -172,7 +173,8 @@ def _flat_abs_max(xp_ptr, offs, N, IN_DTYPE: tl.constexpr, EVEN: tl.constexpr, E
 
 @triton.jit
 def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
-                      EVEN: tl.constexpr, PDL: tl.constexpr = False, L2_HINTS: tl.constexpr = False):
+                      EVEN: tl.constexpr, PDL: tl.constexpr = False, L2_HINTS: tl.constexpr = False,
+                      PARTS: tl.constexpr = False, LAUNCH_NEXT: tl.constexpr = False):
     """`_amax_kernel` over a contiguous tensor viewed as N pair words: one 1-D reduction per program (in-thread,
     then one warp + one cross-warp step) instead of a row reduction followed by a column reduction.
     EVEN: N % BLOCK == 0, no masks (padding lanes would read 0, which cannot raise a max of |x| >= 0).
@@ -182,8 +184,13 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexp
     L2_HINTS: programs from `keep_from` on (the tensor's tail) load with the L2 evict_last policy, the ones before
     with evict_first (PTX createpolicy.fractional.L2::evict_{last,first} + ld.global.L2::cache_hint, which Triton
     emits for eviction_policy on sm_80+), so what L2 holds when the pass ends is the tail that per_tensor's
-    quantize pass (REVERSE) reads first, not whatever plain LRU left of it. A hint only: the bytes are the same."""
-    if PDL:
+    quantize pass (REVERSE) reads first, not whatever plain LRU left of it. A hint only: the bytes are the same.
+    PARTS: no accumulator and no atomic: program i stores the bit pattern of its max to amax_bits_ptr[i] (int32
+    [programs], uninitialised), and the kernel that reads G reduces them (_nvfp4_tensor_kernel G_PARTS), so no
+    zero-fill kernel precedes this one. It is launched plainly (its predecessor wrote x); LAUNCH_NEXT still lets
+    the next kernel launch at once (PDL there waits for this one before it reads the parts).
+    LAUNCH_NEXT and PDL compile only for the GPU (the interpreter has no griddepcontrol)."""
+    if PDL or LAUNCH_NEXT:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -196,17 +203,20 @@ def _amax_flat_kernel(xp_ptr, amax_bits_ptr, N, keep_from, IN_DTYPE: tl.constexp
             a = _flat_abs_max(xp_ptr, offs, N, IN_DTYPE, EVEN, "evict_first")
     else:
         a = _flat_abs_max(xp_ptr, offs, N, IN_DTYPE, EVEN, "")
-    if PDL:
-        gdc_wait()
-    tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
+    if PARTS:
+        tl.store(amax_bits_ptr + pid, a.to(tl.int32, bitcast=True))
+    else:
+        if PDL:
+            gdc_wait()
+        tl.atomic_max(amax_bits_ptr, a.to(tl.int32, bitcast=True), sem="relaxed")
 
 
 @triton.jit
 def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, stride_xp, stride_d, stride_s,
-                         IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         gout_ptr, n_parts, IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
                          PDL: tl.constexpr = False, REVERSE: tl.constexpr = False,
-                         L2_HINTS: tl.constexpr = False):
+                         L2_HINTS: tl.constexpr = False, G_PARTS: tl.constexpr = 0):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     PDL (launched with launch_pdl right after the amax kernel that writes G, see per_tensor): the kernel may start
     while that kernel runs, so it loads its x tile and takes the block amaxes first (x is not written by it) and
@@ -223,7 +233,11 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     8192x2048 (TENSOR_REVERSE). The bytes do not depend on the order.
     L2_HINTS: x is loaded and data / scale are stored with the L2 evict_first policy: each x line is read once
     (a hit where the amax pass kept it with evict_last, see _amax_flat_kernel) and the outputs are not read again
-    here, so neither should push the kept lines out before their reads. A hint only: the bytes are the same."""
+    here, so neither should push the kept lines out before their reads. A hint only: the bytes are the same.
+    G_PARTS (> 0, a power of two >= n_parts): g_ptr holds the n_parts per-program bit patterns of the amax kernel
+    (_amax_flat_kernel PARTS); every program takes their integer max, clamped at 0 (the atomic max into a
+    zero-filled word, exactly: a -0.0 part reads as a negative integer and loses to 0), and program 0 stores it to
+    gout_ptr (int32 [1]: the G that per_tensor returns). Unused (gout_ptr, n_parts any) when G_PARTS is 0."""
     EVICT: tl.constexpr = "evict_first" if L2_HINTS else ""
     if K_MAJOR:
         pid_b = tl.program_id(0)
@@ -253,10 +267,17 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     amax_b = _block_amax(lo, hi)  # [BM, BNB]
     if PDL:
         gdc_wait()
-    g = tl.load(g_ptr)
+    if G_PARTS:
+        parts = tl.arange(0, G_PARTS)
+        g_bits = tl.maximum(tl.max(tl.load(g_ptr + parts, mask=parts < n_parts, other=0), axis=0), 0)
+        g = g_bits.to(tl.float32, bitcast=True)
+    else:
+        g = tl.load(g_ptr)
     s_enc, s_dec = _global_scales(g)
     if (pid_m == 0) & (pid_b == 0):
         tl.store(sdec_ptr, s_dec)
+        if G_PARTS:
+            tl.store(gout_ptr, g_bits)
     if TILE_2D:
         # the tile's amax is the max of its 16 rows' block amaxes (all >= 0, so max(., 0) needs no repeat)
         sf, packed = _encode_blocks(lo, hi, tl.max(amax_b, axis=0), s_enc, s_dec)  # sf [BNB]
@@ -524,7 +545,8 @@ ROW_CONFIGS = ({}, dict(packed=False), dict(chunk=0), dict(block_m=2, num_warps=
                dict(chunk=128, num_warps=4), dict(packed=False, maxnreg=128))
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False), dict(reverse=True),
-                  dict(reverse=True, k_major=False), dict(l2_keep=0.25), dict(l2_keep=0.5), dict(l2_keep=0.75))
+                  dict(reverse=True, k_major=False), dict(l2_keep=0.25), dict(l2_keep=0.5), dict(l2_keep=0.75),
+                  dict(amax_parts=True), dict(amax_parts=True, l2_keep=0.5))
 # the 1x16 quantize pass after per_tensor's own amax pass walks the tensor from its end (_nvfp4_tensor_kernel
 # REVERSE). H200, session 26, per-tensor incl. amax (PDL), backwards / forwards in the same run: 135.0 / 136.2 us
 # and 135.3 / 136.9 us at 16384x7168, 23.8 / 24.0 us and 23.5 / 23.5 us at 8192x2048 (benchmarks/RESULTS.md)
@@ -533,6 +555,12 @@ TENSOR_REVERSE = True
 # reversed quantize pass (L2_HINTS of _amax_flat_kernel / _nvfp4_tensor_kernel). Off until the H200 A/B rows of
 # TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
 TENSOR_L2_KEEP = 0.0
+# amax_parts of per_tensor: the amax pass stores one partial max per program and the quantize kernel reduces them,
+# instead of a zero-filled accumulator (one kernel launch) and atomics; only up to AMAX_PARTS_MAX programs (at
+# 16384 words a program, 8192x2048 is 512, 16384x7168 3584: the atomic path). Off until the H200 rows of
+# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
+TENSOR_AMAX_PARTS = False
+AMAX_PARTS_MAX = 1024
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
@@ -691,8 +719,31 @@ def tensor_amax(x2, *, flat_block=None, num_warps=None, pdl=None, keep_bytes=0):
     return bits.view(torch.float32)
 
 
+def _amax_parts(x2, keep_bytes: int, launch_next: bool):
+    """(int32 [programs] partial amax bit patterns, programs) of `_amax_flat_kernel` PARTS over a non-empty
+    contiguous x2 at the default launch shape, or None past AMAX_PARTS_MAX programs (the caller takes the atomic
+    pass). Launched without launch_pdl (the kernel before it wrote x); launch_next: let the next launch (a PDL one)
+    start at once."""
+    import torch
+
+    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+
+    xp = pair_view(x2).reshape(-1)
+    n = xp.numel()
+    programs = triton.cdiv(n, AMAX_FLAT_BLOCK)
+    if programs > AMAX_PARTS_MAX:
+        return None
+    parts = torch.empty((programs,), dtype=torch.int32, device=x2.device)
+    keep_programs = -(-max(0, int(keep_bytes)) // (xp.element_size() * AMAX_FLAT_BLOCK))
+    _amax_flat_kernel[(programs,)](xp, parts, n, max(0, programs - keep_programs), IN_DTYPE=in_dtype_code(x2.dtype),
+                                   BLOCK=AMAX_FLAT_BLOCK, EVEN=n % AMAX_FLAT_BLOCK == 0, L2_HINTS=keep_programs > 0,
+                                   PARTS=True, LAUNCH_NEXT=launch_next, num_warps=AMAX_NUM_WARPS, **LAUNCH_OPTS)
+    return parts, programs
+
+
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
-               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None, l2_keep=None):
+               k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None, l2_keep=None,
+               amax_parts=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
@@ -710,13 +761,16 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     marks the last l2_keep * L2 bytes it reads evict_last and the rest evict_first, and the quantize pass loads x
     and stores its outputs evict_first (L2_HINTS of both kernels), so the reversed quantize pass finds the tail in
     L2; default TENSOR_L2_KEEP, 0 = no hints. With global_amax only the quantize kernel's hints apply.
+    amax_parts (1x16 without global_amax): the amax pass writes one partial max per program and the quantize kernel
+    reduces them (PARTS / G_PARTS of the two kernels): no zero-fill launch, no atomics; default TENSOR_AMAX_PARTS,
+    taken only where the flat amax kernel has <= AMAX_PARTS_MAX programs.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
     Returns (data, scale, S_dec [1], G [1])."""
     import torch
 
-    from ._common import LAUNCH_OPTS, in_dtype_code, pair_view
+    from ._common import LAUNCH_OPTS, in_dtype_code, next_pow2, pair_view
 
     m, k = x2.shape
     nb = k // 16
@@ -736,8 +790,18 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     if not 0.0 <= l2_keep <= 1.0:
         raise ValueError(f"per_tensor: l2_keep is a fraction of the L2 cache, 0..1, not {l2_keep}")
     l2_hints = l2_keep > 0 and not tile_2d
-    g = (tensor_amax(x2, pdl=pdl, keep_bytes=int(l2_keep * l2_cache_bytes(dev)) if l2_hints else 0)
-         if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32))
+    keep_bytes = int(l2_keep * l2_cache_bytes(dev)) if l2_hints else 0
+    amax_parts = TENSOR_AMAX_PARTS if amax_parts is None else bool(amax_parts)
+    parts = (_amax_parts(x2, keep_bytes, pdl) if amax_parts and global_amax is None and not tile_2d and m and k
+             else None)
+    if parts is not None:
+        g_in, n_parts = parts
+        g_bits = torch.empty((1,), dtype=torch.int32, device=dev)
+        g = g_bits.view(torch.float32)
+    else:
+        g = (tensor_amax(x2, pdl=pdl, keep_bytes=keep_bytes)
+             if global_amax is None else global_amax.reshape(1).to(device=dev, dtype=torch.float32))
+        g_in, g_bits, n_parts = g, g, 0
     data = torch.empty((m, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty(((m // 16) if tile_2d else m, nb), dtype=torch.uint8, device=dev)
     sdec = torch.empty((1,), dtype=torch.float32, device=dev)
@@ -767,10 +831,12 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
                                             SPLIT=split or TILE2D_SPLIT, num_warps=warps, **LAUNCH_OPTS)
             return data, scale, sdec, g
         # PDL: the amax kernel, the launch right before this one (nothing between them launches a kernel), wrote g
-        _nvfp4_tensor_kernel[grid](xp, data, scale, g, sdec, m, nb, xp.stride(0), data.stride(0), scale.stride(0),
-                                   IN_DTYPE=in_dtype_code(x2.dtype), TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
+        _nvfp4_tensor_kernel[grid](xp, data, scale, g_in, sdec, m, nb, xp.stride(0), data.stride(0),
+                                   scale.stride(0), g_bits, n_parts, IN_DTYPE=in_dtype_code(x2.dtype),
+                                   TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
                                    EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, REVERSE=reverse,
-                                   L2_HINTS=l2_hints, num_warps=warps,
+                                   L2_HINTS=l2_hints, G_PARTS=next_pow2(n_parts) if n_parts else 0,
+                                   num_warps=warps,
                                    **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
