@@ -283,6 +283,14 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
         lambda t: knv.per_tensor(t, amax_parts=True), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (PDL) amax partials + L2 hints, keep 0.5 of L2",
         lambda t: knv.per_tensor(t, amax_parts=True, l2_keep=0.5), b_ten, "ours")
+    # block amaxes on the packed halves, x unpacked after the PDL wait (per_tensor packed, off by default until these
+    # rows are measured): 60 registers instead of 96 offline, so 16 quantize programs an SM instead of 10
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max",
+        lambda t: knv.per_tensor(t, packed=True), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max, 8-row tiles",
+        lambda t: knv.per_tensor(t, packed=True, block_m=8), b_ten, "ours")
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max + amax partials",
+        lambda t: knv.per_tensor(t, packed=True, amax_parts=True), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",

@@ -446,6 +446,8 @@ def nvfp4_segment_cases() -> list[tuple]:
         out += [("row", dtype, (224, vi)) for vi in range(len(NVFP4_ROW_VARIANTS))]
         out += [("tile2d", dtype, (shape, split)) for shape in TILE2D_SHAPES for split in TILE2D_SPLITS]
         out += [("tensor_l2", dtype, (shape,)) for shape in TENSOR_L2_SHAPES]
+        out += [("tensor_packed", dtype, (shape,)) for shape in TENSOR_PACKED_SHAPES]
+        out.append(("tensor_packed_non_finite", dtype, ()))
     out.append(("row", "bfloat16", (16, 0)))
     return out
 
@@ -453,6 +455,10 @@ def nvfp4_segment_cases() -> list[tuple]:
 # per-tensor 1x16 with the L2 hints: 64 x 1024 = 32768 pair words (32 amax programs of 1024: EVEN), 30 x 1040
 # (15600 words: a masked last program, 68 blocks a row: masked quantize tiles)
 TENSOR_L2_SHAPES = ((64, 1024), (30, 1040))
+# per-tensor 1x16 with the packed block max (the interpreter calls max.bf16x2's model once per block and step: small
+# shapes): 16 x 256 (16 blocks a row: whole 4-row tiles, a 16x16 stripe), 6 x 272 (17 blocks, a partial last row
+# stripe: masked)
+TENSOR_PACKED_SHAPES = ((16, 256), (6, 272))
 TILE2D_SHAPES = ((32, 512), (48, 272))  # 32 blocks a row (EVEN at 16 tiles a program); 17 (masked)
 TILE2D_SPLITS = (1, 2, 4)
 
@@ -501,6 +507,62 @@ def tensor_l2_checks(x) -> dict:
     return out
 
 
+def tensor_packed_checks(x) -> dict:
+    """per_tensor(packed=True), the block amax on packed halves, against the reference: with its own amax pass
+    (walking backwards and forwards, with the partial-max amax pass), with G given at the default tile and at
+    8-row tiles, and, where M is a multiple of 16, the TILE_2D path's 16x16 tiles and (bf16) a tile whose blocks
+    hold only subnormals (subnormal_input)."""
+    import torch
+
+    from precision_dsl.formats import nvfp4
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    ref = nvfp4.quantize(x, scope="tensor")
+    out = {}
+    runs = {"incl. amax": dict(), "incl. amax forwards": dict(reverse=False),
+            "incl. amax parts": dict(amax_parts=True)}
+    for name, cfg in runs.items():
+        d, sc, sd, g = knv.per_tensor(x, packed=True, **cfg)
+        out[f"{name} data"], out[f"{name} scale"] = _same(d, ref.data), _same(sc, ref.scale)
+        out[f"{name} S_dec"], out[f"{name} G"] = _same(sd, ref.global_scale), _same(g, ref.global_amax)
+    for name, cfg in {"G given": dict(), "G given 8-row tiles": dict(block_m=8)}.items():
+        d, sc, sd, _g = knv.per_tensor(x, ref.global_amax, packed=True, **cfg)
+        out[f"{name} data"], out[f"{name} scale"] = _same(d, ref.data), _same(sc, ref.scale)
+        out[f"{name} S_dec"] = _same(sd, ref.global_scale)
+    if x.shape[0] % 16 == 0:
+        ref2 = nvfp4.quantize(x, scope="tensor", tile_2d=True)
+        d, sc, sd, _g = knv.per_tensor(x, ref2.global_amax, tile_2d=True, thread_rows=False, packed=True)
+        out["16x16 data"], out["16x16 scale"] = _same(d, ref2.data), _same(sc, ref2.scale)
+    if x.dtype == torch.bfloat16 and x.shape[0] % 16 == 0:  # blocks of bf16 subnormals only: their packed max
+        xs = subnormal_input(*x.shape, seed=131)
+        refs = nvfp4.quantize(xs, scope="tensor")
+        d, sc, sd, g = knv.per_tensor(xs, packed=True)
+        out["subnormal data"], out["subnormal scale"] = _same(d, refs.data), _same(sc, refs.scale)
+        out["subnormal G"] = _same(g, refs.global_amax)
+    return out
+
+
+def tensor_packed_non_finite_checks(dtype, seed: int) -> dict:
+    """NaN / inf are outside the reference's bit-exact contract, so per_tensor(packed=True) is checked against
+    packed=False (both NaN-ignoring), every output: with its own amax pass (G = inf here: S_enc = 1) and with a
+    finite G given (saturated blocks next to all-NaN ones). Needs the hardware's max (nan_ignoring_max)."""
+    import torch
+
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    nan_ignoring_max()
+    x = nvfp4_non_finite_rows(dtype, seed)
+    out = {}
+    finite_g = x.float().nan_to_num(0.0, 0.0, 0.0).abs().amax().reshape(1) / 4
+    for name, g in (("incl. amax", None), ("G given", finite_g)):
+        got = knv.per_tensor(x, g, packed=True)
+        want = knv.per_tensor(x, g, packed=False)
+        for part, a, b in zip(("data", "scale", "S_dec", "G"), got, want):
+            out[f"{name} {part}"] = _same(a, b)
+    out["G is inf"] = bool(torch.isinf(knv.per_tensor(x, packed=True)[3]).all())
+    return out
+
+
 def run_nvfp4_segments() -> None:
     import torch
 
@@ -531,6 +593,13 @@ def run_nvfp4_segments() -> None:
             (m, k), = params
             checks = tensor_l2_checks(nvfp4_input(m, k, dtype, 2000 + i))
             case = f"nvfp4_tensor_l2::{dtype_name}_{m}x{k}"
+        elif kind == "tensor_packed":
+            (m, k), = params
+            checks = tensor_packed_checks(nvfp4_input(m, k, dtype, 2000 + i))
+            case = f"nvfp4_tensor_packed::{dtype_name}_{m}x{k}"
+        elif kind == "tensor_packed_non_finite":
+            checks = tensor_packed_non_finite_checks(dtype, 2000 + i)
+            case = f"nvfp4_tensor_packed::{dtype_name}_non_finite"
         else:
             k, vi = params
             checks = nvfp4_row_variant_checks(nvfp4_input(8, k, dtype, 2000 + i), NVFP4_ROW_VARIANTS[vi])

@@ -505,6 +505,36 @@ def test_nvfp4_amax_parts_launch_and_ptx():
     assert sc.resources_of(compiled["_nvfp4_tensor_kernel"].asm["cubin"])[1] == 0
 
 
+def test_nvfp4_packed_tensor_launch_and_ptx():
+    """per_tensor(packed=True): the 1x16 quantize kernel takes its block amaxes on the packed halves (PACKED),
+    with its own amax pass and with G given; off by default (TENSOR_PACKED). Offline sm_90: the PTX has the packed
+    max (max.bf16x2 / max.f16x2; the plain kernel has none), and the point of it holds: fewer registers (56 against
+    93 at the default tile, bf16 and fp16), none spilled, no more than 1% more instructions."""
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    assert knv.TENSOR_PACKED is False
+    sc = _sass_count()
+    for dtype, op in ((torch.bfloat16, "max.bf16x2"), (torch.float16, "max.f16x2")):
+        x = torch.empty((8192, 2048), dtype=dtype, device="meta")
+        g = torch.empty((1,), dtype=torch.float32, device="meta")
+        flags = [(fn.__name__, kw.get("PACKED")) for fn, grid, args, kw in
+                 _recorded_launches(lambda k: k.per_tensor(x, packed=True))]
+        assert flags == [("_amax_flat_kernel", None), ("_nvfp4_tensor_kernel", True)]
+        assert [kw.get("PACKED") for *_, kw in _recorded_launches(lambda k: k.per_tensor(x))] == [None, False]
+        found = {}
+        for label, call in (("packed", lambda k: k.per_tensor(x, g, packed=True)),
+                            ("plain", lambda k: k.per_tensor(x, g))):
+            (fn, grid, args, kw), = _recorded_launches(call)
+            compiled = sc.compile_launch(fn, grid, args, kw)[0]
+            regs, spilled = sc.resources_of(compiled.asm["cubin"])
+            main = sc.summarize(sc.parse_sass(sc.sass_of(compiled.asm["cubin"])))["main"]
+            found[label] = (op in compiled.asm["ptx"], regs, spilled, main)
+        assert found["packed"][0] and not found["plain"][0], (dtype, found)
+        assert found["packed"][1] <= 64 < found["plain"][1], (dtype, found)
+        assert found["packed"][2] == found["plain"][2] == 0, (dtype, found)
+        assert found["packed"][3] <= 1.01 * found["plain"][3], (dtype, found)
+
+
 # ------------------------------------------------------------------ the element coder and the block-scale reciprocal
 
 def test_nvfp4_coder_and_edge_inputs_interpreted():
@@ -572,6 +602,36 @@ def test_nvfp4_row_packed_block_max_meets_nan_and_inf_like_the_fp32_max(dtype):
             want = knv.row_scaled(x, chunk=chunk, packed=False)
             for name, g, w in zip(("data", "scale", "S_dec", "amax"), got, want):
                 _assert_bytes(f"K={k} chunk={chunk} {name}", g, w)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_nvfp4_tensor_packed_block_max_meets_nan_and_inf_like_the_fp32_max(dtype):
+    """The packed block max of per_tensor (PACKED of _nvfp4_tensor_kernel) compiled, with PDL after its own amax
+    pass and with a finite G given: +-inf, NaN beside finite values, an all-NaN block and an all-NaN row give the
+    bytes of the fp32 max.f32 path, at K = 7168 / 2048 / 224, default and 8-row tiles; bf16 subnormal blocks give
+    the reference's bytes."""
+    import kernels_interpreted as ki
+
+    from precision_dsl.kernels import triton_nvfp4 as knv
+
+    for k in (7168, 2048, 224):
+        x = ki.nvfp4_non_finite_rows(dtype, seed=k, k=k).cuda()
+        finite_g = x.float().nan_to_num(0.0, 0.0, 0.0).abs().amax().reshape(1) / 4
+        for g in (None, finite_g):
+            for cfg in ({}, dict(block_m=8)):
+                got = knv.per_tensor(x, g, packed=True, **cfg)
+                want = knv.per_tensor(x, g, packed=False, **cfg)
+                for name, a, b in zip(("data", "scale", "S_dec", "G"), got, want):
+                    _assert_bytes(f"K={k} G={'given' if g is not None else 'own'} {cfg} {name}", a, b)
+    if dtype == torch.bfloat16:  # blocks of bf16 subnormals only (max.bf16x2 keeps them) against the reference
+        from precision_dsl.formats import nvfp4
+
+        xs = ki.subnormal_input(*ki.SUBNORMAL_SHAPE, seed=131)
+        ref = nvfp4.quantize(xs, scope="tensor")
+        d, s, sd, g = knv.per_tensor(xs.cuda(), packed=True)
+        for name, a, b in (("data", d, ref.data), ("scale", s, ref.scale), ("G", g, ref.global_amax)):
+            _assert_bytes(f"subnormal {name}", a.cpu(), b)
 
 
 @needs_gpu

@@ -13,7 +13,8 @@ Kernels (all read element PAIRS as one int32 / int64 word, see _common.unpack_pa
     which programs walk the tensor (row stripes first, or a stripe's block columns first).
     L2_HINTS of both kernels (per_tensor's l2_keep): L2 eviction-priority hints so the quantize pass finds the
     tail of x the amax pass just read still in L2; they change no byte. PARTS / G_PARTS (per_tensor's
-    amax_parts): per-program partial maxima reduced by the quantize kernel instead of a zero-filled atomic.
+    amax_parts): per-program partial maxima reduced by the quantize kernel instead of a zero-filled atomic. PACKED
+    (per_tensor's packed): block amaxes on the packed halves, as the per-token kernel takes them.
   * `_nvfp4_tile2d_rows_kernel` (default for 16x16): 4 threads a 16x16 tile, each holding 16 / SPLIT rows of
     4 * SPLIT elements, so the tile max is taken in registers plus two shuffles (SPLIT 4: 16-byte loads, 8-byte
     stores).
@@ -216,7 +217,7 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
                          gout_ptr, n_parts, IN_DTYPE: tl.constexpr, TILE_2D: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_NB: tl.constexpr, EVEN: tl.constexpr = False, K_MAJOR: tl.constexpr = False,
                          PDL: tl.constexpr = False, REVERSE: tl.constexpr = False,
-                         L2_HINTS: tl.constexpr = False, G_PARTS: tl.constexpr = 0):
+                         L2_HINTS: tl.constexpr = False, G_PARTS: tl.constexpr = 0, PACKED: tl.constexpr = False):
     """Per-tensor NVFP4 with G read from g_ptr (fp32 [1]). Program = BLOCK_M rows x BLOCK_NB 16-element blocks.
     PDL (launched with launch_pdl right after the amax kernel that writes G, see per_tensor): the kernel may start
     while that kernel runs, so it loads its x tile and takes the block amaxes first (x is not written by it) and
@@ -237,7 +238,14 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     G_PARTS (> 0, a power of two >= n_parts): g_ptr holds the n_parts per-program bit patterns of the amax kernel
     (_amax_flat_kernel PARTS); every program takes their integer max, clamped at 0 (the atomic max into a
     zero-filled word, exactly: a -0.0 part reads as a negative integer and loses to 0), and program 0 stores it to
-    gout_ptr (int32 [1]: the G that per_tensor returns). Unused (gout_ptr, n_parts any) when G_PARTS is 0."""
+    gout_ptr (int32 [1]: the G that per_tensor returns). Unused (gout_ptr, n_parts any) when G_PARTS is 0.
+    PACKED (bf16 / fp16; fp32 pairs take the unpacked path): the block amaxes are taken on the packed halves
+    (_words_block_amax, max.bf16x2 / max.f16x2) and the fp32 unpack of x waits until G is known, so what a program
+    holds across the PDL wait is one register per pair word, not two (sm_90, 4 x 64 blocks / 2 warps: 56 registers
+    instead of 93, the same instruction count, `benchmarks/sass_count.py`): more quantize programs stay resident
+    beside the amax kernel's. Same bytes as the fp32 max on every input, NaN and inf included (see
+    _words_block_amax). The [BM, BNB, 8] words are reduced as [BM * BNB, 8] (a register-only reshape: no layout
+    conversion in the SASS) because the interpreter reduces a negative axis wrongly."""
     EVICT: tl.constexpr = "evict_first" if L2_HINTS else ""
     if K_MAJOR:
         pid_b = tl.program_id(0)
@@ -263,10 +271,16 @@ def _nvfp4_tensor_kernel(xp_ptr, data_ptr, scale_ptr, g_ptr, sdec_ptr, M, NB, st
     else:
         u = tl.load(xp_ptr + _pair_offsets(r64, stride_xp, nb), mask=rmask[:, None, None] & bmask[None, :, None],
                     other=0, eviction_policy=EVICT)
-    lo, hi = unpack_pair(u, IN_DTYPE)
-    amax_b = _block_amax(lo, hi)  # [BM, BNB]
+    if PACKED:
+        amax_b = tl.reshape(_words_block_amax(tl.reshape(u, (BLOCK_M * BLOCK_NB, 8)), IN_DTYPE, True),
+                            (BLOCK_M, BLOCK_NB))
+    else:
+        lo, hi = unpack_pair(u, IN_DTYPE)
+        amax_b = _block_amax(lo, hi)  # [BM, BNB]
     if PDL:
         gdc_wait()
+    if PACKED:
+        lo, hi = unpack_pair(u, IN_DTYPE)  # after the wait: only the words are held across it
     if G_PARTS:
         parts = tl.arange(0, G_PARTS)
         g_bits = tl.maximum(tl.max(tl.load(g_ptr + parts, mask=parts < n_parts, other=0), axis=0), 0)
@@ -546,7 +560,8 @@ ROW_CONFIGS = ({}, dict(packed=False), dict(chunk=0), dict(block_m=2, num_warps=
 TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warps=4, k_major=False),
                   dict(block_m=8, block_nb=16, num_warps=2, k_major=False), dict(reverse=True),
                   dict(reverse=True, k_major=False), dict(l2_keep=0.25), dict(l2_keep=0.5), dict(l2_keep=0.75),
-                  dict(amax_parts=True), dict(amax_parts=True, l2_keep=0.5))
+                  dict(amax_parts=True), dict(amax_parts=True, l2_keep=0.5), dict(packed=True),
+                  dict(packed=True, block_m=8), dict(packed=True, amax_parts=True))
 # the 1x16 quantize pass after per_tensor's own amax pass walks the tensor from its end (_nvfp4_tensor_kernel
 # REVERSE). H200, session 26, per-tensor incl. amax (PDL), backwards / forwards in the same run: 135.0 / 136.2 us
 # and 135.3 / 136.9 us at 16384x7168, 23.8 / 24.0 us and 23.5 / 23.5 us at 8192x2048 (benchmarks/RESULTS.md)
@@ -561,6 +576,12 @@ TENSOR_L2_KEEP = 0.0
 # TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
 TENSOR_AMAX_PARTS = False
 AMAX_PARTS_MAX = 1024
+# packed of per_tensor: the 1x16 quantize kernel takes its block amaxes on the packed bf16 / fp16 halves and unpacks
+# x to fp32 only after G is known (_nvfp4_tensor_kernel PACKED), the change that took the per-token kernel from
+# 80% / 84% to 95% / 87% of copy (session 23). Offline sm_90 at the default tile: 56 registers instead of 93
+# (18 programs of 2 warps an SM instead of 10), 917 against 914 instructions. Off until the H200 rows of
+# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
+TENSOR_PACKED = False
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
 # pattern (k_major: programs walk a stripe's tiles first) and where the 16-row max is taken: block_nb=16 / 1 warp
@@ -743,7 +764,7 @@ def _amax_parts(x2, keep_bytes: int, launch_next: bool):
 
 def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=None, num_warps=None,
                k_major=None, thread_rows=True, one_pass=False, pdl=None, split=None, reverse=None, l2_keep=None,
-               amax_parts=None):
+               amax_parts=None, packed=None):
     """Per-tensor NVFP4 (1x16, or 16x16 tiles) of a contiguous [M, K] CUDA tensor. `global_amax` (fp32, 1 element,
     on the device) replaces the amax pass (share-scale groups). k_major: consecutive programs walk the block
     columns of a row stripe (see _nvfp4_tensor_kernel; ignored past 65535 stripes, CUDA's limit on grid axis 1);
@@ -764,6 +785,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     amax_parts (1x16 without global_amax): the amax pass writes one partial max per program and the quantize kernel
     reduces them (PARTS / G_PARTS of the two kernels): no zero-fill launch, no atomics; default TENSOR_AMAX_PARTS,
     taken only where the flat amax kernel has <= AMAX_PARTS_MAX programs.
+    packed (1x16 `_nvfp4_tensor_kernel`, and its TILE_2D path): block amaxes on the packed bf16 / fp16 halves, x
+    unpacked only after G is read (PACKED there); default TENSOR_PACKED. Launch shape only: same bytes.
     one_pass (1x16 without global_amax): the amax and the quantize pass in one launch
     (triton_segments.nvfp4_segment_fused with the tensor as its one group: a tensor that fits in L2 is read from
     HBM once); tensors it cannot tile take the two kernels.
@@ -792,6 +815,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     l2_hints = l2_keep > 0 and not tile_2d
     keep_bytes = int(l2_keep * l2_cache_bytes(dev)) if l2_hints else 0
     amax_parts = TENSOR_AMAX_PARTS if amax_parts is None else bool(amax_parts)
+    packed = TENSOR_PACKED if packed is None else bool(packed)
     parts = (_amax_parts(x2, keep_bytes, pdl) if amax_parts and global_amax is None and not tile_2d and m and k
              else None)
     if parts is not None:
@@ -836,7 +860,7 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
                                    TILE_2D=tile_2d, BLOCK_M=bm, BLOCK_NB=bnb,
                                    EVEN=m % bm == 0 and nb % bnb == 0, K_MAJOR=k_major, PDL=pdl, REVERSE=reverse,
                                    L2_HINTS=l2_hints, G_PARTS=next_pow2(n_parts) if n_parts else 0,
-                                   num_warps=warps,
+                                   PACKED=packed, num_warps=warps,
                                    **({"launch_pdl": True} if pdl else {}), **LAUNCH_OPTS)
     else:
         sdec.fill_(1.0)  # empty tensor: G = 0 -> S_enc = 1
