@@ -1,7 +1,8 @@
 """SASS instructions per input element of the NVFP4 quantize kernels (and, to compare, the flat / 2-D rowwise MXFP8
 and FP8-block 1x128 kernels: --kernels mxfp8flat,mxfp8row,fp8block), without a GPU (the issue-bound kernels' proxy).
 
-    python benchmarks/sass_count.py [--shapes 16384x7168,8192x2048] [--kernels row,tensor,2d,amax] [--opcodes]
+    python benchmarks/sass_count.py [--shapes 16384x7168,8192x2048] [--kernels row,tensor,2d,amax,tensorpdl]
+                                    [--opcodes]
                                     [--variant 'row:chunk=64,num_warps=2' ...] [--tables] [--json OUT.json]
 
 --tables: every launch config of triton_nvfp4's ROW_CONFIGS / TENSOR_CONFIGS / TILE2D_CONFIGS / AMAX_CONFIGS of
@@ -129,7 +130,7 @@ def compile_launch(fn, grid, args, kwargs):
     bound = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items()
              if p.default is not inspect.Parameter.empty}  # constexprs the launch leaves at their defaults
     bound.update(zip(names, args))
-    opts = {k: v for k, v in kwargs.items() if k not in names}
+    opts = {k: v for k, v in kwargs.items() if k not in names and k != "launch_pdl"}  # a launch option only
     bound.update({k: v for k, v in kwargs.items() if k in names})
     sig, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(names):
@@ -188,6 +189,9 @@ KERNELS = {
     "tensor": lambda kn, x, cfg: kn.per_tensor(x, _given(x), **cfg),
     "2d": lambda kn, x, cfg: kn.per_tensor(x, _given(x), tile_2d=True, **cfg),
     "amax": lambda kn, x, cfg: kn.tensor_amax(x, **cfg),
+    # per-tensor incl. its amax pass, launched as on the H200 (programmatic dependent launch: the quantize kernel
+    # holds its tile across griddepcontrol.wait, which is where its registers are counted)
+    "tensorpdl": lambda kn, x, cfg: _as_on_hopper(kn, lambda: kn.per_tensor(x, **cfg)),
     # for comparison with the NVFP4 kernels: the weight update's flat rowwise MXFP8 kernel (NaN/Inf counted, as in
     # the update), the 2-D MXFP8 kernel rowwise only, FP8-block 1x128 pow2
     "mxfp8flat": lambda km, x, cfg: km.quantize_rows_flat(x, *_bytes(x), bad=_bad_counter(x), **cfg),
@@ -209,6 +213,16 @@ def _bad_counter(x):
     import torch
 
     return torch.zeros((1,), dtype=torch.int32, device=x.device)
+
+
+def _as_on_hopper(kn, call):
+    """call() with the kernel module's use_pdl answering as on an sm_90 device (meta tensors have no device)."""
+    saved = kn.use_pdl
+    kn.use_pdl = lambda pdl, device: pdl is None or bool(pdl)
+    try:
+        return call()
+    finally:
+        kn.use_pdl = saved
 
 
 def _given(x):
@@ -266,7 +280,8 @@ def main(argv=None) -> int:
     if args.tables:
         from precision_dsl.kernels import triton_nvfp4 as kn
 
-        table = {"row": kn.ROW_CONFIGS, "tensor": kn.TENSOR_CONFIGS, "2d": kn.TILE2D_CONFIGS, "amax": kn.AMAX_CONFIGS}
+        table = {"row": kn.ROW_CONFIGS, "tensor": kn.TENSOR_CONFIGS, "tensorpdl": kn.TENSOR_CONFIGS,
+                 "2d": kn.TILE2D_CONFIGS, "amax": kn.AMAX_CONFIGS}
         jobs = [(kd, dict(cfg)) for kd in kinds for cfg in table[kd]]
     else:
         jobs = [(kd, {}) for kd in kinds]

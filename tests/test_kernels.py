@@ -509,7 +509,8 @@ def test_nvfp4_packed_tensor_launch_and_ptx():
     """per_tensor(packed=True): the 1x16 quantize kernel takes its block amaxes on the packed halves (PACKED),
     with its own amax pass and with G given; off by default (TENSOR_PACKED). Offline sm_90: the PTX has the packed
     max (max.bf16x2 / max.f16x2; the plain kernel has none), and the point of it holds: fewer registers (56 against
-    93 at the default tile, bf16 and fp16), none spilled, no more than 1% more instructions."""
+    93 at the default tile, bf16 and fp16; 60 against 96 launched with PDL), none spilled, no more than 1% more
+    instructions."""
     from precision_dsl.kernels import triton_nvfp4 as knv
 
     assert knv.TENSOR_PACKED is False
@@ -533,6 +534,11 @@ def test_nvfp4_packed_tensor_launch_and_ptx():
         assert found["packed"][1] <= 64 < found["plain"][1], (dtype, found)
         assert found["packed"][2] == found["plain"][2] == 0, (dtype, found)
         assert found["packed"][3] <= 1.01 * found["plain"][3], (dtype, found)
+    # as launched on the H200 after its own amax pass (PDL: the tile is held across griddepcontrol.wait)
+    pdl = {label: {r["kernel"]: r for r in sc.count("tensorpdl", 8192, 2048, cfg)}
+           for label, cfg in (("packed", dict(packed=True)), ("plain", {}))}
+    assert pdl["packed"]["_nvfp4_tensor_kernel"]["regs"] <= 64 < pdl["plain"]["_nvfp4_tensor_kernel"]["regs"], pdl
+    assert pdl["packed"]["_nvfp4_tensor_kernel"]["local_bytes"] == 0
 
 
 # ------------------------------------------------------------------ the element coder and the block-scale reciprocal
