@@ -578,9 +578,10 @@ TENSOR_AMAX_PARTS = False
 AMAX_PARTS_MAX = 1024
 # packed of per_tensor: the 1x16 quantize kernel takes its block amaxes on the packed bf16 / fp16 halves and unpacks
 # x to fp32 only after G is known (_nvfp4_tensor_kernel PACKED), the change that took the per-token kernel from
-# 80% / 84% to 95% / 87% of copy (session 23). Offline sm_90 at the default tile: 56 registers instead of 93
-# (18 programs of 2 warps an SM instead of 10), 917 against 914 instructions. Off until the H200 rows of
-# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
+# 80% / 84% to 95% / 87% of copy (session 23). Offline sm_90 at the default tile: 56 registers instead of 93 with G
+# given, 60 instead of 96 launched with PDL after its own amax pass (16 programs of 2 warps an SM instead of 10),
+# the same instruction count (`sass_count.py --kernels tensorpdl`). Off until the H200 rows of TENSOR_CONFIGS /
+# benchmarks/quantize.py have been measured.
 TENSOR_PACKED = False
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
