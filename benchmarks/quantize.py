@@ -291,6 +291,9 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
         lambda t: knv.per_tensor(t, packed=True, block_m=8), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max + amax partials",
         lambda t: knv.per_tensor(t, packed=True, amax_parts=True), b_ten, "ours")
+    # the default until session 28: zero-filled atomic amax, no L2 hints (the A/B of TENSOR_AMAX_PARTS / TENSOR_L2_KEEP)
+    add("nvfp4 per-tensor incl. amax", "ours (PDL) atomic amax, no L2 hints (the default before session 28)",
+        lambda t: knv.per_tensor(t, amax_parts=False, l2_keep=0), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (amax kernel + quantize kernel, no PDL)",
         lambda t: knv.per_tensor(t, pdl=False), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (one launch: amax + quantize, one HBM read when it fits in L2)",

@@ -418,12 +418,13 @@ def _sass_count():
 
 def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
     """per_tensor(l2_keep=f): the amax pass marks the programs that read the last f * L2 bytes of x evict_last and
-    the others evict_first, the quantize pass loads and stores evict_first; off by default (TENSOR_L2_KEEP = 0),
-    never for 16x16, refused outside 0..1. Compiled offline for sm_90 (no GPU), the hints are in the PTX as
+    the others evict_first, the quantize pass loads and stores evict_first; by default (TENSOR_L2_KEEP = 0.5) only
+    where the tensor fits in L2 whole (8192x2048 bf16 in 50 MiB: yes; 16384x7168: no), never for 16x16, refused
+    outside 0..1. Compiled offline for sm_90 (no GPU), the hints are in the PTX as
     createpolicy + ld/st .L2::cache_hint, a launch without them has none, and the hints cost no registers."""
     from precision_dsl.kernels import triton_nvfp4 as knv
 
-    assert knv.TENSOR_L2_KEEP == 0.0
+    assert knv.TENSOR_L2_KEEP == 0.5
     monkeypatch.setattr(knv, "l2_cache_bytes", lambda device: 50 << 20)  # the H200's L2 as torch reports it
     x = torch.empty((8192, 2048), dtype=torch.bfloat16, device="meta")
     g = torch.empty((1,), dtype=torch.float32, device="meta")
@@ -438,7 +439,13 @@ def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
     assert hints(_recorded_launches(lambda k: k.per_tensor(x, l2_keep=1.0))) == [
         ("_amax_flat_kernel", True, 0), ("_nvfp4_tensor_kernel", True, None)]
     assert hints(_recorded_launches(lambda k: k.per_tensor(x))) == [
+        ("_amax_flat_kernel", True, 112), ("_nvfp4_tensor_kernel", True, None)]
+    assert hints(_recorded_launches(lambda k: k.per_tensor(x, l2_keep=0))) == [
         ("_amax_flat_kernel", False, 512), ("_nvfp4_tensor_kernel", False, None)]
+    big = torch.empty((16384, 7168), dtype=torch.bfloat16, device="meta")  # 224 MiB: no hints by default
+    assert hints(_recorded_launches(lambda k: k.per_tensor(big))) == [
+        ("_amax_flat_kernel", False, 3584), ("_nvfp4_tensor_kernel", False, None)]
+    assert hints(_recorded_launches(lambda k: k.per_tensor(big, l2_keep=0.5)))[1] == ("_nvfp4_tensor_kernel", True, None)
     assert hints(_recorded_launches(lambda k: k.per_tensor(x, g, l2_keep=0.5))) == [
         ("_nvfp4_tensor_kernel", True, None)]
     (fn, grid, args, kw), = _recorded_launches(lambda k: k.per_tensor(x, g, tile_2d=True, l2_keep=0.5))
@@ -449,7 +456,8 @@ def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
 
     sc = _sass_count()
     ptx, regs = {}, {}
-    for label, call in (("hints", lambda k: k.per_tensor(x, l2_keep=0.5)), ("plain", lambda k: k.per_tensor(x))):
+    for label, call in (("hints", lambda k: k.per_tensor(x, l2_keep=0.5)),
+                        ("plain", lambda k: k.per_tensor(x, l2_keep=0))):
         for fn, grid, args, kw in _recorded_launches(call):
             kw = {k: v for k, v in kw.items() if k != "launch_pdl"}
             compiled = sc.compile_launch(fn, grid, args, kw)[0]
@@ -478,11 +486,11 @@ def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
 def test_nvfp4_amax_parts_launch_and_ptx():
     """per_tensor(amax_parts=True): the amax kernel stores one partial max per program (no zero-fill, no atomic)
     and the quantize kernel reduces all of them (G_PARTS = the next power of two) and writes G; past
-    AMAX_PARTS_MAX programs (16384x7168: 3584) the atomic pass runs; off by default (TENSOR_AMAX_PARTS). Offline
+    AMAX_PARTS_MAX programs (16384x7168: 3584) the atomic pass runs; on by default (TENSOR_AMAX_PARTS). Offline
     sm_90: the parts kernel has no atomic and the reducing quantize kernel spills nothing."""
     from precision_dsl.kernels import triton_nvfp4 as knv
 
-    assert knv.TENSOR_AMAX_PARTS is False
+    assert knv.TENSOR_AMAX_PARTS is True
     x = torch.empty((8192, 2048), dtype=torch.bfloat16, device="meta")
 
     def shape(launches):
@@ -492,7 +500,9 @@ def test_nvfp4_amax_parts_launch_and_ptx():
     parts = _recorded_launches(lambda k: k.per_tensor(x, amax_parts=True))
     assert shape(parts) == [("_amax_flat_kernel", (512,), True, None, None),
                             ("_nvfp4_tensor_kernel", (2, 2048), None, 512, 512)]
-    assert shape(_recorded_launches(lambda k: k.per_tensor(x))) == [
+    assert shape(_recorded_launches(lambda k: k.per_tensor(x))) == shape(parts)
+    atomic = _recorded_launches(lambda k: k.per_tensor(x, amax_parts=False))
+    assert shape(atomic) == [
         ("_amax_flat_kernel", (512,), None, None, None), ("_nvfp4_tensor_kernel", (2, 2048), None, 0, 0)]
     big = torch.empty((16384, 7168), dtype=torch.bfloat16, device="meta")
     assert [p[2] for p in shape(_recorded_launches(lambda k: k.per_tensor(big, amax_parts=True)))] == [None, None]
@@ -501,7 +511,7 @@ def test_nvfp4_amax_parts_launch_and_ptx():
     sc = _sass_count()
     compiled = {fn.__name__: sc.compile_launch(fn, grid, args, kw)[0] for fn, grid, args, kw in parts}
     assert "atom" not in compiled["_amax_flat_kernel"].asm["ptx"]
-    assert "atom.global" in sc.compile_launch(*_recorded_launches(lambda k: k.per_tensor(x))[0])[0].asm["ptx"]
+    assert "atom.global" in sc.compile_launch(*atomic[0])[0].asm["ptx"]
     assert sc.resources_of(compiled["_nvfp4_tensor_kernel"].asm["cubin"])[1] == 0
 
 

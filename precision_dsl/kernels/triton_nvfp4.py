@@ -567,14 +567,16 @@ TENSOR_CONFIGS = ({}, dict(k_major=False), dict(block_m=8, block_nb=64, num_warp
 # and 135.3 / 136.9 us at 16384x7168, 23.8 / 24.0 us and 23.5 / 23.5 us at 8192x2048 (benchmarks/RESULTS.md)
 TENSOR_REVERSE = True
 # l2_keep of per_tensor: the share of L2 the amax pass fills with evict_last lines of the tensor's tail for the
-# reversed quantize pass (L2_HINTS of _amax_flat_kernel / _nvfp4_tensor_kernel). Off until the H200 A/B rows of
-# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
-TENSOR_L2_KEEP = 0.0
+# reversed quantize pass (L2_HINTS of _amax_flat_kernel / _nvfp4_tensor_kernel); by default only for a tensor that
+# fits in L2 whole. H100, session 28, two runs, per-tensor incl. amax at 8192x2048 (32 MiB, fits): keep 0.5
+# 26.5 / 26.6 us against 27.6 / 27.9 us without; with amax_parts 25.6 / 25.7 us. At 16384x7168 (224 MiB) the
+# hints cost 2% (179.6 against 175.9 us), hence the size rule (benchmarks/RESULTS.md).
+TENSOR_L2_KEEP = 0.5
 # amax_parts of per_tensor: the amax pass stores one partial max per program and the quantize kernel reduces them,
 # instead of a zero-filled accumulator (one kernel launch) and atomics; only up to AMAX_PARTS_MAX programs (at
-# 16384 words a program, 8192x2048 is 512, 16384x7168 3584: the atomic path). Off until the H200 rows of
-# TENSOR_CONFIGS / benchmarks/quantize.py have been measured.
-TENSOR_AMAX_PARTS = False
+# 16384 words a program, 8192x2048 is 512, 16384x7168 3584: the atomic path). H100, session 28, two runs at
+# 8192x2048: 27.0 / 27.0 us against 27.6 / 27.9 us (benchmarks/RESULTS.md).
+TENSOR_AMAX_PARTS = True
 AMAX_PARTS_MAX = 1024
 # packed of per_tensor: the 1x16 quantize kernel takes its block amaxes on the packed bf16 / fp16 halves and unpacks
 # x to fp32 only after G is known (_nvfp4_tensor_kernel PACKED), the change that took the per-token kernel from
@@ -782,7 +784,8 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
     l2_keep (1x16 `_nvfp4_tensor_kernel`): a fraction of the device's L2 (torch's L2_cache_size); the amax pass
     marks the last l2_keep * L2 bytes it reads evict_last and the rest evict_first, and the quantize pass loads x
     and stores its outputs evict_first (L2_HINTS of both kernels), so the reversed quantize pass finds the tail in
-    L2; default TENSOR_L2_KEEP, 0 = no hints. With global_amax only the quantize kernel's hints apply.
+    L2; default TENSOR_L2_KEEP where x fits in L2 whole, else 0; 0 = no hints. With global_amax only the quantize
+    kernel's hints apply.
     amax_parts (1x16 without global_amax): the amax pass writes one partial max per program and the quantize kernel
     reduces them (PARTS / G_PARTS of the two kernels): no zero-fill launch, no atomics; default TENSOR_AMAX_PARTS,
     taken only where the flat amax kernel has <= AMAX_PARTS_MAX programs.
@@ -810,7 +813,9 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             return data, scale, sdec, bits.view(torch.float32)
     reverse = (TENSOR_REVERSE and global_amax is None) if reverse is None else bool(reverse)
     pdl = global_amax is None and use_pdl(pdl, dev)
-    l2_keep = TENSOR_L2_KEEP if l2_keep is None else float(l2_keep)
+    if l2_keep is None:  # the default keeps a tail in L2 only where the whole tensor fits there
+        l2_keep = TENSOR_L2_KEEP if 0 < x2.numel() * x2.element_size() <= l2_cache_bytes(dev) else 0.0
+    l2_keep = float(l2_keep)
     if not 0.0 <= l2_keep <= 1.0:
         raise ValueError(f"per_tensor: l2_keep is a fraction of the L2 cache, 0..1, not {l2_keep}")
     l2_hints = l2_keep > 0 and not tile_2d
