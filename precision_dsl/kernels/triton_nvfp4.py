@@ -582,8 +582,9 @@ AMAX_PARTS_MAX = 1024
 # x to fp32 only after G is known (_nvfp4_tensor_kernel PACKED), the change that took the per-token kernel from
 # 80% / 84% to 95% / 87% of copy (session 23). Offline sm_90 at the default tile: 56 registers instead of 93 with G
 # given, 60 instead of 96 launched with PDL after its own amax pass (16 programs of 2 warps an SM instead of 10),
-# the same instruction count (`sass_count.py --kernels tensorpdl`). Off until the H200 rows of TENSOR_CONFIGS /
-# benchmarks/quantize.py have been measured.
+# the same instruction count (`sass_count.py --kernels tensorpdl`). Measured on an H100 (session 28, two runs): level
+# at 16384x7168, 0.6-0.8 us slower at 8192x2048 (28.4-28.5 against 27.6-27.9 us), level with G given: the registers
+# did not turn into speed, so it is off; to be removed unless the H200 rows of benchmarks/quantize.py disagree.
 TENSOR_PACKED = False
 # 16x16 (the H200 sweep: 16 tiles / 4 warps 70% / 65% against 87% / 79% for 1x16): the 1x16 kernel on the same
 # 16-row x 16-block tiles measured 71% / 68%, so the 16-row reduction is not what costs; the rows test the access
