@@ -283,8 +283,8 @@ def run_shape(m, k, sweep, log, nvfp4_cfgs=None, only_nvfp4=False):
         lambda t: knv.per_tensor(t, amax_parts=True), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (PDL) amax partials + L2 hints, keep 0.5 of L2",
         lambda t: knv.per_tensor(t, amax_parts=True, l2_keep=0.5), b_ten, "ours")
-    # block amaxes on the packed halves, x unpacked after the PDL wait (per_tensor packed, off by default until these
-    # rows are measured): 60 registers instead of 96 offline, so 16 quantize programs an SM instead of 10
+    # block amaxes on the packed halves, x unpacked after the PDL wait (per_tensor packed): 60 registers instead of 96
+    # offline, but level or slower on the H100 (session 28), so off by default; these rows are its H200 A/B
     add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max",
         lambda t: knv.per_tensor(t, packed=True), b_ten, "ours")
     add("nvfp4 per-tensor incl. amax", "ours (PDL) packed block max, 8-row tiles",

@@ -459,7 +459,6 @@ def test_nvfp4_l2_hints_launch_and_reach_the_ptx(monkeypatch):
     for label, call in (("hints", lambda k: k.per_tensor(x, l2_keep=0.5)),
                         ("plain", lambda k: k.per_tensor(x, l2_keep=0))):
         for fn, grid, args, kw in _recorded_launches(call):
-            kw = {k: v for k, v in kw.items() if k != "launch_pdl"}
             compiled = sc.compile_launch(fn, grid, args, kw)[0]
             ptx[label, fn.__name__] = compiled.asm["ptx"]
             regs[label, fn.__name__] = sc.resources_of(compiled.asm["cubin"])

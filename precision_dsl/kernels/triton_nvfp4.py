@@ -814,13 +814,14 @@ def per_tensor(x2, global_amax=None, tile_2d=False, *, block_m=None, block_nb=No
             return data, scale, sdec, bits.view(torch.float32)
     reverse = (TENSOR_REVERSE and global_amax is None) if reverse is None else bool(reverse)
     pdl = global_amax is None and use_pdl(pdl, dev)
+    l2_bytes = 0 if tile_2d else l2_cache_bytes(dev)  # 16x16 takes no hints
     if l2_keep is None:  # the default keeps a tail in L2 only where the whole tensor fits there
-        l2_keep = TENSOR_L2_KEEP if 0 < x2.numel() * x2.element_size() <= l2_cache_bytes(dev) else 0.0
+        l2_keep = TENSOR_L2_KEEP if 0 < x2.numel() * x2.element_size() <= l2_bytes else 0.0
     l2_keep = float(l2_keep)
     if not 0.0 <= l2_keep <= 1.0:
         raise ValueError(f"per_tensor: l2_keep is a fraction of the L2 cache, 0..1, not {l2_keep}")
     l2_hints = l2_keep > 0 and not tile_2d
-    keep_bytes = int(l2_keep * l2_cache_bytes(dev)) if l2_hints else 0
+    keep_bytes = int(l2_keep * l2_bytes) if l2_hints else 0
     amax_parts = TENSOR_AMAX_PARTS if amax_parts is None else bool(amax_parts)
     packed = TENSOR_PACKED if packed is None else bool(packed)
     parts = (_amax_parts(x2, keep_bytes, pdl) if amax_parts and global_amax is None and not tile_2d and m and k
